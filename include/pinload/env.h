@@ -1,0 +1,140 @@
+// pinload/env.h: the one seam between pinload and the operating system.
+//
+// Everything the loader asks of the OS (files, reads, stat, page-cache probes,
+// anonymous memory and locking) goes through an Env. Calls mirror the system
+// calls they wrap and report failure as a negative errno, never by throwing,
+// so that the code above them owns retries (EINTR, short reads) and fallbacks
+// (O_DIRECT refused). Tests wrap an Env (EnvWrapper) to inject faults.
+//
+// Thread safety: every method may be called concurrently from many threads.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace pinload {
+
+struct FileStat {
+  std::uint64_t size = 0;
+  std::uint64_t inode = 0;
+  std::uint64_t device = 0;
+  std::int64_t mtime_ns = 0;
+  // Direct-I/O alignment from statx(STATX_DIOALIGN); 0 when the kernel or the
+  // filesystem does not say.
+  std::uint32_t dio_mem_align = 0;
+  std::uint32_t dio_offset_align = 0;
+};
+
+class Env {
+ public:
+  virtual ~Env() = default;
+
+  // As open(2) with O_RDONLY | O_CLOEXEC | extra_flags (O_DIRECT, say):
+  // a file descriptor, or -errno.
+  virtual int open_read(const std::string& path, int extra_flags) = 0;
+  // As close(2): 0 or -errno.
+  virtual int close(int fd) = 0;
+  // As pread(2): bytes read (0 at end of file, fewer than asked is legal),
+  // or -errno (-EINTR included).
+  virtual std::int64_t pread(int fd, void* buffer, std::size_t bytes, std::uint64_t offset) = 0;
+  // statx(2) of an open file: 0 or -errno.
+  virtual int stat(int fd, FileStat* out) = 0;
+  // posix_fadvise(2): 0 or -errno.
+  virtual int fadvise(int fd, std::uint64_t offset, std::uint64_t length, int advice) = 0;
+  // Fraction in [0, 1] of the file's pages resident in the page cache,
+  // estimated from `samples` probes spread over the file; -1 when unknown.
+  virtual double resident_fraction(int fd, std::uint64_t size, int samples) = 0;
+
+  // Anonymous, page-aligned, zero-filled memory, as mmap(2) with
+  // `extra_flags` (MAP_HUGETLB, say): the address, or nullptr with *err set.
+  virtual void* map_anonymous(std::size_t bytes, int extra_flags, int* err) = 0;
+  virtual int unmap(void* address, std::size_t bytes) = 0;
+  virtual int lock(void* address, std::size_t bytes) = 0;    // mlock(2)
+  virtual int unlock(void* address, std::size_t bytes) = 0;  // munlock(2)
+  virtual int advise(void* address, std::size_t bytes, int advice) = 0;  // madvise(2)
+};
+
+// The process-wide POSIX Env. Never null; lives until exit.
+Env* default_env();
+
+// Forwards every call to a target Env. Subclass it and override one call to
+// inject a fault. *target must outlive the wrapper.
+class EnvWrapper : public Env {
+ public:
+  explicit EnvWrapper(Env* target) : target_(target) {}
+  Env* target() const { return target_; }
+
+  int open_read(const std::string& path, int extra_flags) override {
+    return target_->open_read(path, extra_flags);
+  }
+  int close(int fd) override { return target_->close(fd); }
+  std::int64_t pread(int fd, void* buffer, std::size_t bytes, std::uint64_t offset) override {
+    return target_->pread(fd, buffer, bytes, offset);
+  }
+  int stat(int fd, FileStat* out) override { return target_->stat(fd, out); }
+  int fadvise(int fd, std::uint64_t offset, std::uint64_t length, int advice) override {
+    return target_->fadvise(fd, offset, length, advice);
+  }
+  double resident_fraction(int fd, std::uint64_t size, int samples) override {
+    return target_->resident_fraction(fd, size, samples);
+  }
+  void* map_anonymous(std::size_t bytes, int extra_flags, int* err) override {
+    return target_->map_anonymous(bytes, extra_flags, err);
+  }
+  int unmap(void* address, std::size_t bytes) override { return target_->unmap(address, bytes); }
+  int lock(void* address, std::size_t bytes) override { return target_->lock(address, bytes); }
+  int unlock(void* address, std::size_t bytes) override { return target_->unlock(address, bytes); }
+  int advise(void* address, std::size_t bytes, int advice) override {
+    return target_->advise(address, bytes, advice);
+  }
+
+ private:
+  Env* target_;
+};
+
+// An open file descriptor that closes itself. Owns the fd; move-only.
+class ScopedFd {
+ public:
+  ScopedFd() = default;
+  ScopedFd(Env* env, int fd) : env_(env), fd_(fd) {}
+  ScopedFd(ScopedFd&& other) noexcept : env_(other.env_), fd_(other.release()) {}
+  ScopedFd& operator=(ScopedFd&& other) noexcept {
+    if (this != &other) {
+      reset();
+      env_ = other.env_;
+      fd_ = other.release();
+    }
+    return *this;
+  }
+  ScopedFd(const ScopedFd&) = delete;
+  ScopedFd& operator=(const ScopedFd&) = delete;
+  ~ScopedFd() { reset(); }
+
+  int get() const { return fd_; }
+  bool valid() const { return fd_ >= 0; }
+  int release() {
+    int fd = fd_;
+    fd_ = -1;
+    return fd;
+  }
+  void reset() {
+    if (fd_ >= 0) env_->close(fd_);
+    fd_ = -1;
+  }
+
+ private:
+  Env* env_ = nullptr;
+  int fd_ = -1;
+};
+
+// Opens `path` for reading through `env`; throws NotFoundError or IoError.
+ScopedFd open_or_throw(Env* env, const std::string& path, int extra_flags = 0);
+// Stats an open file; throws IoError naming `path`.
+FileStat stat_or_throw(Env* env, int fd, const std::string& path);
+// Reads exactly `bytes` at `offset`, retrying EINTR and short reads. Throws
+// IoError on failure and InvalidFileError if the file ends first.
+void pread_exact(Env* env, int fd, void* buffer, std::size_t bytes, std::uint64_t offset,
+                 const std::string& path);
+
+}  // namespace pinload

@@ -1,0 +1,50 @@
+// pinload/host_memory.h: where the pool's slabs come from.
+//
+// A HostMemoryBackend reserves and releases large, page-aligned host ranges.
+// The pool calls it rarely (once per slab) and never while holding its lock.
+// Backends: locked (mmap + mlock, here), CUDA pinned (cuda_memory.h).
+#pragma once
+
+#include <cstddef>
+#include <memory>
+#include <string_view>
+
+#include "pinload/env.h"
+
+namespace pinload {
+
+struct HostRange {
+  void* data = nullptr;
+  std::size_t bytes = 0;
+  bool locked = false;      // page-locked (mlock'ed or CUDA pinned)
+  bool huge_pages = false;  // backed by explicit huge pages (MAP_HUGETLB)
+};
+
+class HostMemoryBackend {
+ public:
+  virtual ~HostMemoryBackend() = default;
+  // Reserves `bytes` (a multiple of alignment()). Throws OutOfMemoryError.
+  virtual HostRange reserve(std::size_t bytes) = 0;
+  // Returns a range from reserve(). Never throws.
+  virtual void release(const HostRange& range) noexcept = 0;
+  virtual std::size_t alignment() const noexcept = 0;
+  virtual std::string_view name() const noexcept = 0;
+};
+
+enum class HugePages {
+  kOff,          // plain pages
+  kTransparent,  // madvise(MADV_HUGEPAGE): the kernel may back with THP
+  kExplicit,     // MAP_HUGETLB first, falling back to kTransparent
+};
+
+struct LockedMemoryOptions {
+  HugePages huge_pages = HugePages::kTransparent;
+  // mlock each range. Where RLIMIT_MEMLOCK refuses, fall back to unlocked
+  // memory and warn once.
+  bool lock = true;
+};
+
+// mmap-backed memory, mlock'ed where the limit allows. `env` must outlive it.
+std::unique_ptr<HostMemoryBackend> make_locked_memory_backend(Env* env, LockedMemoryOptions options = {});
+
+}  // namespace pinload

@@ -1,0 +1,113 @@
+// pinload/pool.h: a two-level pool of (pinned) host memory reused across loads.
+//
+// Level 1: reservations ("slabs") taken from a HostMemoryBackend, rarely.
+// Level 2: blocks carved from them by size class and recycled through free
+// lists, so a re-load after an unload makes no new OS allocation.
+//
+// Note [Size classes]
+// A request rounds up to its size class: 4 KiB granules up to 64 KiB, then 8
+// classes per power of two (step = 2^floor(log2(n-1)) / 8), so a block is at
+// most 12.5% larger than asked: a 4 GB request costs 4 GB (class 3.75 GiB,
+// ~4.03e9 B), never 8. Classes up to slab_bytes/4 are carved from shared slabs
+// of slab_bytes; larger classes get a reservation of their own. A free block of
+// a larger class (at most 25% larger) may serve a request, so a 2.9 GB load
+// reuses the block that a 2.8 GB one released.
+//
+// Note [Budget]
+// `capacity_bytes` caps what the pool reserves from the OS. When a request
+// does not fit, idle reservations are released first; if that is not enough,
+// allocate() either fails at once with OutOfMemoryError (WhenFull::kFail) or
+// waits for blocks to come back (WhenFull::kWait), up to `wait_timeout`, and
+// then fails the same way. Cancelling the stop_token ends a wait with
+// CancelledError.
+//
+// Thread safety: all methods are safe to call concurrently. The lock is never
+// held across a backend call.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <stop_token>
+
+#include "pinload/host_memory.h"
+
+namespace pinload {
+
+enum class WhenFull { kFail, kWait };
+
+struct PoolOptions {
+  std::uint64_t capacity_bytes = 0;  // 0: unlimited
+  WhenFull when_full = WhenFull::kFail;
+  std::chrono::milliseconds wait_timeout{std::chrono::minutes(10)};
+  std::size_t slab_bytes = 64u << 20;  // level-1 reservation for small classes
+};
+
+struct PoolStats {
+  std::uint64_t capacity_bytes = 0;     // 0: unlimited
+  std::uint64_t reserved_bytes = 0;     // held from the OS now
+  std::uint64_t in_use_bytes = 0;       // in live blocks (by size class)
+  std::uint64_t peak_in_use_bytes = 0;
+  std::uint64_t peak_reserved_bytes = 0;
+  std::uint64_t allocations = 0;        // blocks handed out
+  std::uint64_t free_list_hits = 0;     // ... of which reused a free block
+  std::uint64_t os_reservations = 0;    // backend reserve() calls
+  std::uint64_t os_releases = 0;        // backend release() calls
+  std::uint64_t budget_waits = 0;       // allocations that had to wait
+  std::uint64_t live_blocks = 0;
+};
+
+class Pool;
+
+// A contiguous piece of pool memory. Shared through std::shared_ptr<Block>;
+// the memory returns to the pool's free list when the last owner lets go.
+class Block {
+ public:
+  std::byte* data() const noexcept { return data_; }
+  std::size_t size() const noexcept { return size_; }          // as requested
+  std::size_t capacity() const noexcept { return capacity_; }  // its size class
+  bool locked() const noexcept { return locked_; }
+
+ private:
+  friend class Pool;
+  Block(std::byte* data, std::size_t size, std::size_t capacity, bool locked, void* slab)
+      : data_(data), size_(size), capacity_(capacity), locked_(locked), slab_(slab) {}
+  std::byte* data_;
+  std::size_t size_;
+  std::size_t capacity_;
+  bool locked_;
+  void* slab_;
+};
+
+class Pool {
+ public:
+  // The pool owns `backend`.
+  static std::shared_ptr<Pool> create(std::unique_ptr<HostMemoryBackend> backend, PoolOptions options = {});
+  // A pool on locked host memory from default_env().
+  static std::shared_ptr<Pool> create_default(PoolOptions options = {});
+  ~Pool();
+  Pool(const Pool&) = delete;
+  Pool& operator=(const Pool&) = delete;
+
+  // A block of at least `bytes` (> 0) bytes, page-aligned, contents
+  // unspecified. Throws OutOfMemoryError (budget or OS), CancelledError.
+  std::shared_ptr<Block> allocate(std::size_t bytes, std::stop_token stop = {});
+
+  PoolStats stats() const;
+  // Returns every idle reservation to the OS.
+  void trim();
+  const PoolOptions& options() const noexcept;
+  std::string_view backend_name() const noexcept;
+
+  // The size class of a request (Note [Size classes]).
+  static std::size_t size_class(std::size_t bytes) noexcept;
+
+  struct State;
+
+ private:
+  explicit Pool(std::shared_ptr<State> state);
+  std::shared_ptr<State> state_;
+};
+
+}  // namespace pinload

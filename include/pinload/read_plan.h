@@ -1,0 +1,53 @@
+// pinload/read_plan.h: what to read, as plain data.
+//
+// A plan lists, per file, the aligned byte range that lands in that file's
+// pool block, and the chunks (block_size pieces of those ranges) in the order
+// worker threads should claim them. Building a plan does no I/O, so plans are
+// tested on their own; threads only execute them.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace pinload {
+
+struct FileRead {
+  std::string path;
+  std::uint64_t file_size = 0;
+  std::uint64_t data_offset = 0;  // where the data section starts in the file
+  std::uint32_t alignment = 1;    // offsets and lengths of direct reads
+  bool direct = false;
+  // Filled by make_read_plan:
+  std::uint64_t read_begin = 0;  // data_offset rounded down to alignment
+  std::uint64_t read_end = 0;    // file_size rounded up to alignment
+  std::uint64_t block_bytes() const noexcept { return read_end - read_begin; }
+  // Where the data section starts inside the file's block.
+  std::uint64_t data_in_block() const noexcept { return data_offset - read_begin; }
+};
+
+struct ReadChunk {
+  std::uint32_t file = 0;     // index into ReadPlan::files
+  std::uint64_t offset = 0;   // in the file; lands at offset - read_begin in the block
+  std::uint64_t length = 0;   // a multiple of the file's alignment
+  std::uint64_t valid = 0;    // bytes that must arrive: length clipped at file_size
+};
+
+struct ReadPlan {
+  std::vector<FileRead> files;
+  std::vector<ReadChunk> chunks;  // claim order
+  std::uint64_t total_bytes = 0;  // sum of ReadChunk::valid
+};
+
+struct PlanOptions {
+  std::size_t block_size = 2u << 20;  // bytes per read call (Note [Block size] in loader.h)
+  // Files read at the same time. Chunks of that many files are interleaved, so
+  // each file is still swept sequentially.
+  std::size_t files_in_flight = 1;
+};
+
+// Fills read_begin/read_end of every file and cuts them into chunks.
+ReadPlan make_read_plan(std::vector<FileRead> files, const PlanOptions& options);
+
+}  // namespace pinload

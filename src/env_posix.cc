@@ -1,0 +1,142 @@
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <vector>
+
+#include "pinload/env.h"
+#include "pinload/error.h"
+
+namespace pinload {
+namespace {
+
+class PosixEnv final : public Env {
+ public:
+  int open_read(const std::string& path, int extra_flags) override {
+    int fd;
+    do {
+      fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | extra_flags);
+    } while (fd < 0 && errno == EINTR);
+    return fd >= 0 ? fd : -errno;
+  }
+
+  int close(int fd) override { return ::close(fd) == 0 ? 0 : -errno; }
+
+  std::int64_t pread(int fd, void* buffer, std::size_t bytes, std::uint64_t offset) override {
+    ssize_t n = ::pread(fd, buffer, bytes, static_cast<off_t>(offset));
+    return n >= 0 ? n : -errno;
+  }
+
+  int stat(int fd, FileStat* out) override {
+#ifdef STATX_BASIC_STATS
+    struct statx sx {};
+    unsigned mask = STATX_BASIC_STATS;
+#ifdef STATX_DIOALIGN
+    mask |= STATX_DIOALIGN;
+#endif
+    if (::statx(fd, "", AT_EMPTY_PATH, mask, &sx) == 0) {
+      out->size = sx.stx_size;
+      out->inode = sx.stx_ino;
+      out->device = (static_cast<std::uint64_t>(sx.stx_dev_major) << 32) | sx.stx_dev_minor;
+      out->mtime_ns = static_cast<std::int64_t>(sx.stx_mtime.tv_sec) * 1'000'000'000 + sx.stx_mtime.tv_nsec;
+#ifdef STATX_DIOALIGN
+      if (sx.stx_mask & STATX_DIOALIGN) {
+        out->dio_mem_align = sx.stx_dio_mem_align;
+        out->dio_offset_align = sx.stx_dio_offset_align;
+      }
+#endif
+      return 0;
+    }
+    if (errno != ENOSYS) return -errno;
+#endif
+    struct ::stat st {};
+    if (::fstat(fd, &st) != 0) return -errno;
+    out->size = static_cast<std::uint64_t>(st.st_size);
+    out->inode = st.st_ino;
+    out->device = st.st_dev;
+    out->mtime_ns = static_cast<std::int64_t>(st.st_mtim.tv_sec) * 1'000'000'000 + st.st_mtim.tv_nsec;
+    return 0;
+  }
+
+  int fadvise(int fd, std::uint64_t offset, std::uint64_t length, int advice) override {
+    return -::posix_fadvise(fd, static_cast<off_t>(offset), static_cast<off_t>(length), advice);
+  }
+
+  double resident_fraction(int fd, std::uint64_t size, int samples) override {
+    if (size == 0) return 1.0;
+    const std::size_t page = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
+    void* map = ::mmap(nullptr, size, PROT_READ, MAP_SHARED, fd, 0);
+    if (map == MAP_FAILED) return -1.0;
+    const std::uint64_t pages = (size + page - 1) / page;
+    const std::uint64_t probes = std::min<std::uint64_t>(pages, static_cast<std::uint64_t>(std::max(samples, 1)));
+    std::uint64_t resident = 0;
+    unsigned char vec = 0;
+    for (std::uint64_t i = 0; i < probes; ++i) {
+      const std::uint64_t p = probes == 1 ? 0 : i * (pages - 1) / (probes - 1);
+      if (::mincore(static_cast<char*>(map) + p * page, page, &vec) != 0) {
+        ::munmap(map, size);
+        return -1.0;
+      }
+      resident += vec & 1u;
+    }
+    ::munmap(map, size);
+    return static_cast<double>(resident) / static_cast<double>(probes);
+  }
+
+  void* map_anonymous(std::size_t bytes, int extra_flags, int* err) override {
+    void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | extra_flags, -1, 0);
+    if (p == MAP_FAILED) {
+      *err = errno;
+      return nullptr;
+    }
+    return p;
+  }
+  int unmap(void* address, std::size_t bytes) override { return ::munmap(address, bytes) == 0 ? 0 : -errno; }
+  int lock(void* address, std::size_t bytes) override { return ::mlock(address, bytes) == 0 ? 0 : -errno; }
+  int unlock(void* address, std::size_t bytes) override { return ::munlock(address, bytes) == 0 ? 0 : -errno; }
+  int advise(void* address, std::size_t bytes, int advice) override {
+    return ::madvise(address, bytes, advice) == 0 ? 0 : -errno;
+  }
+};
+
+}  // namespace
+
+Env* default_env() {
+  static PosixEnv* env = new PosixEnv();  // never destroyed: usable during exit
+  return env;
+}
+
+ScopedFd open_or_throw(Env* env, const std::string& path, int extra_flags) {
+  int fd = env->open_read(path, extra_flags);
+  if (fd < 0) throw_os_error("cannot open", -fd, ErrorContext{path});
+  return ScopedFd(env, fd);
+}
+
+FileStat stat_or_throw(Env* env, int fd, const std::string& path) {
+  FileStat st;
+  if (int rc = env->stat(fd, &st); rc != 0) throw_os_error("cannot stat", -rc, ErrorContext{path});
+  return st;
+}
+
+void pread_exact(Env* env, int fd, void* buffer, std::size_t bytes, std::uint64_t offset,
+                 const std::string& path) {
+  auto* out = static_cast<std::byte*>(buffer);
+  std::size_t done = 0;
+  while (done < bytes) {
+    std::int64_t n = env->pread(fd, out + done, bytes - done, offset + done);
+    if (n == -EINTR || n == -EAGAIN) continue;
+    if (n < 0) {
+      throw_os_error("read failed", static_cast<int>(-n), ErrorContext{path, {}, offset + done, offset + bytes});
+    }
+    if (n == 0) {
+      throw InvalidFileError("file ended early: expected bytes up to " + std::to_string(offset + bytes),
+                             ErrorContext{path, {}, offset + done, offset + bytes});
+    }
+    done += static_cast<std::size_t>(n);
+  }
+}
+
+}  // namespace pinload

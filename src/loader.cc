@@ -1,0 +1,276 @@
+#include "pinload/loader.h"
+
+#include <fcntl.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <exception>
+#include <mutex>
+
+#include "log.h"
+#include "pinload/error.h"
+#include "pinload/read_plan.h"
+
+namespace pinload {
+
+struct Loader::Counters {
+  std::atomic<std::uint64_t> bytes_done{0};
+  std::atomic<std::uint64_t> bytes_total{0};
+  std::atomic<std::uint64_t> files_direct{0};
+  std::atomic<std::uint64_t> files_buffered{0};
+};
+
+namespace {
+
+constexpr std::uint32_t kFallbackDirectAlign = 4096;
+constexpr int kResidencySamples = 64;
+
+// One file during a load: its descriptors and its block.
+struct OpenFile {
+  std::string path;
+  FileStat stat;
+  ScopedFd direct_fd;
+  ScopedFd buffered_fd;
+  std::atomic<bool> direct{false};
+  std::mutex mu;  // guards opening buffered_fd
+  std::shared_ptr<Block> block;
+
+  // The descriptor for buffered reads, opened on first use.
+  int buffered(Env* env) {
+    std::lock_guard lock(mu);
+    if (!buffered_fd.valid()) buffered_fd = open_or_throw(env, path);
+    return buffered_fd.get();
+  }
+};
+
+// Keeps the first error of many workers.
+class FirstError {
+ public:
+  void set(std::exception_ptr e) {
+    std::lock_guard lock(mu_);
+    if (!error_) error_ = std::move(e);
+  }
+  std::exception_ptr get() const {
+    std::lock_guard lock(mu_);
+    return error_;
+  }
+
+ private:
+  mutable std::mutex mu_;
+  std::exception_ptr error_;
+};
+
+// Opens a file for the load and decides direct or buffered (Note [Direct I/O]).
+void open_for_load(Env* env, const CheckpointFile& cf, const LoadOptions& options, OpenFile* f) {
+  f->path = cf.path;
+  f->buffered_fd = open_or_throw(env, cf.path);
+  f->stat = stat_or_throw(env, f->buffered_fd.get(), cf.path);
+  if (f->stat.size != cf.stat.size) {
+    throw IoError("file changed size from " + std::to_string(cf.stat.size) + " to " +
+                  std::to_string(f->stat.size) + " bytes after its header was read",
+                  ErrorContext{cf.path});
+  }
+  if (options.direct == DirectIo::kOff) return;
+  if (options.direct == DirectIo::kAuto) {
+    const double resident = env->resident_fraction(f->buffered_fd.get(), f->stat.size, kResidencySamples);
+    if (resident >= options.resident_threshold) {
+      log::debug("{}: {:.0f}% in page cache, reading buffered", cf.path, resident * 100);
+      return;
+    }
+  }
+  const int fd = env->open_read(cf.path, O_DIRECT);
+  if (fd >= 0) {
+    f->direct_fd = ScopedFd(env, fd);
+    f->direct = true;
+  } else if (options.direct == DirectIo::kOn) {
+    throw_os_error("O_DIRECT open refused", -fd, ErrorContext{cf.path});
+  } else {
+    log::debug("{}: O_DIRECT refused at open ({}), reading buffered", cf.path, -fd);
+  }
+}
+
+[[noreturn]] void throw_read_error(const OpenFile& f, std::int64_t rc, std::uint64_t at, std::uint64_t end) {
+  throw_os_error("read failed", static_cast<int>(-rc), ErrorContext{f.path, {}, at, end});
+}
+
+// Executes one chunk: fills [offset, offset + valid) of the file into its block.
+void read_chunk(Env* env, OpenFile& f, const FileRead& plan, const ReadChunk& c, DirectIo mode) {
+  std::byte* dest = f.block->data() + (c.offset - plan.read_begin);
+  std::uint64_t done = 0;
+  bool direct = f.direct.load(std::memory_order_relaxed);
+  while (done < c.valid) {
+    const std::uint64_t at = c.offset + done;
+    const int fd = direct ? f.direct_fd.get() : f.buffered(env);
+    // Direct reads ask for the whole aligned length; buffered for what is left.
+    const std::uint64_t want = direct ? c.length - done : c.valid - done;
+    const std::int64_t n = env->pread(fd, dest + done, want, at);
+    if (n == -EINTR || n == -EAGAIN) continue;
+    if (n == -EINVAL && direct && mode != DirectIo::kOn) {
+      if (f.direct.exchange(false)) log::debug("{}: O_DIRECT read refused, reading buffered", f.path);
+      direct = false;
+      continue;
+    }
+    if (n < 0) throw_read_error(f, n, at, c.offset + c.valid);
+    if (n == 0) {
+      throw IoError("file ended at byte " + std::to_string(at) + " but was " + std::to_string(plan.file_size) +
+                    " bytes when its header was read (truncated while loading?)",
+                    ErrorContext{f.path, {}, at, c.offset + c.valid});
+    }
+    done += static_cast<std::uint64_t>(n);
+    // A short direct read leaves an unaligned position: finish buffered.
+    if (direct && done < c.valid && done % plan.alignment != 0) direct = false;
+  }
+}
+
+}  // namespace
+
+Loader::Loader(LoadOptions options, std::shared_ptr<Pool> pool, Env* env)
+    : options_(options), pool_(std::move(pool)), env_(env != nullptr ? env : default_env()) {
+  if (options_.threads == 0) options_.threads = 1;
+  if (options_.block_size < 4096) options_.block_size = 4096;
+  if (!pool_) pool_ = Pool::create(make_locked_memory_backend(env_));
+}
+
+StateDict Loader::load(const std::vector<std::string>& paths) const {
+  return load(open_checkpoint(env_, paths, options_.resolve));
+}
+
+StateDict Loader::load(const Checkpoint& checkpoint, std::stop_token stop) const {
+  Counters counters;
+  return run(checkpoint, std::move(stop), &counters);
+}
+
+StateDict Loader::run(const Checkpoint& checkpoint, std::stop_token stop, Counters* counters) const {
+  const std::size_t n = checkpoint.files.size();
+  std::vector<std::unique_ptr<OpenFile>> files;
+  std::vector<FileRead> reads;
+  files.reserve(n);
+  reads.reserve(n);
+  for (const CheckpointFile& cf : checkpoint.files) {
+    auto f = std::make_unique<OpenFile>();
+    open_for_load(env_, cf, options_, f.get());
+    FileRead r;
+    r.path = cf.path;
+    r.file_size = cf.stat.size;
+    r.data_offset = cf.header.data_offset();
+    r.direct = f->direct;
+    r.alignment = f->direct ? std::max(f->stat.dio_offset_align, kFallbackDirectAlign) : 1;
+    (f->direct ? counters->files_direct : counters->files_buffered)++;
+    reads.push_back(std::move(r));
+    files.push_back(std::move(f));
+  }
+  const ReadPlan plan = make_read_plan(std::move(reads), PlanOptions{options_.block_size, options_.files_in_flight});
+  counters->bytes_total = plan.total_bytes;
+  for (std::size_t i = 0; i < n; ++i) files[i]->block = pool_->allocate(plan.files[i].block_bytes(), stop);
+
+  std::atomic<std::size_t> next{0};
+  std::stop_source abort;
+  FirstError first_error;
+  auto worker = [&] {
+    try {
+      for (;;) {
+        if (abort.stop_requested() || stop.stop_requested()) return;
+        const std::size_t i = next.fetch_add(1, std::memory_order_relaxed);
+        if (i >= plan.chunks.size()) return;
+        const ReadChunk& c = plan.chunks[i];
+        read_chunk(env_, *files[c.file], plan.files[c.file], c, options_.direct);
+        counters->bytes_done.fetch_add(c.valid, std::memory_order_relaxed);
+      }
+    } catch (...) {
+      first_error.set(std::current_exception());
+      abort.request_stop();
+    }
+  };
+  const std::size_t thread_count = std::min<std::size_t>(options_.threads, std::max<std::size_t>(plan.chunks.size(), 1));
+  {
+    std::vector<std::jthread> threads;
+    threads.reserve(thread_count);
+    try {
+      for (std::size_t t = 1; t < thread_count; ++t) threads.emplace_back(worker);
+    } catch (const std::system_error& e) {
+      abort.request_stop();  // joins the ones that started, then reports
+      first_error.set(std::make_exception_ptr(IoError(std::string("cannot start reader thread: ") + e.what())));
+    }
+    worker();  // the calling thread works too
+  }
+  if (auto e = first_error.get()) std::rethrow_exception(e);
+  if (stop.stop_requested()) throw CancelledError("load cancelled");
+
+  std::vector<Tensor> tensors;
+  tensors.reserve(checkpoint.tensor_count());
+  std::vector<std::pair<std::string, std::string>> metadata;
+  for (std::size_t i = 0; i < n; ++i) {
+    const CheckpointFile& cf = checkpoint.files[i];
+    const std::uint64_t base = plan.files[i].data_in_block();
+    for (const TensorInfo& t : cf.header.tensors) {
+      tensors.emplace_back(cf.name_prefix + t.name, t.dtype, t.shape, files[i]->block, base + t.begin, t.nbytes());
+    }
+    for (const auto& kv : cf.header.metadata) {
+      if (std::none_of(metadata.begin(), metadata.end(), [&](const auto& m) { return m.first == kv.first; })) {
+        metadata.push_back(kv);
+      }
+    }
+  }
+  return StateDict(std::move(tensors), std::move(metadata));
+}
+
+// ---- asynchronous loads ----
+
+struct LoadHandle::State {
+  Loader::Counters counters;
+  std::stop_source stop;
+  std::atomic<bool> finished{false};
+  StateDict result;
+  std::exception_ptr error;
+  std::jthread thread;
+};
+
+LoadHandle Loader::load_async(std::vector<std::string> paths) const {
+  auto state = std::make_shared<LoadHandle::State>();
+  // The thread holds copies of what it needs; `this` need not outlive it.
+  state->thread = std::jthread([loader = *this, paths = std::move(paths), s = state.get()] {
+    try {
+      Checkpoint checkpoint = open_checkpoint(loader.env_, paths, loader.options_.resolve);
+      if (s->stop.stop_requested()) throw CancelledError("load cancelled");
+      s->result = loader.run(checkpoint, s->stop.get_token(), &s->counters);
+    } catch (...) {
+      s->error = std::current_exception();
+    }
+    s->finished = true;
+  });
+  return LoadHandle(std::move(state));
+}
+
+LoadHandle::LoadHandle(std::shared_ptr<State> state) : state_(std::move(state)) {}
+
+LoadHandle::~LoadHandle() {
+  if (state_ && state_->thread.joinable()) {
+    state_->stop.request_stop();
+    state_->thread.join();
+  }
+}
+
+StateDict LoadHandle::wait() {
+  if (!state_) throw CancelledError("wait() on an empty LoadHandle");
+  if (state_->thread.joinable()) state_->thread.join();
+  if (state_->error) std::rethrow_exception(state_->error);
+  return std::move(state_->result);
+}
+
+void LoadHandle::cancel() noexcept {
+  if (state_) state_->stop.request_stop();
+}
+
+bool LoadHandle::done() const noexcept { return state_ && state_->finished.load(); }
+
+LoadProgress LoadHandle::progress() const noexcept {
+  LoadProgress p;
+  if (!state_) return p;
+  p.bytes_done = state_->counters.bytes_done.load(std::memory_order_relaxed);
+  p.bytes_total = state_->counters.bytes_total.load(std::memory_order_relaxed);
+  p.files_direct = state_->counters.files_direct.load(std::memory_order_relaxed);
+  p.files_buffered = state_->counters.files_buffered.load(std::memory_order_relaxed);
+  return p;
+}
+
+}  // namespace pinload

@@ -1,0 +1,232 @@
+#include "pinload/pool.h"
+
+#include <algorithm>
+#include <bit>
+#include <condition_variable>
+#include <list>
+#include <map>
+#include <mutex>
+#include <vector>
+
+#include "pinload/error.h"
+
+namespace pinload {
+namespace {
+
+constexpr std::size_t kGranule = 4096;
+constexpr std::size_t kSmallLimit = 64 * 1024;
+constexpr std::size_t kReuseSlackNum = 5, kReuseSlackDen = 4;  // reuse a class <= 1.25x
+
+std::string mib(std::uint64_t bytes) {
+  return std::to_string(bytes >> 20) + " MiB";
+}
+
+}  // namespace
+
+struct Slab {
+  HostRange range;
+  std::size_t block_class = 0;  // size class of its blocks
+  std::size_t blocks_total = 0;
+  std::size_t blocks_free = 0;
+};
+
+struct Pool::State {
+  std::unique_ptr<HostMemoryBackend> backend;
+  PoolOptions options;
+  mutable std::mutex mu;
+  std::condition_variable_any returned;
+  std::list<Slab> slabs;  // stable addresses
+  std::map<std::size_t, std::vector<std::pair<std::byte*, Slab*>>> free_lists;  // by class
+  PoolStats stats;
+
+  ~State() {
+    for (Slab& slab : slabs) backend->release(slab.range);
+  }
+
+  std::size_t reservation_for(std::size_t cls) const {
+    return cls <= options.slab_bytes / 4 ? options.slab_bytes : cls;
+  }
+
+  // Takes a free block of class `cls` (or one at most 25% larger). Locked.
+  bool take_free(std::size_t cls, std::byte** data, Slab** slab) {
+    auto it = free_lists.lower_bound(cls);
+    const bool large = cls > options.slab_bytes / 4;
+    for (; it != free_lists.end(); ++it) {
+      if (it->first != cls && (!large || it->first > cls / kReuseSlackDen * kReuseSlackNum)) break;
+      if (it->second.empty()) continue;
+      std::tie(*data, *slab) = it->second.back();
+      it->second.pop_back();
+      (*slab)->blocks_free--;
+      return true;
+    }
+    return false;
+  }
+
+  // Unlinks idle slabs until `needed` more bytes fit the budget (or all idle
+  // ones if needed == SIZE_MAX). Locked; the caller releases the returned
+  // ranges after unlocking.
+  std::vector<HostRange> evict_idle(std::uint64_t needed) {
+    std::vector<HostRange> evicted;
+    auto fits = [&] {
+      return needed != UINT64_MAX && (options.capacity_bytes == 0 || stats.reserved_bytes + needed <= options.capacity_bytes);
+    };
+    for (auto it = slabs.begin(); it != slabs.end() && !fits();) {
+      if (it->blocks_free != it->blocks_total) {
+        ++it;
+        continue;
+      }
+      auto& list = free_lists[it->block_class];
+      Slab* slab = &*it;
+      list.erase(std::remove_if(list.begin(), list.end(), [&](const auto& e) { return e.second == slab; }), list.end());
+      stats.reserved_bytes -= it->range.bytes;
+      stats.os_releases++;
+      evicted.push_back(it->range);
+      it = slabs.erase(it);
+    }
+    return evicted;
+  }
+
+  void release_block(std::byte* data, std::size_t cls, Slab* slab) noexcept {
+    {
+      std::lock_guard lock(mu);
+      free_lists[cls].emplace_back(data, slab);
+      slab->blocks_free++;
+      stats.in_use_bytes -= cls;
+      stats.live_blocks--;
+    }
+    returned.notify_all();
+  }
+};
+
+std::size_t Pool::size_class(std::size_t bytes) noexcept {
+  if (bytes <= kSmallLimit) return std::max<std::size_t>(kGranule, (bytes + kGranule - 1) / kGranule * kGranule);
+  const std::size_t p = std::bit_floor(bytes - 1);
+  const std::size_t step = std::max<std::size_t>(kGranule, p / 8);
+  return (bytes + step - 1) / step * step;
+}
+
+std::shared_ptr<Pool> Pool::create(std::unique_ptr<HostMemoryBackend> backend, PoolOptions options) {
+  auto state = std::make_shared<State>();
+  const std::size_t align = backend->alignment();
+  options.slab_bytes = std::max<std::size_t>(align, (options.slab_bytes + align - 1) / align * align);
+  state->backend = std::move(backend);
+  state->options = options;
+  state->stats.capacity_bytes = options.capacity_bytes;
+  return std::shared_ptr<Pool>(new Pool(std::move(state)));
+}
+
+std::shared_ptr<Pool> Pool::create_default(PoolOptions options) {
+  return create(make_locked_memory_backend(default_env()), options);
+}
+
+Pool::Pool(std::shared_ptr<State> state) : state_(std::move(state)) {}
+
+Pool::~Pool() { trim(); }
+
+const PoolOptions& Pool::options() const noexcept { return state_->options; }
+std::string_view Pool::backend_name() const noexcept { return state_->backend->name(); }
+
+PoolStats Pool::stats() const {
+  std::lock_guard lock(state_->mu);
+  return state_->stats;
+}
+
+void Pool::trim() {
+  std::vector<HostRange> evicted;
+  {
+    std::lock_guard lock(state_->mu);
+    evicted = state_->evict_idle(UINT64_MAX);
+  }
+  for (const HostRange& r : evicted) state_->backend->release(r);
+}
+
+std::shared_ptr<Block> Pool::allocate(std::size_t bytes, std::stop_token stop) {
+  if (bytes == 0) bytes = 1;
+  State& s = *state_;
+  const std::size_t cls = size_class(bytes);
+  const std::size_t reservation = s.reservation_for(cls);
+  const auto deadline = std::chrono::steady_clock::now() + s.options.wait_timeout;
+
+  std::byte* data = nullptr;
+  Slab* slab = nullptr;
+  std::unique_lock lock(s.mu);
+  bool waited = false;
+  bool fresh_reservation = false;
+  while (!s.take_free(cls, &data, &slab)) {
+    if (s.options.capacity_bytes != 0 && reservation > s.options.capacity_bytes) {
+      throw OutOfMemoryError("request of " + std::to_string(bytes) + " bytes (class " + mib(cls) +
+                             ") exceeds the pool budget of " + mib(s.options.capacity_bytes));
+    }
+    std::vector<HostRange> evicted = s.evict_idle(reservation);
+    if (!evicted.empty()) {
+      lock.unlock();
+      for (const HostRange& r : evicted) s.backend->release(r);
+      lock.lock();
+      continue;  // a block may have come back meanwhile
+    }
+    const bool fits = s.options.capacity_bytes == 0 || s.stats.reserved_bytes + reservation <= s.options.capacity_bytes;
+    if (fits) {
+      // Reserve the budget, then call the backend unlocked.
+      s.stats.reserved_bytes += reservation;
+      lock.unlock();
+      HostRange range;
+      try {
+        range = s.backend->reserve(reservation);
+      } catch (...) {
+        lock.lock();
+        s.stats.reserved_bytes -= reservation;
+        lock.unlock();
+        s.returned.notify_all();
+        throw;
+      }
+      lock.lock();
+      s.stats.os_reservations++;
+      s.stats.peak_reserved_bytes = std::max(s.stats.peak_reserved_bytes, s.stats.reserved_bytes);
+      Slab& fresh = s.slabs.emplace_back();
+      fresh.range = range;
+      fresh.block_class = cls;
+      fresh.blocks_total = reservation / cls;
+      fresh.blocks_free = fresh.blocks_total;
+      auto& list = s.free_lists[cls];
+      auto* base = static_cast<std::byte*>(range.data);
+      for (std::size_t i = fresh.blocks_total; i-- > 0;) list.emplace_back(base + i * cls, &fresh);
+      fresh_reservation = true;
+      continue;
+    }
+    if (s.options.when_full == WhenFull::kFail) {
+      throw OutOfMemoryError("pool budget of " + mib(s.options.capacity_bytes) + " exhausted: " +
+                             mib(s.stats.in_use_bytes) + " in use, " + std::to_string(bytes) +
+                             " bytes requested");
+    }
+    if (!waited) {
+      s.stats.budget_waits++;
+      waited = true;
+    }
+    const std::uint64_t before = s.stats.in_use_bytes;
+    s.returned.wait_until(lock, stop, deadline, [&] { return s.stats.in_use_bytes < before; });
+    if (stop.stop_requested()) throw CancelledError("cancelled while waiting for pool memory");
+    if (std::chrono::steady_clock::now() >= deadline) {
+      throw OutOfMemoryError("pool budget of " + mib(s.options.capacity_bytes) + " still exhausted after waiting " +
+                             std::to_string(s.options.wait_timeout.count()) + " ms: " +
+                             mib(s.stats.in_use_bytes) + " in use, " + std::to_string(bytes) +
+                             " bytes requested");
+    }
+  }
+  const std::size_t block_class = slab->block_class;
+  if (!fresh_reservation) s.stats.free_list_hits++;
+  s.stats.allocations++;
+  s.stats.live_blocks++;
+  s.stats.in_use_bytes += block_class;
+  s.stats.peak_in_use_bytes = std::max(s.stats.peak_in_use_bytes, s.stats.in_use_bytes);
+  const bool locked = slab->range.locked;
+  lock.unlock();
+
+  std::shared_ptr<State> keep = state_;
+  Block* block = new Block(data, bytes, block_class, locked, slab);
+  return std::shared_ptr<Block>(block, [keep = std::move(keep)](Block* b) {
+    keep->release_block(b->data(), b->capacity(), static_cast<Slab*>(b->slab_));
+    delete b;
+  });
+}
+
+}  // namespace pinload

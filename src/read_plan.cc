@@ -1,0 +1,46 @@
+#include "pinload/read_plan.h"
+
+#include <algorithm>
+
+namespace pinload {
+
+ReadPlan make_read_plan(std::vector<FileRead> files, const PlanOptions& options) {
+  ReadPlan plan;
+  std::vector<std::vector<ReadChunk>> per_file(files.size());
+  for (std::size_t i = 0; i < files.size(); ++i) {
+    FileRead& f = files[i];
+    const std::uint64_t align = std::max<std::uint32_t>(f.alignment, 1);
+    f.read_begin = f.data_offset / align * align;
+    f.read_end = (f.file_size + align - 1) / align * align;
+    const std::uint64_t step = std::max<std::uint64_t>(align, options.block_size / align * align);
+    for (std::uint64_t at = f.read_begin; at < f.file_size; at += step) {
+      ReadChunk c;
+      c.file = static_cast<std::uint32_t>(i);
+      c.offset = at;
+      c.length = std::min(step, f.read_end - at);
+      c.valid = std::min(at + c.length, f.file_size) - at;
+      plan.total_bytes += c.valid;
+      per_file[i].push_back(c);
+    }
+  }
+  // Interleave `files_in_flight` files at a time, round-robin by chunk.
+  const std::size_t lanes = std::max<std::size_t>(options.files_in_flight, 1);
+  std::size_t next_file = 0;
+  std::vector<std::size_t> active, cursor(files.size(), 0);
+  while (next_file < files.size() || !active.empty()) {
+    while (active.size() < lanes && next_file < files.size()) active.push_back(next_file++);
+    for (std::size_t k = 0; k < active.size();) {
+      const std::size_t f = active[k];
+      if (cursor[f] < per_file[f].size()) {
+        plan.chunks.push_back(per_file[f][cursor[f]++]);
+        ++k;
+      } else {
+        active.erase(active.begin() + static_cast<std::ptrdiff_t>(k));
+      }
+    }
+  }
+  plan.files = std::move(files);
+  return plan;
+}
+
+}  // namespace pinload

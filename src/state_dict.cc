@@ -1,0 +1,27 @@
+#include "pinload/state_dict.h"
+
+#include "pinload/error.h"
+
+namespace pinload {
+
+StateDict::StateDict(std::vector<Tensor> tensors, std::vector<std::pair<std::string, std::string>> metadata)
+    : tensors_(std::move(tensors)), metadata_(std::move(metadata)) {
+  by_name_.reserve(tensors_.size());
+  for (std::size_t i = 0; i < tensors_.size(); ++i) {
+    by_name_.emplace(tensors_[i].name(), i);  // views into tensors_, which never reallocates
+    total_bytes_ += tensors_[i].nbytes();
+  }
+}
+
+const Tensor* StateDict::find(std::string_view name) const {
+  auto it = by_name_.find(name);
+  return it == by_name_.end() ? nullptr : &tensors_[it->second];
+}
+
+const Tensor& StateDict::at(std::string_view name) const {
+  const Tensor* t = find(name);
+  if (t == nullptr) throw NotFoundError("no tensor named '" + std::string(name) + "' in the state dict");
+  return *t;
+}
+
+}  // namespace pinload

@@ -1,0 +1,81 @@
+#include "fault_env.h"
+
+#include <fcntl.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <thread>
+
+namespace pinload::testing {
+
+int FaultEnv::open_read(const std::string& path, int extra_flags) {
+  const bool direct = (extra_flags & O_DIRECT) != 0;
+  if (direct && faults_.refuse_direct_open) return -EINVAL;
+  const int fd = EnvWrapper::open_read(path, extra_flags);
+  if (fd >= 0) {
+    std::lock_guard lock(mu_);
+    open_.insert(fd);
+    if (direct) {
+      direct_.insert(fd);
+      direct_opens_++;
+    }
+  }
+  return fd;
+}
+
+int FaultEnv::close(int fd) {
+  {
+    std::lock_guard lock(mu_);
+    open_.erase(fd);
+    direct_.erase(fd);
+    direct_read_once_.erase(fd);
+  }
+  return EnvWrapper::close(fd);
+}
+
+std::int64_t FaultEnv::pread(int fd, void* buffer, std::size_t bytes, std::uint64_t offset) {
+  const std::uint64_t n = ++reads_;
+  if (faults_.read_delay_us) std::this_thread::sleep_for(std::chrono::microseconds(faults_.read_delay_us));
+  if (faults_.eintr_every_other && n % 2 == 1) return -EINTR;
+  if (faults_.fail_read_at != 0 && n == faults_.fail_read_at) return -faults_.read_errno;
+  if (faults_.refuse_direct_first_read) {
+    std::lock_guard lock(mu_);
+    if (direct_.count(fd) && direct_read_once_.insert(fd).second) return -EINVAL;
+  }
+  if (faults_.short_read_bytes) bytes = std::min<std::size_t>(bytes, faults_.short_read_bytes);
+  if (faults_.truncate_to != UINT64_MAX) {
+    if (offset >= faults_.truncate_to) return 0;
+    bytes = std::min<std::size_t>(bytes, faults_.truncate_to - offset);
+  }
+  const std::int64_t got = EnvWrapper::pread(fd, buffer, bytes, offset);
+  if (got > 0) bytes_read_ += static_cast<std::uint64_t>(got);
+  return got;
+}
+
+void* FaultEnv::map_anonymous(std::size_t bytes, int extra_flags, int* err) {
+  if (faults_.fail_map_at != 0 && ++maps_ == faults_.fail_map_at) {
+    *err = ENOMEM;
+    return nullptr;
+  }
+  void* p = EnvWrapper::map_anonymous(bytes, extra_flags, err);
+  if (p != nullptr) mapped_bytes_ += static_cast<std::int64_t>(bytes);
+  return p;
+}
+
+int FaultEnv::unmap(void* address, std::size_t bytes) {
+  mapped_bytes_ -= static_cast<std::int64_t>(bytes);
+  return EnvWrapper::unmap(address, bytes);
+}
+
+int FaultEnv::lock(void* address, std::size_t bytes) {
+  if (faults_.refuse_lock) return -EPERM;
+  return EnvWrapper::lock(address, bytes);
+}
+
+int FaultEnv::open_fds() const {
+  std::lock_guard lock(mu_);
+  return static_cast<int>(open_.size());
+}
+
+}  // namespace pinload::testing

@@ -1,0 +1,67 @@
+// Test support: an Env that injects faults and counts what it forwards.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <mutex>
+#include <set>
+#include <string>
+
+#include "pinload/env.h"
+
+namespace pinload::testing {
+
+struct Faults {
+  // pread number N (1-based, counting every pread through this env) fails
+  // with `read_errno`; 0: never.
+  std::uint64_t fail_read_at = 0;
+  int read_errno = 5;  // EIO
+  // Every pread returns at most this many bytes; 0: no limit.
+  std::uint64_t short_read_bytes = 0;
+  // Every other pread first fails with EINTR.
+  bool eintr_every_other = false;
+  // open(O_DIRECT) fails with EINVAL.
+  bool refuse_direct_open = false;
+  // The first pread on an O_DIRECT descriptor fails with EINVAL.
+  bool refuse_direct_first_read = false;
+  // Reads see the file as if cut to this many bytes; UINT64_MAX: off.
+  std::uint64_t truncate_to = UINT64_MAX;
+  // Delay every pread by this many microseconds.
+  std::uint32_t read_delay_us = 0;
+  // The Nth map_anonymous (1-based) fails with ENOMEM; 0: never.
+  std::uint64_t fail_map_at = 0;
+  // lock() fails with EPERM.
+  bool refuse_lock = false;
+};
+
+class FaultEnv : public EnvWrapper {
+ public:
+  explicit FaultEnv(Faults faults = {}, Env* target = default_env()) : EnvWrapper(target), faults_(faults) {}
+
+  int open_read(const std::string& path, int extra_flags) override;
+  int close(int fd) override;
+  std::int64_t pread(int fd, void* buffer, std::size_t bytes, std::uint64_t offset) override;
+  void* map_anonymous(std::size_t bytes, int extra_flags, int* err) override;
+  int unmap(void* address, std::size_t bytes) override;
+  int lock(void* address, std::size_t bytes) override;
+
+  std::uint64_t reads() const { return reads_; }
+  std::uint64_t bytes_read() const { return bytes_read_; }
+  std::uint64_t direct_opens() const { return direct_opens_; }
+  int open_fds() const;
+  std::int64_t mapped_bytes() const { return mapped_bytes_; }
+
+ private:
+  Faults faults_;
+  std::atomic<std::uint64_t> reads_{0};
+  std::atomic<std::uint64_t> bytes_read_{0};
+  std::atomic<std::uint64_t> maps_{0};
+  std::atomic<std::uint64_t> direct_opens_{0};
+  std::atomic<std::int64_t> mapped_bytes_{0};
+  mutable std::mutex mu_;
+  std::set<int> open_;
+  std::set<int> direct_;
+  std::set<int> direct_read_once_;
+};
+
+}  // namespace pinload::testing
