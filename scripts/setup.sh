@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Installs what is missing (Debian packages, Python packages) and builds
+# pinload into build/. Idempotent: a second run installs nothing and only
+# rebuilds what changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+APT_PACKAGES=(cmake ninja-build g++ clang libclang-rt-14-dev pkg-config
+              libgtest-dev libgmock-dev libbenchmark-dev nlohmann-json3-dev libspdlog-dev libssl-dev
+              liburing-dev libnuma-dev pybind11-dev fio)
+PY_PACKAGES=(numpy safetensors pytest)
+
+missing=()
+for p in "${APT_PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "setup: installing Debian packages: ${missing[*]}"
+  SUDO=""; [[ $(id -u) -ne 0 ]] && SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+PYTHON=${PYTHON:-python3}
+py_missing=()
+for p in "${PY_PACKAGES[@]}"; do
+  "$PYTHON" -c "import $p" 2>/dev/null || py_missing+=("$p")
+done
+if ((${#py_missing[@]})); then
+  echo "setup: installing Python packages: ${py_missing[*]}"
+  "$PYTHON" -m pip install -q "${py_missing[@]}"
+fi
+
+BUILD_DIR=${BUILD_DIR:-build}
+if [[ ! -f "$BUILD_DIR/build.ninja" ]]; then
+  cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DPINLOAD_WERROR=ON >/dev/null
+fi
+cmake --build "$BUILD_DIR"
