@@ -20,6 +20,20 @@ bool ends_with(std::string_view s, std::string_view suffix) {
   return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
 }
 
+bool all_digits(std::string_view s) {
+  return !s.empty() && std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; });
+}
+
+// "model.fp16-00001-of-00002" -> "model.fp16": a shard's number is not part
+// of its variant.
+std::string_view strip_shard_number(std::string_view stem) {
+  const auto of = stem.rfind("-of-");
+  if (of == std::string_view::npos || of == 0 || !all_digits(stem.substr(of + 4))) return stem;
+  const auto dash = stem.rfind('-', of - 1);
+  if (dash == std::string_view::npos || !all_digits(stem.substr(dash + 1, of - dash - 1))) return stem;
+  return stem.substr(0, dash);
+}
+
 // The variant of a file name: "fp16" for "x.fp16.safetensors" or
 // "x.safetensors.index.fp16.json", "" for plain names, nullopt if neither kind.
 std::optional<std::string> safetensors_variant(const std::string& name, bool* is_index) {
@@ -34,10 +48,11 @@ std::optional<std::string> safetensors_variant(const std::string& name, bool* is
     return name.substr(from, name.size() - from - 5);
   }
   if (!ends_with(name, kSafetensorsExt)) return std::nullopt;
-  const std::string stem = name.substr(0, name.size() - kSafetensorsExt.size());
+  const std::string_view stem =
+      strip_shard_number(std::string_view(name).substr(0, name.size() - kSafetensorsExt.size()));
   const auto dot = stem.rfind('.');
-  if (dot == std::string::npos) return std::string{};
-  const std::string tail = stem.substr(dot + 1);
+  if (dot == std::string_view::npos) return std::string{};
+  const std::string tail(stem.substr(dot + 1));
   // "model-00001-of-00002" has no dot; treat short alphanumeric tails as variants.
   const bool looks_like_variant = !tail.empty() && tail.size() <= 16 &&
                                   std::all_of(tail.begin(), tail.end(), [](char c) { return std::isalnum(static_cast<unsigned char>(c)) || c == '_'; });
@@ -109,7 +124,10 @@ void check_index(const IndexFile& index, std::span<const CheckpointFile> shards)
     total += shard.header.tensors.size();
   }
   if (total != index.weight_map.size()) {
-    for (const auto& [tensor, shard_path] : index.weight_map) {
+    for (const auto& entry : index.weight_map) {
+      // Not a structured binding: clang 14 cannot capture one in a lambda.
+      const std::string& tensor = entry.first;
+      const std::string& shard_path = entry.second;
       auto shard = std::find_if(shards.begin(), shards.end(), [&](const CheckpointFile& f) { return f.path == shard_path; });
       if (shard == shards.end() || shard->header.find(tensor) == nullptr) {
         throw InvalidFileError("weight_map lists a tensor that shard '" + shard_path + "' does not hold",

@@ -17,6 +17,11 @@ namespace {
   throw InvalidFileError(std::move(message), ErrorContext{file, std::move(tensor), begin, end});
 }
 
+// a + b, or UINT64_MAX where that overflows: absolute offsets for messages.
+std::uint64_t sat_add(std::uint64_t a, std::uint64_t b) {
+  return b > std::numeric_limits<std::uint64_t>::max() - a ? std::numeric_limits<std::uint64_t>::max() : a + b;
+}
+
 std::uint64_t read_u64_le(const std::byte* p) {
   std::uint64_t value = 0;
   for (int i = 7; i >= 0; --i) value = (value << 8) | static_cast<std::uint8_t>(p[i]);
@@ -64,26 +69,27 @@ TensorInfo parse_tensor(const std::string& name, const Json& entry, const std::s
 
 void check_tensor_size(const TensorInfo& t, std::uint64_t data_offset, const std::string& file) {
   constexpr auto kMax = std::numeric_limits<std::uint64_t>::max();
+  auto fail = [&](std::string message) {
+    invalid(file, std::move(message), t.name, sat_add(data_offset, t.begin), sat_add(data_offset, t.end));
+  };
   if (t.end < t.begin) {
-    invalid(file, "data_offsets end " + std::to_string(t.end) + " is before begin " +
-                      std::to_string(t.begin), t.name);
+    fail("data_offsets end " + std::to_string(t.end) + " is before begin " + std::to_string(t.begin));
   }
   std::uint64_t numel = 1;
   for (std::uint64_t dim : t.shape) {
-    if (dim != 0 && numel > kMax / dim) invalid(file, "shape element count overflows 64 bits", t.name);
+    if (dim != 0 && numel > kMax / dim) fail("shape element count overflows 64 bits");
     numel *= dim;
   }
   const unsigned bits = dtype_bits(t.dtype);
-  if (numel > kMax / bits) invalid(file, "shape size in bits overflows 64 bits", t.name);
+  if (numel > kMax / bits) fail("shape size in bits overflows 64 bits");
   const std::uint64_t total_bits = numel * bits;
   if (total_bits % 8 != 0) {
-    invalid(file, std::string(dtype_name(t.dtype)) + " tensor of " + std::to_string(numel) +
-                      " elements does not end on a whole byte", t.name);
+    fail(std::string(dtype_name(t.dtype)) + " tensor of " + std::to_string(numel) +
+         " elements does not end on a whole byte");
   }
   if (total_bits / 8 != t.end - t.begin) {
-    invalid(file, "shape and dtype need " + std::to_string(total_bits / 8) +
-                      " bytes but data_offsets span " + std::to_string(t.end - t.begin),
-            t.name, data_offset + t.begin, data_offset + t.end);
+    fail("shape and dtype need " + std::to_string(total_bits / 8) + " bytes but data_offsets span " +
+         std::to_string(t.end - t.begin));
   }
 }
 
@@ -136,7 +142,8 @@ Header parse_header(std::span<const std::byte> json, std::uint64_t file_size,
     invalid(file, "JSON header starts with a byte-order mark", {}, 8, 11);
   }
 
-  Json root = parse_strict_json(first, last, file, kHeaderPrefixSize, "JSON header");
+  Json root = parse_strict_json(first, last, file, kHeaderPrefixSize, "JSON header",
+                                /*root_keys_are_tensors=*/true);
   if (!root.is_object()) invalid(file, "JSON header must be an object, got " + std::string(root.type_name()));
 
   header.tensors.reserve(root.size());
@@ -172,7 +179,7 @@ Header parse_header(std::span<const std::byte> json, std::uint64_t file_size,
     if (t.end > data_size) {
       invalid(file, "tensor ends past the end of the file (data section is " +
                         std::to_string(data_size) + " bytes)",
-              t.name, data_offset + t.begin, data_offset + t.end);
+              t.name, sat_add(data_offset, t.begin), sat_add(data_offset, t.end));
     }
     if (t.begin < covered) {
       invalid(file, "tensor overlaps '" + previous->name + "', which ends at data offset " +
