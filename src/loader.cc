@@ -94,7 +94,8 @@ void open_for_load(Env* env, const CheckpointFile& cf, const LoadOptions& option
 }
 
 // Executes one chunk: fills [offset, offset + valid) of the file into its block.
-void read_chunk(Env* env, OpenFile& f, const FileRead& plan, const ReadChunk& c, DirectIo mode) {
+void read_chunk(Env* env, OpenFile& f, const FileRead& plan, const ReadChunk& c, DirectIo mode,
+                Loader::Counters* counters) {
   std::byte* dest = f.block->data() + (c.offset - plan.read_begin);
   std::uint64_t done = 0;
   bool direct = f.direct.load(std::memory_order_relaxed);
@@ -106,7 +107,11 @@ void read_chunk(Env* env, OpenFile& f, const FileRead& plan, const ReadChunk& c,
     const std::int64_t n = env->pread(fd, dest + done, want, at);
     if (n == -EINTR || n == -EAGAIN) continue;
     if (n == -EINVAL && direct && mode != DirectIo::kOn) {
-      if (f.direct.exchange(false)) log::debug("{}: O_DIRECT read refused, reading buffered", f.path);
+      if (f.direct.exchange(false)) {
+        log::debug("{}: O_DIRECT read refused, reading buffered", f.path);
+        counters->files_direct--;
+        counters->files_buffered++;
+      }
       direct = false;
       continue;
     }
@@ -161,6 +166,16 @@ StateDict Loader::run(const Checkpoint& checkpoint, std::stop_token stop, Counte
   }
   const ReadPlan plan = make_read_plan(std::move(reads), PlanOptions{options_.block_size, options_.files_in_flight});
   counters->bytes_total = plan.total_bytes;
+  // A load holds its blocks until it ends, so one that cannot fit the budget
+  // fails now instead of waiting for memory only it could free.
+  if (const std::uint64_t capacity = pool_->options().capacity_bytes; capacity != 0) {
+    std::uint64_t need = 0;
+    for (const FileRead& r : plan.files) need += Pool::size_class(std::max<std::uint64_t>(r.block_bytes(), 1));
+    if (need > capacity) {
+      throw OutOfMemoryError("checkpoint needs " + std::to_string(need) + " bytes of pool memory; the pool budget is " +
+                             std::to_string(capacity) + " bytes");
+    }
+  }
   for (std::size_t i = 0; i < n; ++i) files[i]->block = pool_->allocate(plan.files[i].block_bytes(), stop);
 
   std::atomic<std::size_t> next{0};
@@ -173,7 +188,7 @@ StateDict Loader::run(const Checkpoint& checkpoint, std::stop_token stop, Counte
         const std::size_t i = next.fetch_add(1, std::memory_order_relaxed);
         if (i >= plan.chunks.size()) return;
         const ReadChunk& c = plan.chunks[i];
-        read_chunk(env_, *files[c.file], plan.files[c.file], c, options_.direct);
+        read_chunk(env_, *files[c.file], plan.files[c.file], c, options_.direct, counters);
         counters->bytes_done.fetch_add(c.valid, std::memory_order_relaxed);
       }
     } catch (...) {
@@ -223,6 +238,12 @@ struct LoadHandle::State {
   StateDict result;
   std::exception_ptr error;
   std::jthread thread;
+
+  // Dropping a handle (destroyed or assigned over) cancels its load and waits.
+  ~State() {
+    stop.request_stop();
+    if (thread.joinable()) thread.join();
+  }
 };
 
 LoadHandle Loader::load_async(std::vector<std::string> paths) const {
@@ -243,12 +264,7 @@ LoadHandle Loader::load_async(std::vector<std::string> paths) const {
 
 LoadHandle::LoadHandle(std::shared_ptr<State> state) : state_(std::move(state)) {}
 
-LoadHandle::~LoadHandle() {
-  if (state_ && state_->thread.joinable()) {
-    state_->stop.request_stop();
-    state_->thread.join();
-  }
-}
+LoadHandle::~LoadHandle() = default;  // State's destructor cancels and joins
 
 StateDict LoadHandle::wait() {
   if (!state_) throw CancelledError("wait() on an empty LoadHandle");

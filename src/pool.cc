@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <bit>
 #include <condition_variable>
+#include <cstdio>
+#include <limits>
 #include <list>
 #include <map>
 #include <mutex>
@@ -16,9 +18,23 @@ namespace {
 constexpr std::size_t kGranule = 4096;
 constexpr std::size_t kSmallLimit = 64 * 1024;
 constexpr std::size_t kReuseSlackNum = 5, kReuseSlackDen = 4;  // reuse a class <= 1.25x
+constexpr std::size_t kMaxRequest = std::size_t{1} << 62;  // more than any host has
 
-std::string mib(std::uint64_t bytes) {
-  return std::to_string(bytes >> 20) + " MiB";
+std::size_t round_up(std::size_t n, std::size_t align) { return (n + align - 1) / align * align; }
+
+// "6 MiB", "64 KiB", "1.5 GiB": for messages.
+std::string human(std::uint64_t bytes) {
+  static constexpr const char* kUnits[] = {"bytes", "KiB", "MiB", "GiB", "TiB"};
+  double value = static_cast<double>(bytes);
+  int unit = 0;
+  while (value >= 1024 && unit < 4) {
+    value /= 1024;
+    ++unit;
+  }
+  const bool whole = value == static_cast<double>(static_cast<std::uint64_t>(value));
+  char out[32];
+  std::snprintf(out, sizeof out, whole ? "%.0f %s" : "%.1f %s", value, kUnits[unit]);
+  return out;
 }
 
 }  // namespace
@@ -35,6 +51,10 @@ struct Pool::State {
   PoolOptions options;
   mutable std::mutex mu;
   std::condition_variable_any returned;
+  // Bumped (with a notify) whenever memory may have come free: a block
+  // returned, budget given back, a slab with spare blocks added. Waiters wait
+  // for a change, not for a level, which a take-and-return would hide.
+  std::uint64_t events = 0;
   std::list<Slab> slabs;  // stable addresses
   std::map<std::size_t, std::vector<std::pair<std::byte*, Slab*>>> free_lists;  // by class
   PoolStats stats;
@@ -43,8 +63,15 @@ struct Pool::State {
     for (Slab& slab : slabs) backend->release(slab.range);
   }
 
+  // A reservation of its own for class `cls`: whole backend alignment units,
+  // so it may hold a few blocks of a small class.
+  std::size_t own_reservation(std::size_t cls) const { return round_up(cls, backend->alignment()); }
+  // The preferred reservation: a shared slab for small classes.
   std::size_t reservation_for(std::size_t cls) const {
-    return cls <= options.slab_bytes / 4 ? options.slab_bytes : cls;
+    return cls <= options.slab_bytes / 4 ? options.slab_bytes : own_reservation(cls);
+  }
+  bool fits_budget(std::size_t reservation) const {
+    return options.capacity_bytes == 0 || stats.reserved_bytes + reservation <= options.capacity_bytes;
   }
 
   // Takes a free block of class `cls` (or one at most 25% larger). Locked.
@@ -79,6 +106,7 @@ struct Pool::State {
       Slab* slab = &*it;
       list.erase(std::remove_if(list.begin(), list.end(), [&](const auto& e) { return e.second == slab; }), list.end());
       stats.reserved_bytes -= it->range.bytes;
+      events++;
       stats.os_releases++;
       evicted.push_back(it->range);
       it = slabs.erase(it);
@@ -93,16 +121,18 @@ struct Pool::State {
       slab->blocks_free++;
       stats.in_use_bytes -= cls;
       stats.live_blocks--;
+      events++;
     }
     returned.notify_all();
   }
 };
 
 std::size_t Pool::size_class(std::size_t bytes) noexcept {
-  if (bytes <= kSmallLimit) return std::max<std::size_t>(kGranule, (bytes + kGranule - 1) / kGranule * kGranule);
+  if (bytes <= kSmallLimit) return std::max<std::size_t>(kGranule, round_up(bytes, kGranule));
   const std::size_t p = std::bit_floor(bytes - 1);
   const std::size_t step = std::max<std::size_t>(kGranule, p / 8);
-  return (bytes + step - 1) / step * step;
+  if (bytes > std::numeric_limits<std::size_t>::max() - (step - 1)) return std::numeric_limits<std::size_t>::max();
+  return round_up(bytes, step);
 }
 
 std::shared_ptr<Pool> Pool::create(std::unique_ptr<HostMemoryBackend> backend, PoolOptions options) {
@@ -138,13 +168,25 @@ void Pool::trim() {
     evicted = state_->evict_idle(UINT64_MAX);
   }
   for (const HostRange& r : evicted) state_->backend->release(r);
+  if (!evicted.empty()) state_->returned.notify_all();
 }
 
 std::shared_ptr<Block> Pool::allocate(std::size_t bytes, std::stop_token stop) {
   if (bytes == 0) bytes = 1;
   State& s = *state_;
+  if (bytes > kMaxRequest) {
+    throw OutOfMemoryError("request of " + std::to_string(bytes) + " bytes exceeds any host memory");
+  }
   const std::size_t cls = size_class(bytes);
-  const std::size_t reservation = s.reservation_for(cls);
+  // A small class prefers a shared slab; where that does not fit the budget,
+  // it takes a reservation of its own rather than fail or wait.
+  const std::size_t preferred = s.reservation_for(cls);
+  const std::size_t own = s.own_reservation(cls);
+  const std::uint64_t capacity = s.options.capacity_bytes;
+  if (capacity != 0 && own > capacity) {
+    throw OutOfMemoryError("request of " + std::to_string(bytes) + " bytes (class " + human(cls) +
+                           ") exceeds the pool budget of " + human(capacity));
+  }
   const auto deadline = std::chrono::steady_clock::now() + s.options.wait_timeout;
 
   std::byte* data = nullptr;
@@ -153,19 +195,18 @@ std::shared_ptr<Block> Pool::allocate(std::size_t bytes, std::stop_token stop) {
   bool waited = false;
   bool fresh_reservation = false;
   while (!s.take_free(cls, &data, &slab)) {
-    if (s.options.capacity_bytes != 0 && reservation > s.options.capacity_bytes) {
-      throw OutOfMemoryError("request of " + std::to_string(bytes) + " bytes (class " + mib(cls) +
-                             ") exceeds the pool budget of " + mib(s.options.capacity_bytes));
+    if (!s.fits_budget(own)) {
+      std::vector<HostRange> evicted = s.evict_idle(own);
+      if (!evicted.empty()) {
+        lock.unlock();
+        for (const HostRange& r : evicted) s.backend->release(r);
+        s.returned.notify_all();  // what this request leaves may fit a waiter
+        lock.lock();
+        continue;  // a block may have come back meanwhile
+      }
     }
-    std::vector<HostRange> evicted = s.evict_idle(reservation);
-    if (!evicted.empty()) {
-      lock.unlock();
-      for (const HostRange& r : evicted) s.backend->release(r);
-      lock.lock();
-      continue;  // a block may have come back meanwhile
-    }
-    const bool fits = s.options.capacity_bytes == 0 || s.stats.reserved_bytes + reservation <= s.options.capacity_bytes;
-    if (fits) {
+    if (s.fits_budget(own)) {
+      const std::size_t reservation = s.fits_budget(preferred) ? preferred : own;
       // Reserve the budget, then call the backend unlocked.
       s.stats.reserved_bytes += reservation;
       lock.unlock();
@@ -175,8 +216,9 @@ std::shared_ptr<Block> Pool::allocate(std::size_t bytes, std::stop_token stop) {
       } catch (...) {
         lock.lock();
         s.stats.reserved_bytes -= reservation;
+        s.events++;
         lock.unlock();
-        s.returned.notify_all();
+        s.returned.notify_all();  // waiters may fit now
         throw;
       }
       lock.lock();
@@ -190,25 +232,28 @@ std::shared_ptr<Block> Pool::allocate(std::size_t bytes, std::stop_token stop) {
       auto& list = s.free_lists[cls];
       auto* base = static_cast<std::byte*>(range.data);
       for (std::size_t i = fresh.blocks_total; i-- > 0;) list.emplace_back(base + i * cls, &fresh);
+      if (fresh.blocks_total > 1) {  // spare blocks a waiter of this class can take
+        s.events++;
+        s.returned.notify_all();
+      }
       fresh_reservation = true;
       continue;
     }
     if (s.options.when_full == WhenFull::kFail) {
-      throw OutOfMemoryError("pool budget of " + mib(s.options.capacity_bytes) + " exhausted: " +
-                             mib(s.stats.in_use_bytes) + " in use, " + std::to_string(bytes) +
-                             " bytes requested");
+      throw OutOfMemoryError("pool budget of " + human(capacity) + " exhausted: " + human(s.stats.in_use_bytes) +
+                             " in use, " + std::to_string(bytes) + " bytes requested");
     }
     if (!waited) {
       s.stats.budget_waits++;
       waited = true;
     }
-    const std::uint64_t before = s.stats.in_use_bytes;
-    s.returned.wait_until(lock, stop, deadline, [&] { return s.stats.in_use_bytes < before; });
+    const std::uint64_t seen = s.events;
+    const bool woke = s.returned.wait_until(lock, stop, deadline, [&] { return s.events != seen; });
     if (stop.stop_requested()) throw CancelledError("cancelled while waiting for pool memory");
-    if (std::chrono::steady_clock::now() >= deadline) {
-      throw OutOfMemoryError("pool budget of " + mib(s.options.capacity_bytes) + " still exhausted after waiting " +
+    if (!woke) {
+      throw OutOfMemoryError("pool budget of " + human(capacity) + " still exhausted after waiting " +
                              std::to_string(s.options.wait_timeout.count()) + " ms: " +
-                             mib(s.stats.in_use_bytes) + " in use, " + std::to_string(bytes) +
+                             human(s.stats.in_use_bytes) + " in use, " + std::to_string(bytes) +
                              " bytes requested");
     }
   }

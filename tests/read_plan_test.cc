@@ -1,2 +1,230 @@
+// Tests of read planning (pinload/read_plan.h): pure data, no I/O.
+#include "pinload/read_plan.h"
+
 #include <gtest/gtest.h>
-TEST(Placeholder, Builds) { SUCCEED(); }
+
+#include <algorithm>
+#include <random>
+#include <set>
+
+namespace pinload {
+namespace {
+
+constexpr std::size_t KiB = 1024;
+constexpr std::size_t MiB = 1024 * KiB;
+
+FileRead file(std::uint64_t data_offset, std::uint64_t file_size, std::uint32_t alignment = 1) {
+  FileRead f;
+  f.path = "f" + std::to_string(file_size);
+  f.data_offset = data_offset;
+  f.file_size = file_size;
+  f.alignment = alignment;
+  f.direct = alignment > 1;
+  return f;
+}
+
+PlanOptions options(std::size_t block_size, std::size_t files_in_flight = 1) {
+  return PlanOptions{block_size, files_in_flight};
+}
+
+// The chunks of file `i`, in claim order.
+std::vector<ReadChunk> chunks_of(const ReadPlan& plan, std::uint32_t i) {
+  std::vector<ReadChunk> out;
+  for (const ReadChunk& c : plan.chunks) {
+    if (c.file == i) out.push_back(c);
+  }
+  return out;
+}
+
+// Every rule of a plan, checked on its own: ranges aligned, chunks aligned,
+// sequential and covering [read_begin, file_size), last one clipped.
+void expect_valid_plan(const ReadPlan& plan, std::size_t block_size) {
+  std::uint64_t total = 0;
+  for (std::uint32_t i = 0; i < plan.files.size(); ++i) {
+    const FileRead& f = plan.files[i];
+    const std::uint64_t a = std::max<std::uint32_t>(f.alignment, 1);
+    SCOPED_TRACE("file " + std::to_string(i) + " align " + std::to_string(a));
+    EXPECT_EQ(f.read_begin % a, 0u);
+    EXPECT_LE(f.read_begin, f.data_offset);
+    EXPECT_LT(f.data_offset - f.read_begin, a);
+    EXPECT_EQ(f.read_end % a, 0u);
+    EXPECT_GE(f.read_end, f.file_size);
+    EXPECT_LT(f.read_end - f.file_size, a);
+    EXPECT_EQ(f.block_bytes(), f.read_end - f.read_begin);
+    EXPECT_EQ(f.data_in_block(), f.data_offset - f.read_begin);
+
+    std::uint64_t at = f.read_begin;
+    const auto chunks = chunks_of(plan, i);
+    for (std::size_t k = 0; k < chunks.size(); ++k) {
+      const ReadChunk& c = chunks[k];
+      EXPECT_EQ(c.offset, at);
+      EXPECT_EQ(c.offset % a, 0u);
+      EXPECT_EQ(c.length % a, 0u);
+      EXPECT_GT(c.length, 0u);
+      EXPECT_LE(c.length, std::max<std::uint64_t>(a, block_size));
+      EXPECT_LE(c.offset + c.length, f.read_end);  // fits the file's block
+      EXPECT_EQ(c.valid, std::min(c.length, f.file_size - c.offset));
+      if (k + 1 < chunks.size()) {
+        EXPECT_EQ(c.valid, c.length);
+      }
+      at += c.length;
+      total += c.valid;
+    }
+    EXPECT_GE(at, f.file_size);
+  }
+  EXPECT_EQ(plan.total_bytes, total);
+}
+
+TEST(ReadPlanTest, BufferedChunksStartAtTheDataSection) {
+  const ReadPlan plan = make_read_plan({file(101, 101 + 10'000)}, options(4 * KiB));
+  ASSERT_EQ(plan.files.size(), 1u);
+  EXPECT_EQ(plan.files[0].read_begin, 101u);
+  EXPECT_EQ(plan.files[0].read_end, 10'101u);
+  EXPECT_EQ(plan.files[0].data_in_block(), 0u);
+  ASSERT_EQ(plan.chunks.size(), 3u);
+  EXPECT_EQ(plan.chunks[0].offset, 101u);
+  EXPECT_EQ(plan.chunks[1].offset, 101u + 4096);
+  EXPECT_EQ(plan.chunks[2].offset, 101u + 8192);
+  EXPECT_EQ(plan.chunks[2].length, 10'000u - 8192);
+  EXPECT_EQ(plan.chunks[2].valid, 10'000u - 8192);
+  EXPECT_EQ(plan.total_bytes, 10'000u);
+  expect_valid_plan(plan, 4 * KiB);
+}
+
+TEST(ReadPlanTest, DirectChunksAreAlignedAndTheLastIsClipped) {
+  const ReadPlan plan = make_read_plan({file(101, 10'100, 4096)}, options(4 * KiB));
+  const FileRead& f = plan.files[0];
+  EXPECT_EQ(f.read_begin, 0u);
+  EXPECT_EQ(f.read_end, 12'288u);
+  EXPECT_EQ(f.block_bytes(), 12'288u);
+  EXPECT_EQ(f.data_in_block(), 101u);
+  ASSERT_EQ(plan.chunks.size(), 3u);
+  for (int k = 0; k < 3; ++k) {
+    EXPECT_EQ(plan.chunks[k].offset, 4096u * k);
+    EXPECT_EQ(plan.chunks[k].length, 4096u);
+  }
+  EXPECT_EQ(plan.chunks[0].valid, 4096u);
+  EXPECT_EQ(plan.chunks[2].valid, 10'100u - 8192);  // a partial last block
+  EXPECT_EQ(plan.total_bytes, 10'100u);             // header bytes in the first block count
+  expect_valid_plan(plan, 4 * KiB);
+}
+
+TEST(ReadPlanTest, DataOffsetPastTheFirstAlignmentUnit) {
+  const ReadPlan plan = make_read_plan({file(5'000, 20'000, 4096)}, options(8 * KiB));
+  const FileRead& f = plan.files[0];
+  EXPECT_EQ(f.read_begin, 4096u);
+  EXPECT_EQ(f.read_end, 20'480u);
+  EXPECT_EQ(f.data_in_block(), 5'000u - 4096);
+  ASSERT_EQ(plan.chunks.size(), 2u);
+  EXPECT_EQ(plan.chunks[0].offset, 4096u);
+  EXPECT_EQ(plan.chunks[1].offset, 4096u + 8192);
+  EXPECT_EQ(plan.chunks[1].length, 8192u);
+  EXPECT_EQ(plan.chunks[1].valid, 20'000u - 4096 - 8192);
+  expect_valid_plan(plan, 8 * KiB);
+}
+
+TEST(ReadPlanTest, ExactlyAlignedFileHasNoSlack) {
+  const ReadPlan plan = make_read_plan({file(4096, 3 * 4096, 4096)}, options(4 * KiB));
+  EXPECT_EQ(plan.files[0].read_begin, 4096u);
+  EXPECT_EQ(plan.files[0].read_end, 3u * 4096);
+  ASSERT_EQ(plan.chunks.size(), 2u);
+  EXPECT_EQ(plan.chunks[1].valid, 4096u);
+  EXPECT_EQ(plan.total_bytes, 2u * 4096);
+}
+
+TEST(ReadPlanTest, BlockSizeIsRoundedDownToTheAlignmentButNeverBelowIt) {
+  // 12 KiB (not a power of two) stays; 6000 becomes 4 KiB; 1000 becomes 4 KiB.
+  for (const auto& [block, step] : {std::pair<std::size_t, std::uint64_t>{12 * KiB, 12 * KiB},
+                                    {6'000, 4 * KiB},
+                                    {1'000, 4 * KiB}}) {
+    const ReadPlan plan = make_read_plan({file(0, 100'000, 4096)}, options(block));
+    ASSERT_FALSE(plan.chunks.empty());
+    EXPECT_EQ(plan.chunks[0].length, step) << block;
+    expect_valid_plan(plan, std::max<std::size_t>(block, 4 * KiB));
+  }
+  // Buffered reads take the block size as given.
+  const ReadPlan buffered = make_read_plan({file(7, 100'000)}, options(12'345));
+  EXPECT_EQ(buffered.chunks[0].length, 12'345u);
+  expect_valid_plan(buffered, 12'345);
+}
+
+TEST(ReadPlanTest, EmptyDataSection) {
+  const ReadPlan buffered = make_read_plan({file(88, 88)}, options(4 * KiB));
+  EXPECT_TRUE(buffered.chunks.empty());
+  EXPECT_EQ(buffered.total_bytes, 0u);
+  EXPECT_EQ(buffered.files[0].block_bytes(), 0u);
+
+  // A direct read still covers the header bytes of the aligned range.
+  const ReadPlan direct = make_read_plan({file(88, 88, 4096)}, options(4 * KiB));
+  ASSERT_EQ(direct.chunks.size(), 1u);
+  EXPECT_EQ(direct.chunks[0].valid, 88u);
+  EXPECT_EQ(direct.files[0].block_bytes(), 4096u);
+}
+
+TEST(ReadPlanTest, OneFileInFlightReadsFilesInTurn) {
+  const ReadPlan plan = make_read_plan({file(8, 8 + 3 * MiB), file(8, 8 + 1), file(16, 16 + 2 * MiB + 5)},
+                                       options(1 * MiB, 1));
+  std::vector<std::uint32_t> order;
+  for (const ReadChunk& c : plan.chunks) order.push_back(c.file);
+  EXPECT_EQ(order, (std::vector<std::uint32_t>{0, 0, 0, 1, 2, 2, 2}));
+  EXPECT_EQ(plan.total_bytes, 3 * MiB + 1 + 2 * MiB + 5);
+  expect_valid_plan(plan, 1 * MiB);
+}
+
+TEST(ReadPlanTest, FilesInFlightAreInterleavedRoundRobin) {
+  std::vector<FileRead> files;
+  for (int i = 0; i < 3; ++i) files.push_back(file(8, 8 + 4 * 4096));
+  const ReadPlan plan = make_read_plan(files, options(4 * KiB, 3));
+  std::vector<std::uint32_t> order;
+  for (const ReadChunk& c : plan.chunks) order.push_back(c.file);
+  EXPECT_EQ(order, (std::vector<std::uint32_t>{0, 1, 2, 0, 1, 2, 0, 1, 2, 0, 1, 2}));
+  expect_valid_plan(plan, 4 * KiB);
+}
+
+TEST(ReadPlanTest, ZeroFilesInFlightMeansOne) {
+  const ReadPlan plan = make_read_plan({file(8, 8 + 8192), file(8, 8 + 8192)}, options(4 * KiB, 0));
+  std::vector<std::uint32_t> order;
+  for (const ReadChunk& c : plan.chunks) order.push_back(c.file);
+  EXPECT_EQ(order, (std::vector<std::uint32_t>{0, 0, 1, 1}));
+}
+
+// Random plans: every rule holds, each file is swept in order, files start in
+// order and no more than files_in_flight are ever open at once.
+TEST(ReadPlanTest, RandomPlansKeepEveryRule) {
+  std::mt19937_64 rng(42);
+  for (int round = 0; round < 300; ++round) {
+    const std::size_t n = 1 + rng() % 7;
+    const std::size_t in_flight = 1 + rng() % 4;
+    const std::size_t block = std::size_t{512} << (rng() % 10);
+    std::vector<FileRead> files;
+    for (std::size_t i = 0; i < n; ++i) {
+      const std::uint64_t data_offset = 9 + rng() % 9000;
+      const std::uint32_t align = rng() % 2 ? 1 : (512u << (rng() % 4));
+      files.push_back(file(data_offset, data_offset + rng() % (300 * KiB), align));
+    }
+    const ReadPlan plan = make_read_plan(files, options(block, in_flight));
+    SCOPED_TRACE("round " + std::to_string(round));
+    ASSERT_EQ(plan.files.size(), n);
+    expect_valid_plan(plan, block);
+
+    std::vector<std::size_t> remaining(n, 0);
+    for (const ReadChunk& c : plan.chunks) remaining[c.file]++;
+    std::set<std::uint32_t> open;
+    std::uint32_t next_start = 0;
+    for (const ReadChunk& c : plan.chunks) {
+      if (!open.count(c.file)) {
+        // Files with no chunks are skipped over; others start in order.
+        while (next_start < c.file) {
+          ASSERT_EQ(remaining[next_start++], 0u);
+        }
+        ASSERT_EQ(c.file, next_start++);
+        open.insert(c.file);
+      }
+      ASSERT_LE(open.size(), in_flight);
+      if (--remaining[c.file] == 0) open.erase(c.file);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace pinload

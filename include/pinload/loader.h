@@ -20,7 +20,9 @@
 // 8 threads keep a deep queue on one file. See docs/tuning.md.
 //
 // Failure: a load either returns every tensor or throws; on throw, every block,
-// file descriptor and thread it took has been released.
+// file descriptor and thread it took has been released. A load whose blocks
+// cannot fit the pool's budget together fails at once with OutOfMemoryError,
+// even under WhenFull::kWait (it would be waiting for itself).
 #pragma once
 
 #include <atomic>
@@ -94,7 +96,8 @@ class Loader {
   Env* env_;
 };
 
-// A load in flight. Destroying it cancels the load and waits for it.
+// A load in flight. Destroying it, or assigning another handle over it,
+// cancels the load and waits for it.
 class LoadHandle {
  public:
   LoadHandle(LoadHandle&&) noexcept = default;

@@ -9,9 +9,11 @@
 // classes per power of two (step = 2^floor(log2(n-1)) / 8), so a block is at
 // most 12.5% larger than asked: a 4 GB request costs 4 GB (class 3.75 GiB,
 // ~4.03e9 B), never 8. Classes up to slab_bytes/4 are carved from shared slabs
-// of slab_bytes; larger classes get a reservation of their own. A free block of
-// a larger class (at most 25% larger) may serve a request, so a 2.9 GB load
-// reuses the block that a 2.8 GB one released.
+// of slab_bytes; larger classes, and small ones when a slab would not fit the
+// budget, get a reservation of their own (rounded up to the backend's
+// alignment). A free block of a larger class (at most 25% larger) may serve a
+// request, so a 2.9 GB load reuses the block that a 2.8 GB one released.
+// Requests above 2^62 bytes have no class and fail with OutOfMemoryError.
 //
 // Note [Budget]
 // `capacity_bytes` caps what the pool reserves from the OS. When a request
@@ -100,7 +102,8 @@ class Pool {
   const PoolOptions& options() const noexcept;
   std::string_view backend_name() const noexcept;
 
-  // The size class of a request (Note [Size classes]).
+  // The size class of a request (Note [Size classes]); SIZE_MAX where the
+  // request is too large for any class.
   static std::size_t size_class(std::size_t bytes) noexcept;
 
   struct State;
