@@ -32,5 +32,10 @@ pinload_resolve_layer(PYTHON _python_found)
 set(_torch_found OFF)
 pinload_resolve_layer(TORCH _torch_found)
 
-message(STATUS "pinload layers: CUDA=${PINLOAD_HAVE_CUDA} (device layer planned), "
+if(PINLOAD_HAVE_CUDA)
+  set(_cuda_note "device layer on CUDA ${CUDAToolkit_VERSION}")
+else()
+  set(_cuda_note "device layer: sim only, cuda:N throws")
+endif()
+message(STATUS "pinload layers: CUDA=${PINLOAD_HAVE_CUDA} (${_cuda_note}), "
                "PYTHON=${PINLOAD_HAVE_PYTHON} (bindings planned), TORCH=${PINLOAD_HAVE_TORCH} (adapter planned)")

@@ -1,0 +1,261 @@
+#!/usr/bin/env bash
+# The GPU check: on a bare GPU machine (CUDA toolkit, cmake, ninja, Python with
+# torch; no network, no apt), build pinload with what is there, run the device
+# and copy-engine suites on cuda:0 (they skip on machines without a GPU), the
+# bandwidth measurements (CudaMeasure) and a torch reference, and write logs
+# and JSON to OUTDIR. Bounded: about 8 minutes in all (GPU_CHECK_BUDGET_S).
+#
+# Usage: scripts/gpu-check.sh OUTDIR
+#
+# Dependencies: the CMake packages nlohmann_json, spdlog, OpenSSL and GTest
+# (Google Benchmark optional) must be findable. Where $PWD/.deps/usr exists
+# (scripts/fetch-gpu-deps.sh fills it on the dev machine; carry it along), it
+# goes on CMAKE_PREFIX_PATH and LD_LIBRARY_PATH. Missing packages are named.
+#
+# OUTDIR receives at most 7 files:
+#   results.json           the summary: steps, dependencies, test counts,
+#                          measurements (CudaMeasure) and the torch reference
+#   gpu-check.log          this script's progress and the machine's description
+#   build.log              dependency probe, configure, build
+#   tests.log              the test binaries' output (and ctest's, if run)
+#   device_test.json       GoogleTest JSON reports
+#   copy_engine_test.json
+#   torch_reference.log
+#
+# Exit status: 0 all passed and the CUDA tests ran; 1 a build step or a test
+# failed; 2 dependencies missing; 3 everything passed but no CUDA device was
+# usable (the CUDA tests skipped).
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 1
+ROOT=$PWD
+
+OUT=${1:?usage: scripts/gpu-check.sh OUTDIR}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+BUILD=${BUILD_DIR:-build-gpu}
+BUDGET=${GPU_CHECK_BUDGET_S:-470}
+MEASURE_MIB=${PINLOAD_MEASURE_MIB:-1024}
+JOBS=$(nproc)
+START=$(date +%s)
+ORIG_LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}
+: >"$OUT/gpu-check.log"
+: >"$OUT/build.log"
+: >"$OUT/tests.log"
+
+log() { echo "[gpu-check +$(($(date +%s) - START))s] $*" | tee -a "$OUT/gpu-check.log"; }
+remaining() { echo $((BUDGET - ($(date +%s) - START))); }
+declare -A RC=()
+# run_step NAME LIMIT LOGFILE CMD...: runs CMD under a timeout no longer than
+# what is left of the budget; records its exit status (124: timed out).
+run_step() {
+  local name=$1 limit=$2 logfile=$3
+  shift 3
+  local left
+  left=$(remaining)
+  if ((left < 15)); then
+    log "$name: skipped, budget spent"
+    RC[$name]=skipped
+    return 1
+  fi
+  ((limit > left)) && limit=$left
+  log "$name (limit ${limit}s)"
+  echo "== $name: $*" >>"$logfile"
+  timeout --kill-after=10 "$limit" "$@" >>"$logfile" 2>&1
+  local rc=$?
+  RC[$name]=$rc
+  log "$name: exit $rc$( ((rc == 124)) && echo ' (timed out)')"
+  return $rc
+}
+
+# ---- the machine
+{
+  echo "== machine"
+  uname -a
+  echo "cores: $JOBS"
+  free -g 2>/dev/null | head -2
+  timeout 30 nvidia-smi --query-gpu=name,driver_version,memory.total,pcie.link.gen.max,pcie.link.width.max \
+    --format=csv 2>&1 || echo "nvidia-smi: not available"
+  echo "nvcc: $( (nvcc --version 2>/dev/null || /usr/local/cuda/bin/nvcc --version 2>/dev/null) | tail -1)"
+  echo "cmake: $(cmake --version 2>/dev/null | head -1)"
+  echo "ninja: $(ninja --version 2>/dev/null || echo none)"
+  echo "python3: $(python3 --version 2>&1)"
+} >>"$OUT/gpu-check.log" 2>&1
+
+# ---- dependencies
+if [[ -d .deps/usr ]]; then
+  export CMAKE_PREFIX_PATH="$ROOT/.deps/usr${CMAKE_PREFIX_PATH:+:$CMAKE_PREFIX_PATH}"
+  export LD_LIBRARY_PATH="$ROOT/.deps/usr/lib/x86_64-linux-gnu:$ROOT/.deps/usr/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  log "using .deps/usr ($(wc -l <.deps/MANIFEST 2>/dev/null || echo '?') packages)"
+else
+  log "no .deps/ folder: relying on the machine's own CMake packages"
+fi
+if [[ -z $(command -v nvcc) && -x /usr/local/cuda/bin/nvcc ]]; then
+  export PATH="/usr/local/cuda/bin:$PATH"
+fi
+GENERATOR=()
+command -v ninja >/dev/null && GENERATOR=(-G Ninja)
+
+PROBE=$(mktemp -d)
+trap 'rm -rf "$PROBE"' EXIT
+cat >"$PROBE/CMakeLists.txt" <<'EOF'
+cmake_minimum_required(VERSION 3.25)
+project(pinload_probe LANGUAGES C CXX)
+foreach(pkg nlohmann_json spdlog GTest benchmark CUDAToolkit)
+  find_package(${pkg} QUIET)
+  message(STATUS "probe: ${pkg}=${${pkg}_FOUND}")
+endforeach()
+find_package(OpenSSL QUIET COMPONENTS Crypto)
+message(STATUS "probe: OpenSSL=${OpenSSL_FOUND}")
+EOF
+run_step probe 60 "$OUT/build.log" cmake -S "$PROBE" -B "$PROBE/build" "${GENERATOR[@]}"
+found() { grep -q "probe: $1=\(1\|TRUE\|ON\|YES\)$" "$OUT/build.log"; }
+MISSING=()
+for pkg in nlohmann_json spdlog OpenSSL GTest; do found "$pkg" || MISSING+=("$pkg"); done
+found CUDAToolkit || MISSING+=(CUDAToolkit)
+BENCH=OFF
+found benchmark && BENCH=ON
+DEPS_JSON=$(for pkg in nlohmann_json spdlog OpenSSL GTest benchmark CUDAToolkit; do
+  found "$pkg" && printf '"%s": true, ' "$pkg" || printf '"%s": false, ' "$pkg"
+done)
+
+write_results() {
+  local status=$1
+  python3 - "$OUT" "$status" "$MEASURE_MIB" "{${DEPS_JSON%, }}" "$(declare -p RC)" <<'EOF' || echo '{"status": "'"$status"'"}' >"$OUT/results.json"
+import json, os, re, sys
+out, status, mib, deps, rc_decl = sys.argv[1:6]
+steps = dict(re.findall(r'\[([^\]]+)\]="?([^" ]*)"?', rc_decl))
+res = {"status": status, "steps": steps, "dependencies": json.loads(deps), "measure_mib": int(mib)}
+with open(os.path.join(out, "gpu-check.log")) as f:
+    res["machine"] = [l.rstrip() for l in f if not l.startswith("[gpu-check")][:12]
+suites = {}
+for name in ("device_test", "copy_engine_test"):
+    path = os.path.join(out, name + ".json")
+    if not os.path.exists(path):
+        continue
+    with open(path) as f:
+        report = json.load(f)
+    s = {"tests": 0, "failures": 0, "skipped": [], "failed": []}
+    for suite in report.get("testsuites", []):
+        for t in suite.get("testsuite", []):
+            full = suite["name"] + "." + t["name"]
+            s["tests"] += 1
+            if t.get("failures"):
+                s["failures"] += 1
+                s["failed"].append(full)
+            if t.get("result") == "SKIPPED":
+                s["skipped"].append(full)
+            if suite["name"] == "CudaMeasure":
+                known = {"name", "file", "line", "status", "result", "timestamp", "time", "classname", "failures"}
+                res.setdefault("measurements", {}).update({k: v for k, v in t.items() if k not in known})
+    suites[name] = s
+res["suites"] = suites
+ref = os.path.join(out, "torch_reference.log")
+if os.path.exists(ref):
+    for line in open(ref):
+        if line.startswith("torch_reference: "):
+            res["torch_reference"] = json.loads(line[len("torch_reference: "):])
+with open(os.path.join(out, "results.json"), "w") as f:
+    json.dump(res, f, indent=1, sort_keys=True)
+print(json.dumps({k: res.get(k) for k in ("status", "steps", "measurements", "torch_reference")}, indent=1))
+EOF
+}
+
+if ((${#MISSING[@]})); then
+  log "MISSING CMake packages: ${MISSING[*]}"
+  log "  on the dev machine run scripts/fetch-gpu-deps.sh and carry .deps/ with the tree"
+  write_results missing_deps | tee -a "$OUT/gpu-check.log"
+  exit 2
+fi
+log "dependencies found (benchmark: $BENCH)"
+
+# ---- build
+FAILED=0
+run_step configure 120 "$OUT/build.log" cmake -S . -B "$BUILD" "${GENERATOR[@]}" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+  -DPINLOAD_WITH_CUDA=ON -DPINLOAD_WITH_PYTHON=OFF -DPINLOAD_BUILD_BENCH="$BENCH" || FAILED=1
+if ((FAILED == 0)); then
+  run_step build_device_tests 300 "$OUT/build.log" cmake --build "$BUILD" -j "$JOBS" --target device_test copy_engine_test ||
+    FAILED=1
+fi
+if ((FAILED)); then
+  log "build failed: see build.log"
+  tail -30 "$OUT/build.log"
+  write_results build_failed | tee -a "$OUT/gpu-check.log"
+  exit 1
+fi
+
+# ---- the CUDA suites and the measurements
+TESTS_FAILED=0
+export PINLOAD_MEASURE_MIB=$MEASURE_MIB
+for t in device_test copy_engine_test; do
+  run_step "$t" 150 "$OUT/tests.log" "$BUILD/tests/$t" --gtest_output="json:$OUT/$t.json" || TESTS_FAILED=1
+done
+grep -E '^measure: ' "$OUT/tests.log" | tee -a "$OUT/gpu-check.log"
+
+# ---- the torch reference: the same copy, through torch's pinned memory
+run_step torch_reference 90 "$OUT/torch_reference.log" env LD_LIBRARY_PATH="$ORIG_LD_LIBRARY_PATH" \
+  python3 - "$MEASURE_MIB" <<'EOF'
+import json, sys, time
+res = {}
+try:
+    import torch
+    res["torch"] = torch.__version__
+    res["cuda_available"] = torch.cuda.is_available()
+    if torch.cuda.is_available():
+        n = int(sys.argv[1]) << 20
+        res["device"] = torch.cuda.get_device_name(0)
+        t = time.perf_counter()
+        host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+        res["torch_pinned_alloc_s"] = time.perf_counter() - t
+        host.fill_(1)
+        dev = torch.empty(n, dtype=torch.uint8, device="cuda")
+        def best(src, reps=5):
+            dev[: src.numel()].copy_(src, non_blocking=True)
+            torch.cuda.synchronize()
+            b = 1e30
+            for _ in range(reps):
+                t = time.perf_counter()
+                dev[: src.numel()].copy_(src, non_blocking=True)
+                torch.cuda.synchronize()
+                b = min(b, time.perf_counter() - t)
+            return src.numel() / 1e9 / b
+        res["torch_h2d_pinned_gbps"] = best(host)
+        pageable = torch.ones(min(n, 256 << 20), dtype=torch.uint8)
+        res["torch_h2d_pageable_gbps"] = best(pageable, 3)
+except Exception as e:  # report, never crash the check
+    res["error"] = repr(e)
+print("torch_reference: " + json.dumps(res))
+EOF
+
+# ---- the rest of the unit suites, if time allows (not part of the verdict's CUDA half)
+if (($(remaining) > 150)); then
+  if run_step build_all 150 "$OUT/build.log" cmake --build "$BUILD" -j "$JOBS"; then
+    run_step ctest_unit 120 "$OUT/tests.log" ctest --test-dir "$BUILD" -L unit -j "$JOBS" --output-on-failure ||
+      TESTS_FAILED=1
+  elif [[ ${RC[build_all]} == 124 ]]; then
+    log "the other unit suites did not build in time: not run (not a failure)"
+  else
+    TESTS_FAILED=1
+  fi
+else
+  log "skipping the other unit suites: $(remaining)s left"
+fi
+
+# ---- verdict
+CUDA_RAN=1
+if grep -q 'no CUDA device' "$OUT/tests.log"; then
+  CUDA_RAN=0
+  log "the CUDA tests SKIPPED: $(grep -m1 -o 'no CUDA device.*' "$OUT/tests.log")"
+fi
+if ((TESTS_FAILED)); then
+  STATUS=tests_failed
+  CODE=1
+elif ((CUDA_RAN == 0)); then
+  STATUS=no_cuda_device
+  CODE=3
+else
+  STATUS=passed
+  CODE=0
+fi
+log "status: $STATUS (total $(($(date +%s) - START))s)"
+write_results "$STATUS" | tee -a "$OUT/gpu-check.log"
+exit $CODE

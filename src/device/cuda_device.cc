@@ -1,0 +1,364 @@
+// The CUDA device (device.h), on the CUDA runtime API alone: no kernels, so
+// this file is plain C++ built by the host compiler against CUDA::cudart.
+// Without PINLOAD_HAVE_CUDA it builds the stubs at the bottom instead.
+//
+// Every call is checked; a failure throws DeviceError (OutOfMemoryError for
+// cudaErrorMemoryAllocation) as "<call> failed on cuda:N: <cudaErrorName>:
+// <cudaGetErrorString>", after clearing the runtime's last-error slot so that
+// a later, unrelated check (torch's, say) is not blamed for it.
+//
+// The current device is per thread in CUDA. Each call here sets this device
+// for its duration and restores the caller's (DeviceGuard), so pinload never
+// changes which device a caller's thread is on.
+#include "pinload/device.h"
+
+#include <string>
+
+#include "pinload/error.h"
+
+#if PINLOAD_HAVE_CUDA
+
+#include <cuda_runtime_api.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <cstdio>
+
+namespace pinload {
+namespace {
+
+constexpr std::size_t kHugePage = 2u << 20;
+
+std::string cuda_message(cudaError_t err) {
+  return std::string(cudaGetErrorName(err)) + ": " + cudaGetErrorString(err);
+}
+
+[[noreturn]] void throw_cuda(const char* call, cudaError_t err, const std::string& where) {
+  (void)cudaGetLastError();  // clear a non-sticky error; sticky ones stay regardless
+  std::string message = std::string(call) + " failed" + (where.empty() ? "" : " on " + where) + ": " +
+                        cuda_message(err);
+  if (err == cudaErrorMemoryAllocation) throw OutOfMemoryError(std::move(message));
+  throw DeviceError(std::move(message));
+}
+
+void check(cudaError_t err, const char* call, const std::string& where) {
+  if (err != cudaSuccess) throw_cuda(call, err, where);
+}
+
+std::string where(int ordinal) { return "cuda:" + std::to_string(ordinal); }
+
+// Makes `ordinal` the calling thread's device for a scope, then restores the
+// previous one.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int ordinal) {
+    check(cudaGetDevice(&previous_), "cudaGetDevice", where(ordinal));
+    if (previous_ != ordinal) {
+      check(cudaSetDevice(ordinal), "cudaSetDevice", where(ordinal));
+      changed_ = true;
+    }
+  }
+  ~DeviceGuard() {
+    if (changed_) (void)cudaSetDevice(previous_);
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = 0;
+  bool changed_ = false;
+};
+
+// The same for noexcept paths (destructors, release): never throws.
+class QuietDeviceGuard {
+ public:
+  explicit QuietDeviceGuard(int ordinal) noexcept {
+    if (cudaGetDevice(&previous_) == cudaSuccess && previous_ != ordinal) {
+      changed_ = cudaSetDevice(ordinal) == cudaSuccess;
+    }
+  }
+  ~QuietDeviceGuard() {
+    if (changed_) (void)cudaSetDevice(previous_);
+  }
+  QuietDeviceGuard(const QuietDeviceGuard&) = delete;
+  QuietDeviceGuard& operator=(const QuietDeviceGuard&) = delete;
+
+ private:
+  int previous_ = 0;
+  bool changed_ = false;
+};
+
+class CudaStream final : public detail::StreamImpl {
+ public:
+  CudaStream(std::uint64_t device, int ordinal) : StreamImpl(device), ordinal_(ordinal) {
+    DeviceGuard guard(ordinal_);
+    check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreateWithFlags", where(ordinal_));
+  }
+  // cudaStreamDestroy returns at once; queued work still completes.
+  ~CudaStream() override {
+    QuietDeviceGuard guard(ordinal_);
+    (void)cudaStreamDestroy(stream);
+  }
+  void synchronize() override {
+    DeviceGuard guard(ordinal_);
+    check(cudaStreamSynchronize(stream), "cudaStreamSynchronize", where(ordinal_));
+  }
+  bool query() override {
+    DeviceGuard guard(ordinal_);
+    const cudaError_t err = cudaStreamQuery(stream);
+    if (err == cudaErrorNotReady) {
+      (void)cudaGetLastError();
+      return false;
+    }
+    check(err, "cudaStreamQuery", where(ordinal_));
+    return true;
+  }
+  int ordinal() const noexcept { return ordinal_; }
+
+  cudaStream_t stream = nullptr;
+
+ private:
+  int ordinal_;
+};
+
+class CudaEvent final : public detail::EventImpl {
+ public:
+  CudaEvent(int ordinal, cudaStream_t stream) : ordinal_(ordinal) {
+    DeviceGuard guard(ordinal_);
+    // BlockingSync: a waiting thread sleeps instead of spinning a core.
+    check(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming | cudaEventBlockingSync), "cudaEventCreateWithFlags",
+          where(ordinal_));
+    const cudaError_t err = cudaEventRecord(event_, stream);
+    if (err != cudaSuccess) {
+      (void)cudaEventDestroy(event_);
+      throw_cuda("cudaEventRecord", err, where(ordinal_));
+    }
+  }
+  ~CudaEvent() override {
+    QuietDeviceGuard guard(ordinal_);
+    (void)cudaEventDestroy(event_);
+  }
+  bool query() override {
+    DeviceGuard guard(ordinal_);
+    const cudaError_t err = cudaEventQuery(event_);
+    if (err == cudaErrorNotReady) {
+      (void)cudaGetLastError();
+      return false;
+    }
+    check(err, "cudaEventQuery", where(ordinal_));
+    return true;
+  }
+  void synchronize() override {
+    DeviceGuard guard(ordinal_);
+    check(cudaEventSynchronize(event_), "cudaEventSynchronize", where(ordinal_));
+  }
+
+ private:
+  int ordinal_;
+  cudaEvent_t event_ = nullptr;
+};
+
+class CudaAllocator final : public DeviceAllocator {
+ public:
+  explicit CudaAllocator(int ordinal) : ordinal_(ordinal) {}
+  void* allocate(std::size_t bytes) override {
+    DeviceGuard guard(ordinal_);
+    void* data = nullptr;
+    check(cudaMalloc(&data, bytes), "cudaMalloc", where(ordinal_) + " (" + std::to_string(bytes) + " bytes)");
+    return data;
+  }
+  void deallocate(void* data, std::size_t) noexcept override {
+    QuietDeviceGuard guard(ordinal_);
+    (void)cudaFree(data);  // fails only at process teardown (cudaErrorCudartUnloading)
+  }
+  std::string_view name() const noexcept override { return "cudaMalloc"; }
+
+ private:
+  int ordinal_;
+};
+
+// cudaHostAlloc(cudaHostAllocPortable): pinned for every device; page-aligned.
+class HostAllocBackend final : public HostMemoryBackend {
+ public:
+  explicit HostAllocBackend(int ordinal) : ordinal_(ordinal) {}
+  HostRange reserve(std::size_t bytes) override {
+    DeviceGuard guard(ordinal_);
+    void* data = nullptr;
+    check(cudaHostAlloc(&data, bytes, cudaHostAllocPortable), "cudaHostAlloc",
+          where(ordinal_) + " (" + std::to_string(bytes) + " bytes)");
+    if (reinterpret_cast<std::uintptr_t>(data) % alignment() != 0) {
+      (void)cudaFreeHost(data);
+      throw DeviceError("cudaHostAlloc returned memory that is not page-aligned");
+    }
+    return HostRange{data, bytes, /*locked=*/true, /*huge_pages=*/false};
+  }
+  void release(const HostRange& range) noexcept override {
+    QuietDeviceGuard guard(ordinal_);
+    (void)cudaFreeHost(range.data);
+  }
+  std::size_t alignment() const noexcept override { return static_cast<std::size_t>(::sysconf(_SC_PAGESIZE)); }
+  std::string_view name() const noexcept override { return "cuda-host-alloc"; }
+
+ private:
+  int ordinal_;
+};
+
+// mmap (huge pages as asked) + cudaHostRegister(cudaHostRegisterPortable).
+class HostRegisterBackend final : public HostMemoryBackend {
+ public:
+  HostRegisterBackend(int ordinal, Env* env, HugePages huge_pages)
+      : ordinal_(ordinal), env_(env), huge_pages_(huge_pages) {}
+  HostRange reserve(std::size_t bytes) override {
+    HostRange range;
+    range.bytes = bytes;
+    int err = 0;
+    if (huge_pages_ == HugePages::kExplicit && bytes % kHugePage == 0) {
+      range.data = env_->map_anonymous(bytes, MAP_HUGETLB, &err);
+      range.huge_pages = range.data != nullptr;
+    }
+    if (range.data == nullptr) {
+      range.data = env_->map_anonymous(bytes, 0, &err);
+      if (range.data == nullptr) throw_os_error("cannot map " + std::to_string(bytes) + " bytes of host memory", err);
+      if (huge_pages_ != HugePages::kOff) env_->advise(range.data, bytes, MADV_HUGEPAGE);
+    }
+    DeviceGuard guard(ordinal_);
+    const cudaError_t rc = cudaHostRegister(range.data, bytes, cudaHostRegisterPortable);
+    if (rc != cudaSuccess) {
+      env_->unmap(range.data, bytes);
+      throw_cuda("cudaHostRegister", rc, where(ordinal_) + " (" + std::to_string(bytes) + " bytes)");
+    }
+    range.locked = true;
+    return range;
+  }
+  void release(const HostRange& range) noexcept override {
+    {
+      QuietDeviceGuard guard(ordinal_);
+      (void)cudaHostUnregister(range.data);
+    }
+    env_->unmap(range.data, range.bytes);
+  }
+  std::size_t alignment() const noexcept override {
+    return huge_pages_ == HugePages::kOff ? static_cast<std::size_t>(::sysconf(_SC_PAGESIZE)) : kHugePage;
+  }
+  std::string_view name() const noexcept override { return "cuda-host-register"; }
+
+ private:
+  int ordinal_;
+  Env* env_;
+  HugePages huge_pages_;
+};
+
+class CudaDevice final : public Device {
+ public:
+  explicit CudaDevice(int ordinal)
+      : ordinal_(ordinal), name_(where(ordinal)), allocator_(std::make_shared<CudaAllocator>(ordinal)) {
+    DeviceGuard guard(ordinal_);
+    check(cudaFree(nullptr), "cudaFree(nullptr) (context creation)", name_);  // create the context now
+    cudaDeviceProp prop{};
+    check(cudaGetDeviceProperties(&prop, ordinal_), "cudaGetDeviceProperties", name_);
+    char gib[32];
+    std::snprintf(gib, sizeof gib, "%.1f GiB", static_cast<double>(prop.totalGlobalMem) / (1u << 30));
+    description_ = std::string(prop.name) + " (" + name_ + ", " + gib + ", cc " + std::to_string(prop.major) + "." +
+                   std::to_string(prop.minor) + ", " + std::to_string(prop.asyncEngineCount) + " copy engines)";
+  }
+
+  const std::string& name() const noexcept override { return name_; }
+  std::string description() const override { return description_; }
+  DeviceKind kind() const noexcept override { return DeviceKind::kCuda; }
+
+  std::unique_ptr<HostMemoryBackend> make_pinned_backend(PinnedMemoryOptions options) override {
+    if (options.method == PinMethod::kHostRegister) {
+      return std::make_unique<HostRegisterBackend>(ordinal_, options.env != nullptr ? options.env : default_env(),
+                                                   options.huge_pages);
+    }
+    return std::make_unique<HostAllocBackend>(ordinal_);
+  }
+
+  std::shared_ptr<DeviceAllocator> default_allocator() const override { return allocator_; }
+
+  Stream create_stream() override { return Stream(std::make_unique<CudaStream>(id(), ordinal_)); }
+
+  void synchronize() override {
+    DeviceGuard guard(ordinal_);
+    check(cudaDeviceSynchronize(), "cudaDeviceSynchronize", name_);
+  }
+
+ protected:
+  Event do_record(Stream& stream) override {
+    return Event(std::make_unique<CudaEvent>(ordinal_, static_cast<CudaStream*>(stream.impl())->stream));
+  }
+
+  void do_copy_to_device_async(void* dst, const void* src, std::size_t bytes, Stream& stream) override {
+    DeviceGuard guard(ordinal_);
+    check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, static_cast<CudaStream*>(stream.impl())->stream),
+          "cudaMemcpyAsync", name_);
+  }
+
+  void do_copy_to_host(void* dst, const void* src, std::size_t bytes) override {
+    DeviceGuard guard(ordinal_);
+    check(cudaDeviceSynchronize(), "cudaDeviceSynchronize", name_);
+    check(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost), "cudaMemcpy", name_);
+  }
+
+ private:
+  int ordinal_;
+  std::string name_;
+  std::string description_;
+  std::shared_ptr<CudaAllocator> allocator_;
+};
+
+}  // namespace
+
+bool built_with_cuda() noexcept { return true; }
+
+bool cuda_available(std::string* why) {
+  int count = 0;
+  const cudaError_t err = cudaGetDeviceCount(&count);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    if (why != nullptr) *why = cudaGetErrorString(err);
+    return false;
+  }
+  if (count == 0) {
+    if (why != nullptr) *why = "no CUDA device is visible";
+    return false;
+  }
+  if (why != nullptr) why->clear();
+  return true;
+}
+
+std::unique_ptr<Device> open_cuda_device(int ordinal) {
+  int count = 0;
+  const cudaError_t err = cudaGetDeviceCount(&count);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    throw DeviceError("cannot open " + where(ordinal) + ": no CUDA device: " + cudaGetErrorString(err) +
+                      " (cudaGetDeviceCount: " + cudaGetErrorName(err) + ")");
+  }
+  if (ordinal < 0 || ordinal >= count) {
+    throw DeviceError("cannot open " + where(ordinal) + ": " + std::to_string(count) + " CUDA device(s) visible");
+  }
+  return std::make_unique<CudaDevice>(ordinal);
+}
+
+}  // namespace pinload
+
+#else  // !PINLOAD_HAVE_CUDA
+
+namespace pinload {
+
+bool built_with_cuda() noexcept { return false; }
+
+bool cuda_available(std::string* why) {
+  if (why != nullptr) *why = "built without CUDA";
+  return false;
+}
+
+std::unique_ptr<Device> open_cuda_device(int ordinal) {
+  throw DeviceError("cannot open cuda:" + std::to_string(ordinal) + ": pinload was built without CUDA");
+}
+
+}  // namespace pinload
+
+#endif  // PINLOAD_HAVE_CUDA

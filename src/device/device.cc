@@ -1,0 +1,121 @@
+// The backend-independent half of device.h: handles, checks, open_device.
+#include "pinload/device.h"
+
+#include <atomic>
+#include <charconv>
+#include <string>
+
+#include "pinload/error.h"
+
+namespace pinload {
+namespace {
+
+std::atomic<std::uint64_t> g_next_device_id{1};
+
+void check_range(const char* what, std::size_t offset, std::size_t bytes, std::size_t size) {
+  if (offset > size || bytes > size - offset) {
+    throw InvalidFileError(std::string(what) + " of " + std::to_string(bytes) + " bytes at offset " +
+                           std::to_string(offset) + " leaves the device buffer of " + std::to_string(size) +
+                           " bytes");
+  }
+}
+
+}  // namespace
+
+void Stream::synchronize() {
+  if (!impl_) throw InvalidFileError("synchronize on an empty Stream");
+  impl_->synchronize();
+}
+
+bool Stream::query() {
+  if (!impl_) throw InvalidFileError("query on an empty Stream");
+  return impl_->query();
+}
+
+bool Event::query() {
+  if (!impl_) throw InvalidFileError("query on an empty Event");
+  return impl_->query();
+}
+
+void Event::synchronize() {
+  if (!impl_) throw InvalidFileError("synchronize on an empty Event");
+  impl_->synchronize();
+}
+
+Device::Device() : id_(g_next_device_id.fetch_add(1, std::memory_order_relaxed)) {}
+Device::~Device() = default;
+
+void Device::set_allocator(std::shared_ptr<DeviceAllocator> allocator) {
+  std::lock_guard lock(allocator_mu_);
+  allocator_ = std::move(allocator);
+}
+
+std::shared_ptr<DeviceAllocator> Device::allocator() const {
+  {
+    std::lock_guard lock(allocator_mu_);
+    if (allocator_) return allocator_;
+  }
+  return default_allocator();
+}
+
+std::shared_ptr<DeviceBuffer> Device::allocate(std::size_t bytes) {
+  if (bytes == 0) throw InvalidFileError("device allocation of 0 bytes on " + name());
+  std::shared_ptr<DeviceAllocator> alloc = allocator();
+  void* data = alloc->allocate(bytes);
+  try {
+    return std::make_shared<DeviceBuffer>(id_, data, bytes,
+                                          [alloc](void* d, std::size_t n) { alloc->deallocate(d, n); });
+  } catch (...) {
+    alloc->deallocate(data, bytes);
+    throw;
+  }
+}
+
+std::shared_ptr<DeviceBuffer> Device::wrap(void* data, std::size_t bytes, DeviceBuffer::Release release) {
+  if (data == nullptr && bytes != 0) throw InvalidFileError("wrap of a null device pointer on " + name());
+  return std::make_shared<DeviceBuffer>(id_, data, bytes, std::move(release));
+}
+
+void Device::check_stream(const Stream& stream) const {
+  if (!stream.valid()) throw InvalidFileError("empty Stream given to " + name());
+  if (stream.impl()->device_id() != id_) throw InvalidFileError("a Stream of another device given to " + name());
+}
+
+Event Device::record(Stream& stream) {
+  check_stream(stream);
+  return do_record(stream);
+}
+
+void Device::copy_to_device_async(DeviceBuffer& dst, std::size_t dst_offset, const void* src, std::size_t bytes,
+                                  Stream& stream) {
+  check_stream(stream);
+  if (dst.device_id() != id_) throw InvalidFileError("a DeviceBuffer of another device given to " + name());
+  check_range("host-to-device copy", dst_offset, bytes, dst.size());
+  if (bytes == 0) return;
+  if (src == nullptr) throw InvalidFileError("host-to-device copy from a null pointer");
+  do_copy_to_device_async(static_cast<std::byte*>(dst.data()) + dst_offset, src, bytes, stream);
+}
+
+void Device::copy_to_host(void* dst, const DeviceBuffer& src, std::size_t src_offset, std::size_t bytes) {
+  if (src.device_id() != id_) throw InvalidFileError("a DeviceBuffer of another device given to " + name());
+  check_range("device-to-host copy", src_offset, bytes, src.size());
+  if (bytes == 0) return;
+  if (dst == nullptr) throw InvalidFileError("device-to-host copy to a null pointer");
+  do_copy_to_host(dst, static_cast<const std::byte*>(src.data()) + src_offset, bytes);
+}
+
+std::unique_ptr<Device> open_device(std::string_view spec) {
+  if (spec == "cpu" || spec == "sim") return make_sim_device();
+  if (spec == "cuda") return open_cuda_device(0);
+  if (spec.starts_with("cuda:")) {
+    std::string_view digits = spec.substr(5);
+    int ordinal = -1;
+    auto [end, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), ordinal);
+    if (!digits.empty() && ec == std::errc() && end == digits.data() + digits.size() && ordinal >= 0) {
+      return open_cuda_device(ordinal);
+    }
+  }
+  throw InvalidFileError("unknown device '" + std::string(spec) + "': expected cpu, sim, cuda or cuda:N");
+}
+
+}  // namespace pinload

@@ -1,0 +1,288 @@
+// The CPU stand-in device ("sim"): see device.h.
+//
+// Each stream is a FIFO of copies numbered 1, 2, ... and run in order by a
+// thread of its own. An event is a number: it completes once the stream has
+// finished the copy of that number (every copy queued before the event). A
+// failed copy makes the stream fail from that copy on, as a sticky CUDA error
+// would: later copies are skipped, and events at or after it throw.
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <new>
+#include <optional>
+#include <thread>
+#include <vector>
+
+#include "pinload/device.h"
+#include "pinload/error.h"
+
+namespace pinload {
+namespace {
+
+constexpr std::size_t kSimAlignment = 4096;
+constexpr unsigned char kPoison = 0xA5;  // fresh sim device memory, so a missed copy shows
+
+class SimStreamCore {
+ public:
+  SimStreamCore(std::shared_ptr<const SimDeviceOptions> options, std::string device_name)
+      : options_(std::move(options)), device_name_(std::move(device_name)) {
+    thread_ = std::thread([this] { run(); });
+  }
+  ~SimStreamCore() { shut_down(); }
+
+  // Lets queued copies finish, then joins. Idempotent.
+  void shut_down() {
+    {
+      std::lock_guard lock(mu_);
+      if (stop_) return;
+      stop_ = true;
+    }
+    work_.notify_all();
+    thread_.join();
+  }
+
+  void enqueue_copy(void* dst, const void* src, std::size_t bytes) {
+    {
+      std::lock_guard lock(mu_);
+      throw_if_failed_locked(UINT64_MAX, "cudaMemcpyAsync (sim)");
+      if (stop_) throw DeviceError("copy queued on a destroyed sim stream");
+      queue_.push_back(Task{++enqueued_, dst, src, bytes});
+    }
+    work_.notify_one();
+  }
+
+  // The number an event recorded now waits for.
+  std::uint64_t mark() {
+    std::lock_guard lock(mu_);
+    throw_if_failed_locked(UINT64_MAX, "cudaEventRecord (sim)");
+    return enqueued_;
+  }
+
+  bool reached(std::uint64_t seq) {
+    std::lock_guard lock(mu_);
+    throw_if_failed_locked(seq, "cudaEventQuery (sim)");
+    return completed_ >= seq;
+  }
+
+  void wait_for(std::uint64_t seq, const char* call) {
+    std::unique_lock lock(mu_);
+    done_.wait(lock, [&] { return completed_ >= seq; });
+    throw_if_failed_locked(seq, call);
+  }
+
+  void synchronize() {
+    std::uint64_t target;
+    {
+      std::lock_guard lock(mu_);
+      target = enqueued_;
+    }
+    wait_for(target, "cudaStreamSynchronize (sim)");
+  }
+
+  bool idle() {
+    std::lock_guard lock(mu_);
+    throw_if_failed_locked(UINT64_MAX, "cudaStreamQuery (sim)");
+    return completed_ >= enqueued_;
+  }
+
+ private:
+  struct Task {
+    std::uint64_t seq;
+    void* dst;
+    const void* src;
+    std::size_t bytes;
+  };
+
+  // Work numbered `seq` or earlier is affected when the failure came at or
+  // before it.
+  void throw_if_failed_locked(std::uint64_t seq, const char* call) const {
+    if (failed_at_ && *failed_at_ <= seq) {
+      throw DeviceError(std::string(call) + " failed on " + device_name_ + ": an earlier copy failed: " + error_);
+    }
+  }
+
+  void run() {
+    std::unique_lock lock(mu_);
+    for (;;) {
+      work_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stop_ and drained
+      Task task = queue_.front();
+      queue_.pop_front();
+      const bool skip = failed_at_.has_value();
+      lock.unlock();
+      std::string error;
+      if (!skip) {
+        try {
+          copy(task);
+        } catch (const std::exception& e) {
+          error = e.what();
+          if (error.empty()) error = "copy failed";
+        } catch (...) {
+          error = "copy failed";
+        }
+      }
+      lock.lock();
+      if (!error.empty() && !failed_at_) {
+        failed_at_ = task.seq;
+        error_ = std::move(error);
+      }
+      completed_ = task.seq;
+      done_.notify_all();
+    }
+  }
+
+  void copy(const Task& task) const {
+    const SimDeviceOptions& o = *options_;
+    if (o.before_copy) o.before_copy(task.bytes);
+    auto delay = std::chrono::duration_cast<std::chrono::nanoseconds>(o.copy_delay);
+    if (o.bytes_per_second != 0) {
+      delay += std::chrono::nanoseconds(static_cast<std::int64_t>(
+          static_cast<double>(task.bytes) * 1e9 / static_cast<double>(o.bytes_per_second)));
+    }
+    if (delay.count() > 0) std::this_thread::sleep_for(delay);
+    std::memcpy(task.dst, task.src, task.bytes);
+  }
+
+  const std::shared_ptr<const SimDeviceOptions> options_;
+  const std::string device_name_;
+  std::mutex mu_;
+  std::condition_variable work_;  // queue_ grew, or stop_
+  std::condition_variable done_;  // completed_ grew
+  std::deque<Task> queue_;
+  std::uint64_t enqueued_ = 0;
+  std::uint64_t completed_ = 0;
+  std::optional<std::uint64_t> failed_at_;
+  std::string error_;
+  bool stop_ = false;
+  std::thread thread_;  // last: started once everything above exists
+};
+
+class SimStream final : public detail::StreamImpl {
+ public:
+  SimStream(std::uint64_t device, std::shared_ptr<SimStreamCore> stream_core)
+      : StreamImpl(device), core(std::move(stream_core)) {}
+  ~SimStream() override { core->shut_down(); }
+  void synchronize() override { core->synchronize(); }
+  bool query() override { return core->idle(); }
+  const std::shared_ptr<SimStreamCore> core;
+};
+
+class SimEvent final : public detail::EventImpl {
+ public:
+  SimEvent(std::shared_ptr<SimStreamCore> core, std::uint64_t seq) : core_(std::move(core)), seq_(seq) {}
+  bool query() override { return core_->reached(seq_); }
+  void synchronize() override { core_->wait_for(seq_, "cudaEventSynchronize (sim)"); }
+
+ private:
+  std::shared_ptr<SimStreamCore> core_;  // outlives the stream: a joined core still answers
+  std::uint64_t seq_;
+};
+
+class SimAllocator final : public DeviceAllocator {
+ public:
+  explicit SimAllocator(std::uint64_t limit) : limit_(limit) {}
+
+  void* allocate(std::size_t bytes) override {
+    if (bytes == 0) bytes = 1;
+    if (limit_ != 0) {
+      std::uint64_t used = used_.load(std::memory_order_relaxed);
+      do {
+        if (bytes > limit_ - used) {
+          throw OutOfMemoryError("sim device memory exhausted: " + std::to_string(bytes) + " bytes requested, " +
+                                 std::to_string(limit_ - used) + " of " + std::to_string(limit_) + " free");
+        }
+      } while (!used_.compare_exchange_weak(used, used + bytes, std::memory_order_relaxed));
+    }
+    void* data = ::operator new(bytes, std::align_val_t{kSimAlignment}, std::nothrow);
+    if (data == nullptr) {
+      if (limit_ != 0) used_.fetch_sub(bytes, std::memory_order_relaxed);
+      throw OutOfMemoryError("sim device allocation of " + std::to_string(bytes) + " bytes failed");
+    }
+    std::memset(data, kPoison, bytes);
+    return data;
+  }
+
+  void deallocate(void* data, std::size_t bytes) noexcept override {
+    if (bytes == 0) bytes = 1;
+    ::operator delete(data, std::align_val_t{kSimAlignment});
+    if (limit_ != 0) used_.fetch_sub(bytes, std::memory_order_relaxed);
+  }
+
+  std::string_view name() const noexcept override { return "sim-host"; }
+
+ private:
+  const std::uint64_t limit_;
+  std::atomic<std::uint64_t> used_{0};
+};
+
+class SimDevice final : public Device {
+ public:
+  explicit SimDevice(SimDeviceOptions options)
+      : options_(std::make_shared<const SimDeviceOptions>(std::move(options))),
+        allocator_(std::make_shared<SimAllocator>(options_->memory_bytes)) {}
+
+  const std::string& name() const noexcept override { return name_; }
+  std::string description() const override { return "CPU stand-in device (sim): streams are threads, copies memcpy"; }
+  DeviceKind kind() const noexcept override { return DeviceKind::kSim; }
+
+  std::unique_ptr<HostMemoryBackend> make_pinned_backend(PinnedMemoryOptions options) override {
+    LockedMemoryOptions locked;
+    locked.huge_pages = options.huge_pages;
+    return make_locked_memory_backend(options.env != nullptr ? options.env : default_env(), locked);
+  }
+
+  std::shared_ptr<DeviceAllocator> default_allocator() const override { return allocator_; }
+
+  Stream create_stream() override {
+    auto core = std::make_shared<SimStreamCore>(options_, name_);
+    {
+      std::lock_guard lock(mu_);
+      std::erase_if(streams_, [](const std::weak_ptr<SimStreamCore>& w) { return w.expired(); });
+      streams_.push_back(core);
+    }
+    return Stream(std::make_unique<SimStream>(id(), std::move(core)));
+  }
+
+  void synchronize() override {
+    std::vector<std::shared_ptr<SimStreamCore>> live;
+    {
+      std::lock_guard lock(mu_);
+      for (const auto& w : streams_) {
+        if (auto core = w.lock()) live.push_back(std::move(core));
+      }
+    }
+    for (const auto& core : live) core->synchronize();
+  }
+
+ protected:
+  Event do_record(Stream& stream) override {
+    auto& core = static_cast<SimStream*>(stream.impl())->core;
+    return Event(std::make_unique<SimEvent>(core, core->mark()));
+  }
+
+  void do_copy_to_device_async(void* dst, const void* src, std::size_t bytes, Stream& stream) override {
+    static_cast<SimStream*>(stream.impl())->core->enqueue_copy(dst, src, bytes);
+  }
+
+  void do_copy_to_host(void* dst, const void* src, std::size_t bytes) override {
+    synchronize();
+    std::memcpy(dst, src, bytes);
+  }
+
+ private:
+  const std::string name_ = "sim";
+  const std::shared_ptr<const SimDeviceOptions> options_;
+  const std::shared_ptr<SimAllocator> allocator_;
+  std::mutex mu_;
+  std::vector<std::weak_ptr<SimStreamCore>> streams_;
+};
+
+}  // namespace
+
+std::unique_ptr<Device> make_sim_device(SimDeviceOptions options) {
+  return std::make_unique<SimDevice>(std::move(options));
+}
+
+}  // namespace pinload

@@ -1,0 +1,512 @@
+// Tests of the device seam (pinload/device.h): the contract on every device
+// ("sim" always; "cuda:0" where a GPU is, skipped with the reason elsewhere),
+// then what only the CPU stand-in can show (held, slowed and failed copies).
+#include "pinload/device.h"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "device_test_util.h"
+#include "pinload/error.h"
+#include "pinload/pool.h"
+
+namespace pinload {
+namespace {
+
+using testing::Gate;
+using testing::make_pattern;
+using testing::OpenOnExit;
+using Clock = std::chrono::steady_clock;
+
+constexpr std::size_t KiB = 1024;
+constexpr std::size_t MiB = 1024 * KiB;
+
+std::vector<std::byte> read_back(Device& device, const DeviceBuffer& buffer, std::size_t offset, std::size_t bytes) {
+  std::vector<std::byte> out(bytes);
+  device.copy_to_host(out.data(), buffer, offset, bytes);
+  return out;
+}
+
+// ---------------------------------------------------------------- factory
+
+TEST(OpenDevice, SimAndCpuAreTheStandIn) {
+  for (const char* spec : {"sim", "cpu"}) {
+    auto device = open_device(spec);
+    ASSERT_NE(device, nullptr);
+    EXPECT_EQ(device->kind(), DeviceKind::kSim);
+    EXPECT_EQ(device->name(), "sim");
+    EXPECT_FALSE(device->description().empty());
+  }
+}
+
+TEST(OpenDevice, EachDeviceHasItsOwnId) {
+  auto a = open_device("sim");
+  auto b = open_device("sim");
+  EXPECT_NE(a->id(), b->id());
+}
+
+TEST(OpenDevice, MalformedSpecsAreArgumentErrors) {
+  for (const char* spec : {"", "gpu", "cuda:", "cuda:x", "cuda:-1", "cuda:0x", "cuda:1.5", " sim", "CUDA:0"}) {
+    EXPECT_THROW(open_device(spec), InvalidFileError) << "spec '" << spec << "'";
+  }
+}
+
+TEST(OpenDevice, AbsentCudaDeviceIsADeviceErrorWithTheReason) {
+  // Ordinal 4095 exists nowhere: with or without a GPU, a clean DeviceError.
+  try {
+    open_device("cuda:4095");
+    FAIL() << "cuda:4095 opened";
+  } catch (const DeviceError& e) {
+    EXPECT_NE(std::string(e.what()).find("cuda:4095"), std::string::npos) << e.what();
+  }
+}
+
+TEST(CudaAvailability, ReasonMatchesWhatOpenSays) {
+  std::string why;
+  const bool available = cuda_available(&why);
+  if (available) {
+    EXPECT_TRUE(built_with_cuda());
+    EXPECT_TRUE(why.empty()) << why;
+    auto device = open_device("cuda");
+    EXPECT_EQ(device->name(), "cuda:0");
+    EXPECT_EQ(device->kind(), DeviceKind::kCuda);
+    return;
+  }
+  ASSERT_FALSE(why.empty());
+  if (!built_with_cuda()) {
+    EXPECT_EQ(why, "built without CUDA");
+  }
+  try {
+    open_device("cuda:0");
+    FAIL() << "cuda:0 opened although cuda_available() said: " << why;
+  } catch (const DeviceError& e) {
+    EXPECT_NE(std::string(e.what()).find(why), std::string::npos) << e.what() << " vs " << why;
+  }
+  EXPECT_EQ(cuda_available(nullptr), false);  // a null reason is fine too
+}
+
+// ------------------------------------------------------- the contract, per device
+
+class DeviceContract : public ::testing::TestWithParam<const char*> {
+ protected:
+  void SetUp() override {
+    std::string why;
+    device_ = testing::open_or_skip_reason(GetParam(), &why);
+    if (!device_) GTEST_SKIP() << why;
+  }
+  std::unique_ptr<Device> device_;
+};
+
+TEST_P(DeviceContract, CopyRoundTripsAtOddOffsetsAndSizes) {
+  Device& d = *device_;
+  const std::size_t size = 1 * MiB + 13;
+  auto buffer = d.allocate(size);
+  ASSERT_EQ(buffer->size(), size);
+  ASSERT_EQ(buffer->device_id(), d.id());
+  const auto source = make_pattern(size, 1);
+  Stream stream = d.create_stream();
+  // Three pieces, each at an odd offset, the last one ending at the very end.
+  d.copy_to_device_async(*buffer, 0, source.data(), 7, stream);
+  d.copy_to_device_async(*buffer, 7, source.data() + 7, 500 * KiB + 1, stream);
+  d.copy_to_device_async(*buffer, 7 + 500 * KiB + 1, source.data() + 7 + 500 * KiB + 1, size - 7 - 500 * KiB - 1,
+                         stream);
+  stream.synchronize();
+  EXPECT_TRUE(stream.query());
+  EXPECT_EQ(read_back(d, *buffer, 0, size), source);
+  // A read-back at an odd offset too.
+  const auto middle = read_back(d, *buffer, 4097, 333);
+  EXPECT_EQ(0, std::memcmp(middle.data(), source.data() + 4097, 333));
+}
+
+TEST_P(DeviceContract, ManyStreamsFillDisjointRanges) {
+  Device& d = *device_;
+  std::mt19937_64 rng(42);
+  const std::size_t size = 3 * MiB + 1;
+  auto buffer = d.allocate(size);
+  const auto source = make_pattern(size, 2);
+  std::vector<Stream> streams;
+  for (int i = 0; i < 4; ++i) streams.push_back(d.create_stream());
+  std::size_t offset = 0;
+  int i = 0;
+  while (offset < size) {
+    const std::size_t n = std::min<std::size_t>(size - offset, 1 + rng() % (300 * KiB));
+    d.copy_to_device_async(*buffer, offset, source.data() + offset, n, streams[i++ % streams.size()]);
+    offset += n;
+  }
+  for (Stream& s : streams) s.synchronize();
+  EXPECT_EQ(read_back(d, *buffer, 0, size), source);
+}
+
+TEST_P(DeviceContract, CopiesOnOneStreamRunInOrder) {
+  Device& d = *device_;
+  const std::size_t n = 256 * KiB;
+  auto buffer = d.allocate(n);
+  const auto first = make_pattern(n, 3);
+  const auto second = make_pattern(n, 4);
+  Stream stream = d.create_stream();
+  for (int round = 0; round < 5; ++round) {
+    d.copy_to_device_async(*buffer, 0, first.data(), n, stream);
+    d.copy_to_device_async(*buffer, 0, second.data(), n, stream);
+  }
+  Event event = d.record(stream);
+  event.synchronize();
+  EXPECT_TRUE(event.query());
+  EXPECT_EQ(read_back(d, *buffer, 0, n), second);
+}
+
+TEST_P(DeviceContract, AnEventCompletesOnlyAfterEarlierOnes) {
+  Device& d = *device_;
+  const std::size_t n = 4 * MiB;
+  auto buffer = d.allocate(n);
+  const auto source = make_pattern(n, 5);
+  Stream stream = d.create_stream();
+  std::vector<Event> events;
+  for (int i = 0; i < 8; ++i) {
+    d.copy_to_device_async(*buffer, 0, source.data(), n, stream);
+    events.push_back(d.record(stream));
+  }
+  // Whenever an event has completed, every earlier one has too.
+  for (int poll = 0; poll < 1000; ++poll) {
+    bool later_done = false;
+    for (std::size_t i = events.size(); i-- > 0;) {
+      const bool done = events[i].query();
+      if (later_done) {
+        ASSERT_TRUE(done) << "event " << i << " pending after a later one completed";
+      }
+      later_done = later_done || done;
+    }
+    if (later_done && events.front().query() && events.back().query()) break;
+  }
+  events.back().synchronize();
+  for (Event& e : events) EXPECT_TRUE(e.query());
+}
+
+TEST_P(DeviceContract, AnEventOnAnIdleStreamIsComplete) {
+  Stream stream = device_->create_stream();
+  Event event = device_->record(stream);
+  event.synchronize();
+  EXPECT_TRUE(event.query());
+  EXPECT_TRUE(stream.query());
+}
+
+TEST_P(DeviceContract, RangesOutsideTheBufferAreErrorsNotCrashes) {
+  Device& d = *device_;
+  auto buffer = d.allocate(4096);
+  const auto source = make_pattern(8192, 6);
+  Stream stream = d.create_stream();
+  EXPECT_THROW(d.copy_to_device_async(*buffer, 0, source.data(), 4097, stream), InvalidFileError);
+  EXPECT_THROW(d.copy_to_device_async(*buffer, 1, source.data(), 4096, stream), InvalidFileError);
+  EXPECT_THROW(d.copy_to_device_async(*buffer, 4097, source.data(), 0, stream), InvalidFileError);
+  const std::size_t huge = std::numeric_limits<std::size_t>::max();
+  EXPECT_THROW(d.copy_to_device_async(*buffer, huge, source.data(), 2, stream), InvalidFileError);
+  EXPECT_THROW(d.copy_to_device_async(*buffer, 2, source.data(), huge, stream), InvalidFileError);
+  EXPECT_THROW(d.copy_to_device_async(*buffer, 0, nullptr, 16, stream), InvalidFileError);
+  std::vector<std::byte> out(8192);
+  EXPECT_THROW(d.copy_to_host(out.data(), *buffer, 0, 4097), InvalidFileError);
+  EXPECT_THROW(d.copy_to_host(out.data(), *buffer, huge, 1), InvalidFileError);
+  // Every refused copy queued nothing; a zero-byte copy at the end is legal.
+  d.copy_to_device_async(*buffer, 4096, source.data(), 0, stream);
+  d.copy_to_device_async(*buffer, 0, source.data(), 4096, stream);
+  stream.synchronize();
+  EXPECT_EQ(read_back(d, *buffer, 0, 4096), std::vector<std::byte>(source.begin(), source.begin() + 4096));
+}
+
+TEST_P(DeviceContract, ObjectsOfAnotherDeviceOrEmptyHandlesAreRefused) {
+  Device& d = *device_;
+  auto other = make_sim_device();
+  auto foreign_buffer = other->allocate(64);
+  Stream foreign_stream = other->create_stream();
+  auto buffer = d.allocate(64);
+  Stream stream = d.create_stream();
+  std::byte src[64] = {};
+  EXPECT_THROW(d.copy_to_device_async(*foreign_buffer, 0, src, 64, stream), InvalidFileError);
+  EXPECT_THROW(d.copy_to_device_async(*buffer, 0, src, 64, foreign_stream), InvalidFileError);
+  EXPECT_THROW(d.record(foreign_stream), InvalidFileError);
+  EXPECT_THROW(d.copy_to_host(src, *foreign_buffer, 0, 64), InvalidFileError);
+  Stream empty;
+  EXPECT_FALSE(empty.valid());
+  EXPECT_THROW(d.copy_to_device_async(*buffer, 0, src, 64, empty), InvalidFileError);
+  EXPECT_THROW(d.record(empty), InvalidFileError);
+  EXPECT_THROW(empty.synchronize(), InvalidFileError);
+  Event no_event;
+  EXPECT_THROW(no_event.query(), InvalidFileError);
+  EXPECT_THROW(d.allocate(0), InvalidFileError);
+}
+
+TEST_P(DeviceContract, PinnedBackendFeedsAPool) {
+  Device& d = *device_;
+  std::vector<PinnedMemoryOptions> variants(1);
+  if (d.kind() == DeviceKind::kCuda) variants.push_back(PinnedMemoryOptions{PinMethod::kHostRegister});
+  for (const PinnedMemoryOptions& options : variants) {
+    auto pool = Pool::create(d.make_pinned_backend(options), PoolOptions{.slab_bytes = 4 * MiB});
+    auto block = pool->allocate(3 * MiB + 5);
+    ASSERT_EQ(reinterpret_cast<std::uintptr_t>(block->data()) % 4096, 0u);
+    if (d.kind() == DeviceKind::kCuda) {
+      EXPECT_TRUE(block->locked()) << pool->backend_name();
+    }
+    testing::fill_pattern(block->data(), block->size(), 7);
+    auto buffer = d.allocate(block->size());
+    Stream stream = d.create_stream();
+    d.copy_to_device_async(*buffer, 0, block->data(), block->size(), stream);
+    stream.synchronize();
+    const auto back = read_back(d, *buffer, 0, block->size());
+    EXPECT_EQ(0, std::memcmp(back.data(), block->data(), block->size())) << pool->backend_name();
+  }
+}
+
+// Counts what passes through to the device's own allocator.
+class CountingAllocator final : public DeviceAllocator {
+ public:
+  explicit CountingAllocator(std::shared_ptr<DeviceAllocator> inner) : inner_(std::move(inner)) {}
+  void* allocate(std::size_t bytes) override {
+    allocations++;
+    bytes_live += bytes;
+    return inner_->allocate(bytes);
+  }
+  void deallocate(void* data, std::size_t bytes) noexcept override {
+    frees++;
+    bytes_live -= bytes;
+    inner_->deallocate(data, bytes);
+  }
+  std::string_view name() const noexcept override { return "counting"; }
+  std::atomic<int> allocations{0}, frees{0};
+  std::atomic<std::int64_t> bytes_live{0};
+
+ private:
+  std::shared_ptr<DeviceAllocator> inner_;
+};
+
+TEST_P(DeviceContract, ACallersAllocatorServesAllocate) {
+  Device& d = *device_;
+  auto counting = std::make_shared<CountingAllocator>(d.default_allocator());
+  d.set_allocator(counting);
+  EXPECT_EQ(d.allocator()->name(), "counting");
+  {
+    auto a = d.allocate(1000);
+    auto b = d.allocate(5000);
+    EXPECT_EQ(counting->allocations, 2);
+    EXPECT_EQ(counting->bytes_live, 6000);
+    // The buffer works like any other.
+    const auto source = make_pattern(1000, 8);
+    Stream stream = d.create_stream();
+    d.copy_to_device_async(*a, 0, source.data(), 1000, stream);
+    stream.synchronize();
+    EXPECT_EQ(read_back(d, *a, 0, 1000), source);
+    d.set_allocator(nullptr);  // buffers already made keep theirs
+  }
+  EXPECT_EQ(counting->frees, 2);
+  EXPECT_EQ(counting->bytes_live, 0);
+  auto c = d.allocate(10);
+  EXPECT_EQ(counting->allocations, 2);
+  EXPECT_NE(d.allocator()->name(), "counting");
+}
+
+TEST_P(DeviceContract, WrappedMemoryIsReleasedOnce) {
+  Device& d = *device_;
+  auto owner = d.allocate(4096);
+  int releases = 0;
+  {
+    auto view = d.wrap(owner->data(), 4096, [&](void* p, std::size_t n) {
+      EXPECT_EQ(p, owner->data());
+      EXPECT_EQ(n, 4096u);
+      releases++;
+    });
+    const auto source = make_pattern(4096, 9);
+    Stream stream = d.create_stream();
+    d.copy_to_device_async(*view, 0, source.data(), 4096, stream);
+    stream.synchronize();
+    EXPECT_EQ(read_back(d, *owner, 0, 4096), source);
+  }
+  EXPECT_EQ(releases, 1);
+}
+
+INSTANTIATE_TEST_SUITE_P(Devices, DeviceContract, ::testing::ValuesIn(testing::kDeviceSpecs),
+                         testing::device_param_name);
+
+// ----------------------------------------------------------- sim only
+
+TEST(SimDevice, FreshMemoryIsPoisonedSoAMissedCopyShows) {
+  auto d = make_sim_device();
+  auto buffer = d->allocate(100);
+  const auto back = read_back(*d, *buffer, 0, 100);
+  for (std::byte b : back) ASSERT_EQ(b, std::byte{0xA5});
+}
+
+TEST(SimDevice, HeldCopiesCompleteEventsOneByOneInOrder) {
+  Gate gate;
+  SimDeviceOptions options;
+  options.before_copy = gate.hook();
+  auto d = make_sim_device(options);
+  const std::size_t n = 64 * KiB;
+  auto buffer = d->allocate(4 * n);
+  const auto source = make_pattern(4 * n, 10);
+  Stream stream = d->create_stream();
+  OpenOnExit opener(gate);
+  std::vector<Event> events;
+  for (int i = 0; i < 4; ++i) {
+    d->copy_to_device_async(*buffer, i * n, source.data() + i * n, n, stream);
+    events.push_back(d->record(stream));
+  }
+  ASSERT_TRUE(gate.wait_waiting(1));
+  for (Event& e : events) EXPECT_FALSE(e.query());
+  EXPECT_FALSE(stream.query());
+  for (int released = 1; released <= 4; ++released) {
+    gate.allow(1);
+    events[released - 1].synchronize();
+    for (int i = 0; i < 4; ++i) EXPECT_EQ(events[i].query(), i < released) << "after " << released << ", event " << i;
+  }
+  EXPECT_TRUE(stream.query());
+  EXPECT_EQ(read_back(*d, *buffer, 0, 4 * n), source);
+}
+
+TEST(SimDevice, StreamsRunIndependently) {
+  // Copies of 111 bytes are held; those of 222 bytes pass.
+  Gate gate;
+  SimDeviceOptions options;
+  options.before_copy = [&gate](std::size_t bytes) {
+    if (bytes == 111) gate.pass(bytes);
+  };
+  auto d = make_sim_device(options);
+  auto buffer = d->allocate(1000);
+  const auto source = make_pattern(1000, 11);
+  Stream held = d->create_stream();
+  Stream free_stream = d->create_stream();
+  OpenOnExit opener(gate);
+  d->copy_to_device_async(*buffer, 0, source.data(), 111, held);
+  Event held_event = d->record(held);
+  d->copy_to_device_async(*buffer, 500, source.data() + 500, 222, free_stream);
+  Event free_event = d->record(free_stream);
+  free_event.synchronize();
+  EXPECT_TRUE(free_event.query());
+  EXPECT_FALSE(held_event.query());
+  gate.open();
+  held_event.synchronize();
+  EXPECT_TRUE(held_event.query());
+}
+
+TEST(SimDevice, AFailedCopyFailsItsStreamLikeAStickyError) {
+  // The copy of 333 bytes fails, once everything below is queued.
+  Gate gate;
+  SimDeviceOptions options;
+  options.before_copy = [&gate](std::size_t bytes) {
+    if (bytes != 333) return;
+    gate.pass(bytes);
+    throw DeviceError("injected copy failure");
+  };
+  auto d = make_sim_device(options);
+  auto buffer = d->allocate(4096);
+  const auto source = make_pattern(4096, 12);
+  Stream bad = d->create_stream();
+  Stream good = d->create_stream();
+  OpenOnExit opener(gate);
+  d->copy_to_device_async(*buffer, 0, source.data(), 100, bad);
+  Event before = d->record(bad);
+  d->copy_to_device_async(*buffer, 0, source.data(), 333, bad);
+  d->copy_to_device_async(*buffer, 1000, source.data() + 1000, 100, bad);  // skipped
+  Event after = d->record(bad);
+  gate.open();
+  before.synchronize();  // fine: reached before the failure
+  EXPECT_TRUE(before.query());
+  try {
+    after.synchronize();
+    FAIL() << "an event after a failed copy completed";
+  } catch (const DeviceError& e) {
+    EXPECT_NE(std::string(e.what()).find("injected copy failure"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(after.query(), DeviceError);
+  EXPECT_THROW(bad.synchronize(), DeviceError);
+  EXPECT_THROW(bad.query(), DeviceError);
+  EXPECT_THROW(d->copy_to_device_async(*buffer, 0, source.data(), 10, bad), DeviceError);
+  EXPECT_THROW(d->record(bad), DeviceError);
+  // The skipped copy wrote nothing; another stream is unaffected.
+  d->copy_to_device_async(*buffer, 2000, source.data() + 2000, 100, good);
+  good.synchronize();
+  std::vector<std::byte> back(4096);
+  std::memcpy(back.data(), buffer->data(), 4096);  // sim memory is host memory; synchronize() would throw
+  EXPECT_EQ(back[1000], std::byte{0xA5});
+  EXPECT_EQ(0, std::memcmp(back.data() + 2000, source.data() + 2000, 100));
+}
+
+TEST(SimDevice, ThrottleSlowsCopiesDown) {
+  SimDeviceOptions options;
+  options.bytes_per_second = 10'000'000;  // 10 MB/s: 200 KB take >= 20 ms
+  options.copy_delay = std::chrono::milliseconds(5);
+  auto d = make_sim_device(options);
+  auto buffer = d->allocate(200'000);
+  const auto source = make_pattern(200'000, 13);
+  Stream stream = d->create_stream();
+  const auto start = Clock::now();
+  d->copy_to_device_async(*buffer, 0, source.data(), 200'000, stream);
+  EXPECT_FALSE(stream.query());  // 25 ms of work cannot be done yet
+  stream.synchronize();
+  EXPECT_GE(Clock::now() - start, std::chrono::milliseconds(25));
+  EXPECT_EQ(read_back(*d, *buffer, 0, 200'000), source);
+}
+
+TEST(SimDevice, MemoryLimitGivesOutOfMemoryAndFreesComeBack) {
+  SimDeviceOptions options;
+  options.memory_bytes = 1 * MiB;
+  auto d = make_sim_device(options);
+  auto a = d->allocate(600 * KiB);
+  EXPECT_THROW(d->allocate(600 * KiB), OutOfMemoryError);
+  a.reset();
+  EXPECT_NO_THROW(d->allocate(1 * MiB));
+}
+
+TEST(SimDevice, DestroyingStreamsWithCopiesQueuedDrainsAndJoins) {
+  const int baseline = testing::thread_count();
+  SimDeviceOptions options;
+  options.copy_delay = std::chrono::milliseconds(2);
+  const std::size_t n = 4 * KiB;
+  const auto source = make_pattern(40 * n, 14);
+  std::shared_ptr<DeviceBuffer> buffer;
+  std::vector<Event> events;
+  const auto start = Clock::now();
+  {
+    auto d = make_sim_device(options);
+    buffer = d->allocate(40 * n);
+    std::vector<Stream> streams;
+    for (int i = 0; i < 4; ++i) streams.push_back(d->create_stream());
+    EXPECT_EQ(testing::thread_count(), baseline + 4);
+    for (int i = 0; i < 40; ++i) d->copy_to_device_async(*buffer, i * n, source.data() + i * n, n, streams[i % 4]);
+    events.push_back(d->record(streams[0]));
+    // streams, then the device, go here with copies queued
+  }
+  EXPECT_LT(Clock::now() - start, std::chrono::seconds(5));
+  EXPECT_EQ(testing::thread_count_settled(baseline), baseline);
+  // Every queued copy ran; the event outlives its stream and device.
+  EXPECT_TRUE(events[0].query());
+  EXPECT_EQ(0, std::memcmp(buffer->data(), source.data(), 40 * n));
+}
+
+TEST(SimDevice, ConcurrentCopiesFromManyThreads) {
+  auto d = make_sim_device();
+  const std::size_t per_thread = 64 * KiB;
+  const int threads = 6;
+  auto buffer = d->allocate(per_thread * threads);
+  const auto source = make_pattern(per_thread * threads, 15);
+  std::vector<Stream> streams;
+  for (int i = 0; i < 2; ++i) streams.push_back(d->create_stream());
+  std::vector<std::thread> workers;
+  for (int t = 0; t < threads; ++t) {
+    workers.emplace_back([&, t] {
+      for (std::size_t off = 0; off < per_thread; off += 4096) {
+        const std::size_t at = t * per_thread + off;
+        d->copy_to_device_async(*buffer, at, source.data() + at, 4096, streams[(t + off / 4096) % 2]);
+      }
+    });
+  }
+  for (auto& w : workers) w.join();
+  d->synchronize();
+  EXPECT_EQ(read_back(*d, *buffer, 0, per_thread * threads), source);
+}
+
+}  // namespace
+}  // namespace pinload
