@@ -6,6 +6,8 @@
 #include <cerrno>
 #include <exception>
 #include <mutex>
+#include <optional>
+#include <unordered_map>
 
 #include "log.h"
 #include "pinload/error.h"
@@ -18,6 +20,7 @@ struct Loader::Counters {
   std::atomic<std::uint64_t> bytes_total{0};
   std::atomic<std::uint64_t> files_direct{0};
   std::atomic<std::uint64_t> files_buffered{0};
+  std::atomic<std::uint64_t> bytes_copied{0};
 };
 
 namespace {
@@ -33,7 +36,8 @@ struct OpenFile {
   ScopedFd buffered_fd;
   std::atomic<bool> direct{false};
   std::mutex mu;  // guards opening buffered_fd
-  std::shared_ptr<Block> block;
+  std::shared_ptr<Block> block;                 // host and kCached loads
+  std::shared_ptr<DeviceBuffer> device_buffer;  // device loads: the data section
 
   // The descriptor for buffered reads, opened on first use.
   int buffered(Env* env) {
@@ -93,10 +97,9 @@ void open_for_load(Env* env, const CheckpointFile& cf, const LoadOptions& option
   throw_os_error("read failed", static_cast<int>(-rc), ErrorContext{f.path, {}, at, end});
 }
 
-// Executes one chunk: fills [offset, offset + valid) of the file into its block.
+// Executes one chunk: reads [offset, offset + valid) of the file to `dest`.
 void read_chunk(Env* env, OpenFile& f, const FileRead& plan, const ReadChunk& c, DirectIo mode,
-                Loader::Counters* counters) {
-  std::byte* dest = f.block->data() + (c.offset - plan.read_begin);
+                Loader::Counters* counters, std::byte* dest) {
   std::uint64_t done = 0;
   bool direct = f.direct.load(std::memory_order_relaxed);
   while (done < c.valid) {
@@ -133,7 +136,27 @@ Loader::Loader(LoadOptions options, std::shared_ptr<Pool> pool, Env* env)
     : options_(options), pool_(std::move(pool)), env_(env != nullptr ? env : default_env()) {
   if (options_.threads == 0) options_.threads = 1;
   if (options_.block_size < 4096) options_.block_size = 4096;
-  if (!pool_) pool_ = Pool::create(make_locked_memory_backend(env_));
+  Device* device = options_.target.device;
+  if (!pool_) {
+    pool_ = device ? Pool::create(device->make_pinned_backend(PinnedMemoryOptions{.env = env_}))
+                   : Pool::create(make_locked_memory_backend(env_));
+  }
+  if (device && options_.target.mode == DeviceMode::kStreaming) {
+    // Small budgets use plain pages: a 2 MiB huge-page granule would not fit.
+    PinnedMemoryOptions pinned{.env = env_};
+    if (options_.target.staging_bytes < (64u << 20)) pinned.huge_pages = HugePages::kOff;
+    std::unique_ptr<HostMemoryBackend> backend = device->make_pinned_backend(pinned);
+    const std::uint64_t align = backend->alignment();
+    const std::uint64_t one_block = (Pool::size_class(options_.block_size) + align - 1) / align * align;
+    if (options_.target.staging_bytes < one_block) {
+      throw InvalidFileError("staging budget of " + std::to_string(options_.target.staging_bytes) +
+                             " bytes cannot hold one " + std::to_string(one_block) + "-byte read block");
+    }
+    PoolOptions staging;
+    staging.capacity_bytes = options_.target.staging_bytes;
+    staging.when_full = WhenFull::kWait;
+    staging_pool_ = Pool::create(std::move(backend), staging);
+  }
 }
 
 StateDict Loader::load(const std::vector<std::string>& paths) const {
@@ -168,7 +191,9 @@ StateDict Loader::run(const Checkpoint& checkpoint, std::stop_token stop, Counte
   counters->bytes_total = plan.total_bytes;
   // A load holds its blocks until it ends, so one that cannot fit the budget
   // fails now instead of waiting for memory only it could free.
-  if (const std::uint64_t capacity = pool_->options().capacity_bytes; capacity != 0) {
+  const bool streaming = staging_pool_ != nullptr;
+  Device* device = options_.target.device;
+  if (const std::uint64_t capacity = pool_->options().capacity_bytes; capacity != 0 && !streaming) {
     std::uint64_t need = 0;
     for (const FileRead& r : plan.files) need += Pool::size_class(std::max<std::uint64_t>(r.block_bytes(), 1));
     if (need > capacity) {
@@ -176,20 +201,47 @@ StateDict Loader::run(const Checkpoint& checkpoint, std::stop_token stop, Counte
                              std::to_string(capacity) + " bytes");
     }
   }
-  for (std::size_t i = 0; i < n; ++i) files[i]->block = pool_->allocate(plan.files[i].block_bytes(), stop);
+  if (!streaming) {
+    for (std::size_t i = 0; i < n; ++i) files[i]->block = pool_->allocate(plan.files[i].block_bytes(), stop);
+  }
+  std::optional<CopyEngine> engine;
+  if (device != nullptr) {
+    engine.emplace(*device, options_.target.copy);
+    for (std::size_t i = 0; i < n; ++i) {
+      files[i]->device_buffer = device->allocate(std::max<std::uint64_t>(checkpoint.files[i].header.data_size(), 1));
+    }
+  }
 
   std::atomic<std::size_t> next{0};
-  std::stop_source abort;
+  std::stop_source abort;  // the first error, or the caller's stop, ends every worker
+  std::stop_callback forward_stop(stop, [&] { abort.request_stop(); });
   FirstError first_error;
   auto worker = [&] {
     try {
       for (;;) {
-        if (abort.stop_requested() || stop.stop_requested()) return;
+        if (abort.stop_requested()) return;
         const std::size_t i = next.fetch_add(1, std::memory_order_relaxed);
         if (i >= plan.chunks.size()) return;
         const ReadChunk& c = plan.chunks[i];
-        read_chunk(env_, *files[c.file], plan.files[c.file], c, options_.direct, counters);
+        const FileRead& r = plan.files[c.file];
+        OpenFile& f = *files[c.file];
+        // kStreaming reads into a staging block that its copy's ticket gives
+        // back once the copy completes; the others into the file's block.
+        std::shared_ptr<Block> staging = streaming ? staging_pool_->allocate(c.length, abort.get_token()) : nullptr;
+        std::shared_ptr<Block> dest = streaming ? std::move(staging) : f.block;
+        const std::size_t dest_offset = streaming ? 0 : c.offset - r.read_begin;
+        read_chunk(env_, f, r, c, options_.direct, counters, dest->data() + dest_offset);
         counters->bytes_done.fetch_add(c.valid, std::memory_order_relaxed);
+        if (engine) {
+          // Only the data section goes to the device: clip the header bytes
+          // that an aligned read brings along.
+          const std::uint64_t begin = std::max(c.offset, r.data_offset);
+          const std::uint64_t end = c.offset + c.valid;
+          if (end > begin) {
+            engine->submit(std::move(dest), dest_offset + (begin - c.offset), f.device_buffer, begin - r.data_offset,
+                           end - begin);
+          }
+        }
       }
     } catch (...) {
       first_error.set(std::current_exception());
@@ -208,6 +260,15 @@ StateDict Loader::run(const Checkpoint& checkpoint, std::stop_token stop, Counte
     }
     worker();  // the calling thread works too
   }
+  if (engine) {
+    // Copies already queued finish before anything is released, error or not.
+    try {
+      engine->wait_all();
+    } catch (...) {
+      first_error.set(std::current_exception());
+    }
+    counters->bytes_copied = engine->stats().bytes_completed;
+  }
   if (auto e = first_error.get()) std::rethrow_exception(e);
   if (stop.stop_requested()) throw CancelledError("load cancelled");
 
@@ -218,7 +279,13 @@ StateDict Loader::run(const Checkpoint& checkpoint, std::stop_token stop, Counte
     const CheckpointFile& cf = checkpoint.files[i];
     const std::uint64_t base = plan.files[i].data_in_block();
     for (const TensorInfo& t : cf.header.tensors) {
-      tensors.emplace_back(cf.name_prefix + t.name, t.dtype, t.shape, files[i]->block, base + t.begin, t.nbytes());
+      if (streaming) {
+        tensors.emplace_back(cf.name_prefix + t.name, t.dtype, t.shape, files[i]->device_buffer, t.begin, t.nbytes());
+        continue;
+      }
+      Tensor& tensor =
+          tensors.emplace_back(cf.name_prefix + t.name, t.dtype, t.shape, files[i]->block, base + t.begin, t.nbytes());
+      if (device != nullptr) tensor.set_device(files[i]->device_buffer, t.begin);
     }
     for (const auto& kv : cf.header.metadata) {
       if (std::none_of(metadata.begin(), metadata.end(), [&](const auto& m) { return m.first == kv.first; })) {
@@ -286,7 +353,37 @@ LoadProgress LoadHandle::progress() const noexcept {
   p.bytes_total = state_->counters.bytes_total.load(std::memory_order_relaxed);
   p.files_direct = state_->counters.files_direct.load(std::memory_order_relaxed);
   p.files_buffered = state_->counters.files_buffered.load(std::memory_order_relaxed);
+  p.bytes_copied = state_->counters.bytes_copied.load(std::memory_order_relaxed);
   return p;
+}
+
+StateDict upload(const StateDict& host, Device& device, const CopyOptions& options) {
+  // One device allocation per host block, spanning the tensors that use it.
+  struct Span {
+    std::size_t begin = SIZE_MAX, end = 0;
+    std::shared_ptr<DeviceBuffer> buffer;
+  };
+  std::unordered_map<const Block*, Span> spans;
+  for (const Tensor& t : host) {
+    if (!t.on_host()) throw InvalidFileError("upload() needs host tensors", ErrorContext{{}, t.name()});
+    Span& span = spans[t.block().get()];
+    span.begin = std::min(span.begin, t.block_offset());
+    span.end = std::max<std::size_t>(span.end, t.block_offset() + t.nbytes());
+  }
+  CopyEngine engine(device, options);
+  std::vector<Tensor> tensors;
+  tensors.reserve(host.size());
+  for (const Tensor& t : host) {
+    Span& span = spans[t.block().get()];
+    if (!span.buffer) {
+      span.buffer = device.allocate(std::max<std::size_t>(span.end - span.begin, 1));
+      if (span.end > span.begin) engine.submit(t.block(), span.begin, span.buffer, 0, span.end - span.begin);
+    }
+    Tensor& copy = tensors.emplace_back(t);
+    copy.set_device(span.buffer, t.block_offset() - span.begin);
+  }
+  engine.wait_all();
+  return StateDict(std::move(tensors), host.metadata());
 }
 
 }  // namespace pinload

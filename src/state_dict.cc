@@ -1,8 +1,13 @@
 #include "pinload/state_dict.h"
 
+#include "pinload/device.h"
 #include "pinload/error.h"
 
 namespace pinload {
+
+void* Tensor::device_data() const noexcept {
+  return device_ ? static_cast<std::byte*>(device_->data()) + device_offset_ : nullptr;
+}
 
 StateDict::StateDict(std::vector<Tensor> tensors, std::vector<std::pair<std::string, std::string>> metadata)
     : tensors_(std::move(tensors)), metadata_(std::move(metadata)) {

@@ -19,6 +19,20 @@
 // measured 16x fewer calls than 128 KiB buffered reads) and small enough that
 // 8 threads keep a deep queue on one file. See docs/tuning.md.
 //
+// Note [Device loads]
+// With LoadOptions::target.device set, every chunk is copied to the device as
+// soon as its read completes (CopyEngine, copy_engine.h), so reads and copies
+// overlap end to end; each file gets one device allocation (its data section)
+// and tensors are offsets into it.
+//   kCached     chunks land in the file's pool block, which stays: tensors
+//               are on the host and on the device, and upload() can bring the
+//               model back to the device with only the host-to-device copy.
+//   kStreaming  chunks land in staging blocks from a pool capped at
+//               staging_bytes; a block goes back to it once its copy's events
+//               complete (burn after reading). Peak host memory stays at or
+//               below staging_bytes, so a model larger than host memory loads.
+//               Tensors are on the device only.
+//
 // Failure: a load either returns every tensor or throws; on throw, every block,
 // file descriptor and thread it took has been released. A load whose blocks
 // cannot fit the pool's budget together fails at once with OutOfMemoryError,
@@ -36,6 +50,8 @@
 #include <vector>
 
 #include "pinload/checkpoint.h"
+#include "pinload/copy_engine.h"
+#include "pinload/device.h"
 #include "pinload/env.h"
 #include "pinload/pool.h"
 #include "pinload/state_dict.h"
@@ -47,6 +63,18 @@ enum class DirectIo { kAuto, kOn, kOff };
 inline constexpr unsigned kDefaultThreads = 8;
 inline constexpr std::size_t kDefaultBlockSize = 2u << 20;
 
+enum class DeviceMode { kCached, kStreaming };
+
+inline constexpr std::uint64_t kDefaultStagingBytes = 256u << 20;
+
+// Where a load puts its tensors besides (or instead of) host memory.
+struct DeviceTarget {
+  Device* device = nullptr;  // null: host only. Must outlive the Loader.
+  DeviceMode mode = DeviceMode::kCached;
+  CopyOptions copy;
+  std::uint64_t staging_bytes = kDefaultStagingBytes;  // kStreaming's host budget
+};
+
 struct LoadOptions {
   unsigned threads = kDefaultThreads;
   std::size_t block_size = kDefaultBlockSize;
@@ -55,6 +83,7 @@ struct LoadOptions {
   // kAuto: a file at least this resident in the page cache is read buffered.
   double resident_threshold = 0.5;
   ResolveOptions resolve;
+  DeviceTarget target;  // Note [Device loads]
 };
 
 // Counters of one load, readable while it runs.
@@ -63,14 +92,16 @@ struct LoadProgress {
   std::uint64_t bytes_total = 0;
   std::uint64_t files_direct = 0;    // files read with O_DIRECT
   std::uint64_t files_buffered = 0;  // files read through the page cache
+  std::uint64_t bytes_copied = 0;    // to the device, completed
 };
 
 class LoadHandle;
 
 class Loader {
  public:
-  // `pool` null: a pool of its own on locked host memory. `env` null: the
-  // POSIX env. *env must outlive the Loader and every load it starts.
+  // `pool` null: a pool of its own, on the target device's pinned memory or
+  // else locked host memory. `env` null: the POSIX env. *env must outlive the
+  // Loader and every load it starts.
   explicit Loader(LoadOptions options = {}, std::shared_ptr<Pool> pool = nullptr, Env* env = nullptr);
 
   // Loads every tensor of `paths` (files, indexes, folders). Blocks; throws
@@ -83,6 +114,8 @@ class Loader {
   LoadHandle load_async(std::vector<std::string> paths) const;
 
   const std::shared_ptr<Pool>& pool() const noexcept { return pool_; }
+  // kStreaming's staging pool (null for other loads).
+  const std::shared_ptr<Pool>& staging_pool() const noexcept { return staging_pool_; }
   const LoadOptions& options() const noexcept { return options_; }
   Env* env() const noexcept { return env_; }
 
@@ -93,8 +126,16 @@ class Loader {
 
   LoadOptions options_;
   std::shared_ptr<Pool> pool_;
+  std::shared_ptr<Pool> staging_pool_;
   Env* env_;
 };
+
+// Copies the host tensors of `host` to `device`: one device allocation per
+// host block, tensors at the same offsets, so a model cached in the pool goes
+// back to the device with only the host-to-device copy. The result's tensors
+// are on the device and still on the host. Throws DeviceError,
+// OutOfMemoryError, InvalidFileError (a tensor that is not on the host).
+StateDict upload(const StateDict& host, Device& device, const CopyOptions& options = {});
 
 // A load in flight. Destroying it, or assigning another handle over it,
 // cancels the load and waits for it.

@@ -13,6 +13,7 @@
 
 #include "cli/progress.h"
 #include "pinload/checkpoint.h"
+#include "pinload/device.h"
 #include "pinload/error.h"
 #include "pinload/loader.h"
 
@@ -22,7 +23,8 @@ namespace {
 constexpr const char* kUsage =
     "usage: pinload inspect [--json] [--variant V] PATH...\n"
     "       pinload load [--digest] [-v] [--threads N] [--block-size BYTES[K|M]]\n"
-    "                    [--direct auto|on|off] [--variant V] PATH...\n"
+    "                    [--direct auto|on|off] [--variant V] [--device cpu|sim|cuda:N]\n"
+    "                    [--streams K] [--chunk-size BYTES] [--staging-bytes BYTES] PATH...\n"
     "PATH: a .safetensors file, a *.safetensors.index.json, or a folder.\n";
 
 struct UsageError : std::runtime_error {
@@ -33,6 +35,7 @@ struct Args {
   std::string command;
   std::vector<std::string> paths;
   bool json = false, digest = false, verbose = false;
+  std::string device = "cpu";  // cpu: host memory only; sim: the CPU stand-in device
   LoadOptions load;
 };
 
@@ -69,6 +72,13 @@ Args parse_args(int argc, char** argv) {
     else if (a == "--threads") args.load.threads = static_cast<unsigned>(parse_size(value()));
     else if (a == "--block-size") args.load.block_size = parse_size(value());
     else if (a == "--variant") args.load.resolve.variant = value();
+    else if (a == "--device") args.device = value();
+    else if (a == "--streams") args.load.target.copy.streams = parse_size(value());
+    else if (a == "--chunk-size") args.load.target.copy.chunk_bytes = parse_size(value());
+    else if (a == "--staging-bytes") {
+      args.load.target.staging_bytes = parse_size(value());
+      args.load.target.mode = DeviceMode::kStreaming;
+    }
     else if (a == "--direct") {
       const std::string v = value();
       if (v == "auto") args.load.direct = DirectIo::kAuto;
@@ -85,6 +95,8 @@ Args parse_args(int argc, char** argv) {
   }
   if (args.paths.empty()) throw UsageError("no PATH given");
   if (args.load.threads == 0 || args.load.threads > 1024) throw UsageError("--threads must be 1..1024");
+  if (args.load.target.copy.streams == 0 || args.load.target.copy.streams > 64) throw UsageError("--streams must be 1..64");
+  if (args.load.target.copy.chunk_bytes == 0) throw UsageError("--chunk-size must be > 0");
   if (args.load.block_size < 4096 || args.load.block_size > (1ull << 30)) throw UsageError("--block-size must be 4K..1G");
   return args;
 }
@@ -154,8 +166,24 @@ int run_inspect(const Args& args) {
   return 0;
 }
 
+// SHA-256 of a tensor's bytes, read back from the device when it has no host copy.
+std::string tensor_digest(const Tensor& t, Device* device) {
+  if (t.on_host()) return sha256_hex(t.bytes());
+  std::vector<std::byte> bytes(t.nbytes());
+  if (!bytes.empty()) device->copy_to_host(bytes.data(), *t.device_buffer(), t.device_offset(), bytes.size());
+  return sha256_hex(bytes);
+}
+
 int run_load(const Args& args) {
-  Loader loader(args.load);
+  std::unique_ptr<Device> device;
+  LoadOptions options = args.load;
+  if (args.device != "cpu") {
+    device = open_device(args.device);
+    options.target.device = device.get();
+  } else if (options.target.mode == DeviceMode::kStreaming) {
+    throw UsageError("--staging-bytes needs --device");
+  }
+  Loader loader(options);
   for (const std::string& path : args.paths) {
     const auto start = std::chrono::steady_clock::now();
     LoadHandle handle = loader.load_async({path});
@@ -172,7 +200,7 @@ int run_load(const Args& args) {
     if (args.digest) {
       for (const Tensor& t : sd) {
         std::cout << t.name() << '\t' << dtype_name(t.dtype()) << '\t' << shape_text(t.shape()) << '\t'
-                  << sha256_hex(t.bytes()) << '\n';
+                  << tensor_digest(t, device.get()) << '\n';
       }
     }
     if (args.verbose) {
@@ -187,6 +215,13 @@ int run_load(const Args& args) {
                    s.in_use_bytes / 1048576.0, s.peak_in_use_bytes / 1048576.0,
                    static_cast<unsigned long long>(s.allocations), static_cast<unsigned long long>(s.free_list_hits),
                    static_cast<unsigned long long>(s.os_reservations));
+      if (device) {
+        std::fprintf(stderr, "device %s: %.3f GB copied%s\n", device->description().c_str(), p.bytes_copied / 1e9,
+                     loader.staging_pool()
+                         ? (", staging peak " + std::to_string(loader.staging_pool()->stats().peak_reserved_bytes >> 20) +
+                            " MiB").c_str()
+                         : "");
+      }
     }
   }
   std::cout.flush();

@@ -1,0 +1,247 @@
+// Loads to a device (the CPU stand-in "sim", or CUDA where present): device
+// bytes equal the file's, staging blocks are never recycled before their
+// copies complete, streaming stays within its host budget, and faults or
+// cancellation in the middle of a load release everything.
+#include <gtest/gtest.h>
+
+#include <random>
+
+#include "device_test_util.h"
+#include "fault_env.h"
+#include "pinload/error.h"
+#include "pinload/loader.h"
+#include "test_files.h"
+
+namespace pinload {
+namespace {
+
+using testing::FaultEnv;
+using testing::Faults;
+using testing::TensorSpec;
+
+struct Model {
+  std::vector<TensorSpec> specs;
+  testing::FileImage image;
+  std::vector<std::uint64_t> offsets;  // each tensor's start in image.data
+};
+
+// Odd sizes so that tensors straddle read blocks and copy chunks.
+Model write_model(const std::string& path, std::uint64_t seed, int count = 24) {
+  std::mt19937_64 rng(seed);
+  Model m;
+  for (int i = 0; i < count; ++i) {
+    m.specs.push_back({"blocks." + std::to_string(i) + ".weight", i % 3 == 0 ? "BF16" : (i % 3 == 1 ? "U8" : "F32"),
+                       {static_cast<std::uint64_t>(1 + rng() % 300), static_cast<std::uint64_t>(1 + rng() % 700)}});
+  }
+  m.specs.push_back({"empty", "F16", {0}});
+  m.specs.push_back({"scalar", "I64", {}});
+  m.image = testing::make_image(m.specs, rng, 1);
+  std::uint64_t at = 0;
+  for (const TensorSpec& s : m.specs) {
+    m.offsets.push_back(at);
+    std::uint64_t n = 1;
+    for (auto d : s.shape) n *= d;
+    at += n * testing::spec_bits(s.dtype) / 8;
+  }
+  testing::write_file(path, m.image.bytes());
+  return m;
+}
+
+// Reads every tensor back from the device and compares with the file image.
+void expect_device_matches(Device& device, const StateDict& sd, const Model& m) {
+  ASSERT_EQ(sd.size(), m.specs.size());
+  for (std::size_t i = 0; i < m.specs.size(); ++i) {
+    const Tensor& t = sd.at(m.specs[i].name);
+    ASSERT_TRUE(t.on_device()) << t.name();
+    std::vector<std::uint8_t> got(t.nbytes());
+    if (!got.empty()) device.copy_to_host(got.data(), *t.device_buffer(), t.device_offset(), got.size());
+    const auto begin = m.image.data.begin() + static_cast<std::ptrdiff_t>(m.offsets[i]);
+    ASSERT_TRUE(std::equal(got.begin(), got.end(), begin)) << t.name() << " differs on " << device.name();
+  }
+}
+
+struct Case {
+  const char* device;
+  DeviceMode mode;
+  std::size_t block_size;
+  std::size_t chunk_bytes;
+  std::size_t streams;
+};
+
+class DeviceLoadTest : public ::testing::TestWithParam<Case> {};
+
+TEST_P(DeviceLoadTest, DeviceBytesEqualTheFile) {
+  const Case c = GetParam();
+  std::unique_ptr<Device> device;
+  if (std::string(c.device) == "cuda") {
+    std::string why;
+    if (!cuda_available(&why)) GTEST_SKIP() << "no CUDA device: " << why;
+    device = open_device("cuda:0");
+  } else {
+    device = make_sim_device();
+  }
+  testing::TempDir dir;
+  const Model m = write_model(dir.file("m.safetensors"), 7);
+  LoadOptions options;
+  options.threads = 4;
+  options.block_size = c.block_size;
+  options.target.device = device.get();
+  options.target.mode = c.mode;
+  options.target.copy.chunk_bytes = c.chunk_bytes;
+  options.target.copy.streams = c.streams;
+  options.target.staging_bytes = 4 * Pool::size_class(c.block_size);
+  Loader loader(options);
+  const StateDict sd = loader.load({dir.file("m.safetensors")});
+  expect_device_matches(*device, sd, m);
+  for (const Tensor& t : sd) EXPECT_EQ(t.on_host(), c.mode == DeviceMode::kCached) << t.name();
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, DeviceLoadTest,
+                         ::testing::Values(Case{"sim", DeviceMode::kCached, 4096, 3000, 1},
+                                           Case{"sim", DeviceMode::kCached, 64 << 10, 1 << 20, 2},
+                                           Case{"sim", DeviceMode::kStreaming, 4096, 1000, 3},
+                                           Case{"sim", DeviceMode::kStreaming, 12 << 10, 8 << 20, 2},
+                                           Case{"cuda", DeviceMode::kCached, 2 << 20, 8 << 20, 2},
+                                           Case{"cuda", DeviceMode::kStreaming, 64 << 10, 8 << 20, 2}),
+                         [](const auto& param_info) {
+                           return std::string(param_info.param.device) +
+                                  (param_info.param.mode == DeviceMode::kCached ? "_cached_" : "_streaming_") +
+                                  std::to_string(param_info.index);
+                         });
+
+// Adversarial: copies are slow, staging is two blocks. If a staging block
+// went back to the pool before its copy completed, the next read would
+// overwrite it and the device would receive the wrong bytes.
+TEST(DeviceLoadAdversarial, SlowCopiesNeverSeeRecycledBlocks) {
+  SimDeviceOptions slow;
+  slow.copy_delay = std::chrono::microseconds(300);
+  auto device = make_sim_device(slow);
+  testing::TempDir dir;
+  const Model m = write_model(dir.file("m.safetensors"), 11, 40);
+  LoadOptions options;
+  options.threads = 4;
+  options.block_size = 4096;
+  options.target = {device.get(), DeviceMode::kStreaming, CopyOptions{2, 1024, 0}, 2 * 4096};
+  Loader loader(options);
+  const StateDict sd = loader.load({dir.file("m.safetensors")});
+  expect_device_matches(*device, sd, m);
+  const PoolStats staging = loader.staging_pool()->stats();
+  EXPECT_GT(staging.budget_waits, 0u) << "the test should have made readers wait for copies";
+  EXPECT_EQ(staging.live_blocks, 0u);
+}
+
+TEST(DeviceLoadBudget, StreamingPeakHostMemoryStaysWithinTheBudget) {
+  auto device = make_sim_device();
+  testing::TempDir dir;
+  const Model m = write_model(dir.file("m.safetensors"), 3, 60);
+  ASSERT_GT(m.image.data.size(), 600u << 10) << "the model must be much larger than the budget";
+  const std::uint64_t budget = 64 << 10;
+  LoadOptions options;
+  options.block_size = 16 << 10;
+  options.target = {device.get(), DeviceMode::kStreaming, CopyOptions{2, 8 << 10, 0}, budget};
+  Loader loader(options);
+  const StateDict sd = loader.load({dir.file("m.safetensors")});
+  expect_device_matches(*device, sd, m);
+  EXPECT_LE(loader.staging_pool()->stats().peak_reserved_bytes, budget);
+  EXPECT_EQ(loader.pool()->stats().peak_reserved_bytes, 0u) << "streaming must not use whole-file blocks";
+}
+
+TEST(DeviceLoadBudget, BudgetSmallerThanOneBlockIsAClearError) {
+  auto device = make_sim_device();
+  LoadOptions options;
+  options.block_size = 2 << 20;
+  options.target = {device.get(), DeviceMode::kStreaming, {}, 1 << 20};
+  EXPECT_THROW(Loader loader(options), InvalidFileError);
+}
+
+class DeviceLoadFaultTest : public ::testing::TestWithParam<DeviceMode> {};
+
+TEST_P(DeviceLoadFaultTest, ReadErrorMidLoadReleasesEverything) {
+  SimDeviceOptions slow;
+  slow.copy_delay = std::chrono::microseconds(100);
+  auto device = make_sim_device(slow);
+  testing::TempDir dir;
+  write_model(dir.file("m.safetensors"), 5, 40);
+  Faults faults;
+  faults.fail_read_at = 20;
+  FaultEnv env(faults);
+  const int threads_before = testing::thread_count();
+  LoadOptions options;
+  options.threads = 4;
+  options.block_size = 4096;
+  options.direct = DirectIo::kOff;
+  options.target = {device.get(), GetParam(), CopyOptions{2, 2048, 0}, 4 * 4096};
+  Loader loader(options, nullptr, &env);
+  try {
+    loader.load({dir.file("m.safetensors")});
+    FAIL() << "expected IoError";
+  } catch (const IoError& e) {
+    EXPECT_EQ(e.context().file, dir.file("m.safetensors"));
+    EXPECT_TRUE(e.context().begin.has_value());
+  }
+  EXPECT_EQ(env.open_fds(), 0);
+  EXPECT_EQ(loader.pool()->stats().live_blocks, 0u);
+  if (loader.staging_pool()) {
+    EXPECT_EQ(loader.staging_pool()->stats().live_blocks, 0u);
+  }
+  EXPECT_EQ(testing::thread_count(), threads_before);
+}
+
+TEST_P(DeviceLoadFaultTest, CancelMidLoadReleasesEverything) {
+  SimDeviceOptions slow;
+  slow.copy_delay = std::chrono::microseconds(200);
+  auto device = make_sim_device(slow);
+  testing::TempDir dir;
+  write_model(dir.file("m.safetensors"), 9, 60);
+  Faults faults;
+  faults.read_delay_us = 500;
+  FaultEnv env(faults);
+  const int threads_before = testing::thread_count();
+  LoadOptions options;
+  options.threads = 2;
+  options.block_size = 4096;
+  options.direct = DirectIo::kOff;
+  options.target = {device.get(), GetParam(), CopyOptions{2, 2048, 0}, 4 * 4096};
+  Loader loader(options, nullptr, &env);
+  LoadHandle handle = loader.load_async({dir.file("m.safetensors")});
+  while (handle.progress().bytes_done == 0 && !handle.done()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  handle.cancel();
+  EXPECT_THROW(handle.wait(), CancelledError);
+  EXPECT_EQ(env.open_fds(), 0);
+  EXPECT_EQ(loader.pool()->stats().live_blocks, 0u);
+  if (loader.staging_pool()) {
+    EXPECT_EQ(loader.staging_pool()->stats().live_blocks, 0u);
+  }
+  EXPECT_EQ(testing::thread_count(), threads_before);
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, DeviceLoadFaultTest, ::testing::Values(DeviceMode::kCached, DeviceMode::kStreaming),
+                         [](const auto& param_info) { return param_info.param == DeviceMode::kCached ? "cached" : "streaming"; });
+
+TEST(Upload, CachedHostModelGoesBackToTheDeviceWithoutReading) {
+  auto device = make_sim_device();
+  testing::TempDir dir;
+  const Model m = write_model(dir.file("m.safetensors"), 13);
+  FaultEnv env;
+  Loader loader(LoadOptions{}, nullptr, &env);
+  const StateDict host = loader.load({dir.file("m.safetensors")});
+  const std::uint64_t reads = env.reads();
+  const StateDict on_device = upload(host, *device);
+  EXPECT_EQ(env.reads(), reads) << "upload must not touch storage";
+  expect_device_matches(*device, on_device, m);
+  for (const Tensor& t : on_device) EXPECT_TRUE(t.on_host());
+}
+
+TEST(Upload, RejectsDeviceOnlyTensors) {
+  auto device = make_sim_device();
+  testing::TempDir dir;
+  write_model(dir.file("m.safetensors"), 17, 4);
+  LoadOptions options;
+  options.target = {device.get(), DeviceMode::kStreaming, {}, 8 << 20};
+  Loader loader(options);
+  const StateDict sd = loader.load({dir.file("m.safetensors")});
+  EXPECT_THROW(upload(sd, *device), InvalidFileError);
+}
+
+}  // namespace
+}  // namespace pinload
