@@ -23,16 +23,11 @@ namespace {
 using testing::Gate;
 using testing::make_pattern;
 using testing::OpenOnExit;
+using testing::read_back;
 using Clock = std::chrono::steady_clock;
 
 constexpr std::size_t KiB = 1024;
 constexpr std::size_t MiB = 1024 * KiB;
-
-std::vector<std::byte> read_back(Device& device, const DeviceBuffer& buffer, std::size_t offset, std::size_t bytes) {
-  std::vector<std::byte> out(bytes);
-  device.copy_to_host(out.data(), buffer, offset, bytes);
-  return out;
-}
 
 // ---------------------------------------------------------------- factory
 

@@ -147,4 +147,11 @@ inline std::unique_ptr<Device> open_or_skip_reason(const std::string& spec, std:
   return open_device(spec);
 }
 
+// The device bytes buffer[offset, +bytes), copied back to the host.
+inline std::vector<std::byte> read_back(Device& device, const DeviceBuffer& buffer, std::size_t offset, std::size_t bytes) {
+  std::vector<std::byte> out(bytes);
+  device.copy_to_host(out.data(), buffer, offset, bytes);
+  return out;
+}
+
 }  // namespace pinload::testing

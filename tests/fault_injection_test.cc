@@ -19,6 +19,7 @@
 #include "pinload/checkpoint.h"
 #include "pinload/error.h"
 #include "pinload/loader.h"
+#include "file_check.h"
 #include "test_files.h"
 
 namespace pinload {
@@ -27,52 +28,13 @@ namespace {
 using testing::FaultEnv;
 using testing::Faults;
 using testing::FileImage;
+using testing::expect_matches_file;
 using testing::TempDir;
 using testing::TensorSpec;
 using Clock = std::chrono::steady_clock;
 
 constexpr std::size_t KiB = 1024;
 constexpr std::size_t MiB = 1024 * KiB;
-
-// ---- an independent reader (as in loader_test) ----
-
-struct Layout {
-  std::string name;
-  std::uint64_t begin = 0, end = 0;  // in the data section
-};
-
-// Tensor offsets from the header text the test support wrote.
-std::vector<Layout> layout_of(const FileImage& image) {
-  // Entries read "<name>":{"dtype":"..","shape":[..],"data_offsets":[b,e]}.
-  static constexpr std::string_view kEntry = "\":{\"dtype\":", kOffsets = "\"data_offsets\":[";
-  const std::string& h = image.header_json;
-  std::vector<Layout> out;
-  for (std::size_t at = h.find(kEntry); at != std::string::npos; at = h.find(kEntry, at + 1)) {
-    const std::size_t name = h.rfind('"', at - 1) + 1;
-    const std::size_t offsets = h.find(kOffsets, at) + kOffsets.size();
-    out.push_back({h.substr(name, at - name), std::stoull(h.substr(offsets)),
-                   std::stoull(h.substr(h.find(',', offsets) + 1))});
-  }
-  return out;
-}
-
-// Every tensor of `image` is in `sd` with exactly the bytes of the file at `path`.
-void expect_matches_file(const StateDict& sd, const std::string& path, const FileImage& image) {
-  std::ifstream in(path, std::ios::binary | std::ios::ate);
-  std::vector<char> file(static_cast<std::size_t>(in.tellg()));
-  in.seekg(0).read(file.data(), static_cast<std::streamsize>(file.size()));
-  const std::vector<Layout> layout = layout_of(image);
-  ASSERT_FALSE(layout.empty());
-  EXPECT_EQ(sd.size(), layout.size());
-  for (const Layout& t : layout) {
-    const Tensor* tensor = sd.find(t.name);
-    ASSERT_NE(tensor, nullptr) << t.name;
-    ASSERT_EQ(tensor->nbytes(), t.end - t.begin);
-    const std::uint64_t at = 8 + image.header_json.size() + t.begin;
-    ASSERT_LE(at + tensor->nbytes(), file.size());
-    EXPECT_EQ(std::memcmp(tensor->data(), file.data() + at, tensor->nbytes()), 0) << path << ": " << t.name;
-  }
-}
 
 // ---- fixtures ----
 
