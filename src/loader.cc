@@ -182,7 +182,9 @@ StateDict Loader::run(const Checkpoint& checkpoint, std::stop_token stop, Counte
     r.file_size = cf.stat.size;
     r.data_offset = cf.header.data_offset();
     r.direct = f->direct;
-    r.alignment = f->direct ? std::max(f->stat.dio_offset_align, kFallbackDirectAlign) : 1;
+    // Buffered reads use the same aligned ranges, so a file takes the same
+    // block (size class) whether it was read direct or through the cache.
+    r.alignment = std::max(f->stat.dio_offset_align, kFallbackDirectAlign);
     (f->direct ? counters->files_direct : counters->files_buffered)++;
     reads.push_back(std::move(r));
     files.push_back(std::move(f));

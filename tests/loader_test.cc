@@ -411,5 +411,25 @@ TEST_F(LoaderTest, ReloadAfterUnloadMakesNoNewOsAllocation) {
   for (std::size_t i = 0; i < paths.size(); ++i) expect_matches_file(sd, paths[i], images[i]);
 }
 
+// A file read through the page cache and then with O_DIRECT takes the same
+// block: 64 MiB of data sits exactly on a size class, where the direct read's
+// aligned superset would otherwise need the next class.
+TEST_F(LoaderTest, BufferedThenDirectReloadReusesTheBlock) {
+  const std::string path = dir_.file("class_edge.safetensors");
+  const std::string n = std::to_string(64 * MiB);
+  testing::write_file(path, testing::raw_file("{\"w\":{\"dtype\":\"U8\",\"shape\":[" + n + "],\"data_offsets\":[0," + n +
+                                                  "]}}",
+                                              std::vector<std::uint8_t>(64 * MiB, 0x3c)));
+  if (!direct_io_works(path)) GTEST_SKIP() << "O_DIRECT refused here";
+  auto pool = Pool::create(make_locked_memory_backend(&env_));
+  Loader buffered(load_options(2, 2 * MiB, Mode::kOff), pool, &env_);
+  Loader direct(load_options(2, 2 * MiB, Mode::kOn), pool, &env_);
+  buffered.load({path});
+  const PoolStats before = pool->stats();
+  const StateDict sd = direct.load({path});
+  EXPECT_EQ(pool->stats().os_reservations, before.os_reservations);
+  EXPECT_EQ(sd.at("w").bytes()[12345], std::byte{0x3c});
+}
+
 }  // namespace
 }  // namespace pinload
