@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 scripts/setup.sh
 MODELS=${PINLOAD_MODELS:-$HOME/.cache/pinload/models}
 python3 scripts/gen_checkpoints.py --scale small --out "$MODELS"
-MODEL="$MODELS/small/flux-dev"
+MODEL="$MODELS/flux-dev-small"
 echo "== pinload inspect $MODEL (summary)"
 build/pinload inspect "$MODEL" | grep -E '^(/|total)'
 echo "== pinload load -v $MODEL"

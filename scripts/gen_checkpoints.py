@@ -1,0 +1,510 @@
+#!/usr/bin/env python3
+"""Generate safetensors checkpoints of real architectures, filled with random bytes.
+
+No model weights can be downloaded where pinload is developed and tested, and torch
+is not a dependency. This script hand-codes the published architectures (tensor
+names, shapes, dtypes, module order) and writes them in the diffusers/transformers
+folder layout, sharded the way `save_pretrained` shards them:
+
+  <out>/flux-dev/model_index.json
+  <out>/flux-dev/text_encoder/model.safetensors                 CLIP-L   (CLIPTextModel)
+  <out>/flux-dev/text_encoder_2/model-0000{1,2}-of-00002.safetensors + model.safetensors.index.json
+                                                                T5-XXL   (T5EncoderModel)
+  <out>/flux-dev/transformer/diffusion_pytorch_model-0000{1,2,3}-of-00003.safetensors
+                       + diffusion_pytorch_model.safetensors.index.json
+                                                                FLUX.1-dev (FluxTransformer2DModel)
+  <out>/flux-dev/vae/diffusion_pytorch_model.safetensors        AutoencoderKL (16 latent channels)
+
+`--scale small` writes the same names and structure with fewer layers and narrower
+widths (about 0.2 GB in all) to <out>/flux-dev-small/, for CI and quick runs.
+
+Totals are checked against /work/shared/MODELS.md (FLUX 1160 tensors / 23,802,816,640 B,
+T5 219 / 9,524,621,312 B, CLIP-L 196 / ~246 MB, VAE 244 / ~168 MB): run `--check`.
+
+The full FLUX transformer (24 GB) is never written unless asked for by name
+(`--only flux-dev`). Writing is idempotent: a file that exists with the expected
+size is kept (`--force` rewrites). Files are written to a temporary name and
+renamed, so an interrupted run leaves no file of the right name and wrong content.
+
+Examples:
+  scripts/gen_checkpoints.py --check
+  scripts/gen_checkpoints.py --scale small
+  scripts/gen_checkpoints.py --only clip-l,vae,t5-xxl --shards 2    # ~5 GB bench set
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import struct
+import sys
+import time
+from dataclasses import dataclass, field
+
+DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "I64": 8}
+
+
+@dataclass
+class T:
+    name: str
+    shape: tuple
+    dtype: str = "BF16"
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPE_BYTES[self.dtype]
+
+
+@dataclass
+class Component:
+    key: str            # --only name
+    folder: str         # subfolder of the pipeline
+    stem: str           # "model" or "diffusion_pytorch_model"
+    library: str        # model_index.json entries
+    cls: str
+    tensors: list       # module (state_dict) order
+    shards: int = 1
+    max_shard_size: int | None = None  # bytes, as save_pretrained; None: searched to give `shards`
+    config: dict = field(default_factory=dict)
+    expect_tensors: int | None = None
+    expect_bytes: int | None = None    # exact where published
+    approx_bytes: int | None = None    # "about"
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+# ---------------------------------------------------------------- architectures
+
+
+def linear(prefix, out_f, in_f, bias=True, dtype="BF16"):
+    r = [T(f"{prefix}.weight", (out_f, in_f), dtype)]
+    if bias:
+        r.append(T(f"{prefix}.bias", (out_f,), dtype))
+    return r
+
+
+def layer_norm(prefix, dim, bias=True, dtype="BF16"):
+    r = [T(f"{prefix}.weight", (dim,), dtype)]
+    if bias:
+        r.append(T(f"{prefix}.bias", (dim,), dtype))
+    return r
+
+
+def conv(prefix, out_c, in_c, k, dtype="BF16"):
+    return [T(f"{prefix}.weight", (out_c, in_c, k, k), dtype), T(f"{prefix}.bias", (out_c,), dtype)]
+
+
+def clip_text(layers=12, width=768, mlp=3072, vocab=49408, positions=77, dtype="BF16"):
+    """transformers CLIPTextModel (openai/clip-vit-large-patch14 text tower)."""
+    p = "text_model"
+    ts = [T(f"{p}.embeddings.token_embedding.weight", (vocab, width), dtype),
+          T(f"{p}.embeddings.position_embedding.weight", (positions, width), dtype)]
+    for i in range(layers):
+        q = f"{p}.encoder.layers.{i}"
+        for proj in ("k_proj", "v_proj", "q_proj", "out_proj"):  # CLIPAttention order
+            ts += linear(f"{q}.self_attn.{proj}", width, width, dtype=dtype)
+        ts += layer_norm(f"{q}.layer_norm1", width, dtype=dtype)
+        ts += linear(f"{q}.mlp.fc1", mlp, width, dtype=dtype)
+        ts += linear(f"{q}.mlp.fc2", width, mlp, dtype=dtype)
+        ts += layer_norm(f"{q}.layer_norm2", width, dtype=dtype)
+    ts += layer_norm(f"{p}.final_layer_norm", width, dtype=dtype)
+    return ts
+
+
+def t5_encoder(layers=24, d_model=4096, d_ff=10240, heads=64, d_kv=64, vocab=32128, buckets=32, dtype="BF16"):
+    """transformers T5EncoderModel, gated-gelu (T5 v1.1 / google/t5-v1_1-xxl).
+    encoder.embed_tokens.weight is tied to shared.weight and not saved."""
+    inner = heads * d_kv
+    ts = [T("shared.weight", (vocab, d_model), dtype)]
+    for i in range(layers):
+        b = f"encoder.block.{i}"
+        for proj in ("q", "k", "v"):
+            ts.append(T(f"{b}.layer.0.SelfAttention.{proj}.weight", (inner, d_model), dtype))
+        ts.append(T(f"{b}.layer.0.SelfAttention.o.weight", (d_model, inner), dtype))
+        if i == 0:
+            ts.append(T(f"{b}.layer.0.SelfAttention.relative_attention_bias.weight", (buckets, heads), dtype))
+        ts.append(T(f"{b}.layer.0.layer_norm.weight", (d_model,), dtype))
+        ts.append(T(f"{b}.layer.1.DenseReluDense.wi_0.weight", (d_ff, d_model), dtype))
+        ts.append(T(f"{b}.layer.1.DenseReluDense.wi_1.weight", (d_ff, d_model), dtype))
+        ts.append(T(f"{b}.layer.1.DenseReluDense.wo.weight", (d_model, d_ff), dtype))
+        ts.append(T(f"{b}.layer.1.layer_norm.weight", (d_model,), dtype))
+    ts.append(T("encoder.final_layer_norm.weight", (d_model,), dtype))
+    return ts
+
+
+def flux_transformer(double=19, single=38, width=3072, head_dim=128, mlp_ratio=4, in_channels=64,
+                     joint_dim=4096, pooled_dim=768, guidance=True, dtype="BF16"):
+    """diffusers FluxTransformer2DModel (black-forest-labs/FLUX.1-dev)."""
+    mlp = width * mlp_ratio
+    ts = []
+    tte = "time_text_embed"
+    ts += linear(f"{tte}.timestep_embedder.linear_1", width, 256, dtype=dtype)
+    ts += linear(f"{tte}.timestep_embedder.linear_2", width, width, dtype=dtype)
+    if guidance:
+        ts += linear(f"{tte}.guidance_embedder.linear_1", width, 256, dtype=dtype)
+        ts += linear(f"{tte}.guidance_embedder.linear_2", width, width, dtype=dtype)
+    ts += linear(f"{tte}.text_embedder.linear_1", width, pooled_dim, dtype=dtype)
+    ts += linear(f"{tte}.text_embedder.linear_2", width, width, dtype=dtype)
+    ts += linear("context_embedder", width, joint_dim, dtype=dtype)
+    ts += linear("x_embedder", width, in_channels, dtype=dtype)
+
+    def rms(prefix):
+        return [T(f"{prefix}.weight", (head_dim,), dtype)]
+
+    for i in range(double):
+        b = f"transformer_blocks.{i}"
+        ts += linear(f"{b}.norm1.linear", 6 * width, width, dtype=dtype)
+        ts += linear(f"{b}.norm1_context.linear", 6 * width, width, dtype=dtype)
+        a = f"{b}.attn"
+        ts += rms(f"{a}.norm_q") + rms(f"{a}.norm_k")
+        for proj in ("to_q", "to_k", "to_v"):
+            ts += linear(f"{a}.{proj}", width, width, dtype=dtype)
+        ts += linear(f"{a}.to_out.0", width, width, dtype=dtype)
+        ts += rms(f"{a}.norm_added_q") + rms(f"{a}.norm_added_k")
+        for proj in ("add_q_proj", "add_k_proj", "add_v_proj"):
+            ts += linear(f"{a}.{proj}", width, width, dtype=dtype)
+        ts += linear(f"{a}.to_add_out", width, width, dtype=dtype)
+        ts += linear(f"{b}.ff.net.0.proj", mlp, width, dtype=dtype)
+        ts += linear(f"{b}.ff.net.2", width, mlp, dtype=dtype)
+        ts += linear(f"{b}.ff_context.net.0.proj", mlp, width, dtype=dtype)
+        ts += linear(f"{b}.ff_context.net.2", width, mlp, dtype=dtype)
+    for i in range(single):
+        b = f"single_transformer_blocks.{i}"
+        ts += linear(f"{b}.norm.linear", 3 * width, width, dtype=dtype)
+        ts += linear(f"{b}.proj_mlp", mlp, width, dtype=dtype)
+        ts += linear(f"{b}.proj_out", width, width + mlp, dtype=dtype)
+        a = f"{b}.attn"
+        ts += rms(f"{a}.norm_q") + rms(f"{a}.norm_k")
+        for proj in ("to_q", "to_k", "to_v"):
+            ts += linear(f"{a}.{proj}", width, width, dtype=dtype)
+    ts += linear("norm_out.linear", 2 * width, width, dtype=dtype)
+    ts += linear("proj_out", in_channels, width, dtype=dtype)
+    return ts
+
+
+def autoencoder_kl(channels=(128, 256, 512, 512), layers_per_block=2, latent=16, in_ch=3,
+                   quant_conv=False, dtype="BF16"):
+    """diffusers AutoencoderKL (FLUX/SD3 VAE: 16 latent channels, no quant convs)."""
+    ts = []
+
+    def resnet(prefix, cin, cout):
+        r = layer_norm(f"{prefix}.norm1", cin, dtype=dtype) + conv(f"{prefix}.conv1", cout, cin, 3, dtype)
+        r += layer_norm(f"{prefix}.norm2", cout, dtype=dtype) + conv(f"{prefix}.conv2", cout, cout, 3, dtype)
+        if cin != cout:
+            r += conv(f"{prefix}.conv_shortcut", cout, cin, 1, dtype)
+        return r
+
+    def mid(prefix, c):
+        r = resnet(f"{prefix}.resnets.0", c, c)
+        r += layer_norm(f"{prefix}.attentions.0.group_norm", c, dtype=dtype)
+        for proj in ("to_q", "to_k", "to_v", "to_out.0"):
+            r += linear(f"{prefix}.attentions.0.{proj}", c, c, dtype=dtype)
+        r += resnet(f"{prefix}.resnets.1", c, c)
+        return r
+
+    # encoder
+    ts += conv("encoder.conv_in", channels[0], in_ch, 3, dtype)
+    cout = channels[0]
+    for i, c in enumerate(channels):
+        cin, cout = cout, c
+        for j in range(layers_per_block):
+            ts += resnet(f"encoder.down_blocks.{i}.resnets.{j}", cin if j == 0 else cout, cout)
+        if i != len(channels) - 1:
+            ts += conv(f"encoder.down_blocks.{i}.downsamplers.0.conv", cout, cout, 3, dtype)
+    ts += mid("encoder.mid_block", channels[-1])
+    ts += layer_norm("encoder.conv_norm_out", channels[-1], dtype=dtype)
+    ts += conv("encoder.conv_out", 2 * latent, channels[-1], 3, dtype)
+    # decoder
+    ts += conv("decoder.conv_in", channels[-1], latent, 3, dtype)
+    ts += mid("decoder.mid_block", channels[-1])
+    rev = list(reversed(channels))
+    cout = rev[0]
+    for i, c in enumerate(rev):
+        cin, cout = cout, c
+        for j in range(layers_per_block + 1):
+            ts += resnet(f"decoder.up_blocks.{i}.resnets.{j}", cin if j == 0 else cout, cout)
+        if i != len(rev) - 1:
+            ts += conv(f"decoder.up_blocks.{i}.upsamplers.0.conv", cout, cout, 3, dtype)
+    ts += layer_norm("decoder.conv_norm_out", channels[0], dtype=dtype)
+    ts += conv("decoder.conv_out", in_ch, channels[0], 3, dtype)
+    if quant_conv:
+        ts += conv("quant_conv", 2 * latent, 2 * latent, 1, dtype)
+        ts += conv("post_quant_conv", latent, latent, 1, dtype)
+    return ts
+
+
+def components(scale: str) -> list[Component]:
+    if scale == "full":
+        return [
+            Component("clip-l", "text_encoder", "model", "transformers", "CLIPTextModel", clip_text(),
+                      config={"architectures": ["CLIPTextModel"], "hidden_size": 768, "intermediate_size": 3072,
+                              "num_hidden_layers": 12, "num_attention_heads": 12, "vocab_size": 49408,
+                              "max_position_embeddings": 77, "torch_dtype": "bfloat16"},
+                      expect_tensors=196, approx_bytes=246_000_000),
+            Component("t5-xxl", "text_encoder_2", "model", "transformers", "T5EncoderModel", t5_encoder(),
+                      shards=2, max_shard_size=5_000_000_000,
+                      config={"architectures": ["T5EncoderModel"], "d_model": 4096, "d_ff": 10240, "d_kv": 64,
+                              "num_heads": 64, "num_layers": 24, "vocab_size": 32128,
+                              "feed_forward_proj": "gated-gelu", "torch_dtype": "bfloat16"},
+                      expect_tensors=219, expect_bytes=9_524_621_312),
+            Component("flux-dev", "transformer", "diffusion_pytorch_model", "diffusers", "FluxTransformer2DModel",
+                      flux_transformer(), shards=3, max_shard_size=10_000_000_000,
+                      config={"_class_name": "FluxTransformer2DModel", "num_layers": 19, "num_single_layers": 38,
+                              "attention_head_dim": 128, "num_attention_heads": 24, "in_channels": 64,
+                              "joint_attention_dim": 4096, "pooled_projection_dim": 768, "guidance_embeds": True},
+                      expect_tensors=1160, expect_bytes=23_802_816_640),
+            Component("vae", "vae", "diffusion_pytorch_model", "diffusers", "AutoencoderKL", autoencoder_kl(),
+                      config={"_class_name": "AutoencoderKL", "latent_channels": 16,
+                              "block_out_channels": [128, 256, 512, 512], "layers_per_block": 2,
+                              "use_quant_conv": False, "use_post_quant_conv": False},
+                      expect_tensors=244, approx_bytes=168_000_000),
+        ]
+    # small: same names and structure, fewer layers, narrower; ~0.2 GB in all
+    return [
+        Component("clip-l", "text_encoder", "model", "transformers", "CLIPTextModel",
+                  clip_text(layers=2, width=768, mlp=3072),
+                  config={"architectures": ["CLIPTextModel"], "hidden_size": 768, "num_hidden_layers": 2}),
+        Component("t5-xxl", "text_encoder_2", "model", "transformers", "T5EncoderModel",
+                  t5_encoder(layers=4, d_model=512, d_ff=1280, heads=8, d_kv=64), shards=2,
+                  config={"architectures": ["T5EncoderModel"], "d_model": 512, "d_ff": 1280, "num_layers": 4}),
+        Component("flux-dev", "transformer", "diffusion_pytorch_model", "diffusers", "FluxTransformer2DModel",
+                  flux_transformer(double=2, single=4, width=512, joint_dim=512), shards=3,
+                  config={"_class_name": "FluxTransformer2DModel", "num_layers": 2, "num_single_layers": 4,
+                          "attention_head_dim": 128, "num_attention_heads": 4, "joint_attention_dim": 512}),
+        Component("vae", "vae", "diffusion_pytorch_model", "diffusers", "AutoencoderKL",
+                  autoencoder_kl(channels=(64, 128, 256, 256)),
+                  config={"_class_name": "AutoencoderKL", "latent_channels": 16,
+                          "block_out_channels": [64, 128, 256, 256]}),
+    ]
+
+
+MODEL_INDEX = {
+    "_class_name": "FluxPipeline",
+    "_diffusers_version": "0.30.0.dev0",
+    "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+    "text_encoder": ["transformers", "CLIPTextModel"],
+    "text_encoder_2": ["transformers", "T5EncoderModel"],
+    "tokenizer": ["transformers", "CLIPTokenizer"],
+    "tokenizer_2": ["transformers", "T5TokenizerFast"],
+    "transformer": ["diffusers", "FluxTransformer2DModel"],
+    "vae": ["diffusers", "AutoencoderKL"],
+}
+
+# ---------------------------------------------------------------- sharding
+
+
+def greedy_shards(tensors, max_size):
+    """huggingface_hub.split_state_dict_into_shards_factory: state_dict order, a new
+    shard when the next tensor would tip the current one over max_size."""
+    shards, cur, cur_size = [], [], 0
+    for t in tensors:
+        if t.nbytes > max_size:
+            shards.append([t])
+            continue
+        if cur and cur_size + t.nbytes > max_size:
+            shards.append(cur)
+            cur, cur_size = [], 0
+        cur.append(t)
+        cur_size += t.nbytes
+    if cur:
+        shards.append(cur)
+    return shards
+
+
+def split(comp: Component):
+    if comp.shards == 1:
+        return [comp.tensors]
+    if comp.max_shard_size is not None:
+        out = greedy_shards(comp.tensors, comp.max_shard_size)
+    else:  # smallest max size that gives at most `shards` shards
+        lo, hi = max(t.nbytes for t in comp.tensors), comp.total_bytes
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if len(greedy_shards(comp.tensors, mid)) <= comp.shards:
+                hi = mid
+            else:
+                lo = mid + 1
+        out = greedy_shards(comp.tensors, lo)
+    if len(out) != comp.shards:
+        raise SystemExit(f"{comp.key}: sharding gave {len(out)} shards, expected {comp.shards}")
+    return out
+
+
+def shard_name(comp: Component, i: int, n: int) -> str:
+    if n == 1:
+        return f"{comp.stem}.safetensors"
+    return f"{comp.stem}-{i + 1:05d}-of-{n:05d}.safetensors"
+
+
+# ---------------------------------------------------------------- writing
+
+
+def header_bytes(tensors) -> bytes:
+    """safetensors header: tensors sorted by name, contiguous; JSON padded with
+    spaces to a multiple of 8 (as the reference writer)."""
+    hdr = {"__metadata__": {"format": "pt"}}
+    off = 0
+    for t in sorted(tensors, key=lambda t: t.name):
+        hdr[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [off, off + t.nbytes]}
+        off += t.nbytes
+    js = json.dumps(hdr, separators=(",", ":")).encode()
+    js += b" " * (-len(js) % 8)
+    return struct.pack("<Q", len(js)) + js
+
+
+class RandomBytes:
+    """Incompressible, non-repeating bytes at memory speed: one 64 MiB random base,
+    XOR-ed with a fresh 64-bit key per chunk."""
+
+    CHUNK = 64 << 20
+
+    def __init__(self, seed=0):
+        import numpy as np
+        self.np = np
+        self.rng = np.random.default_rng(seed)
+        self.base = self.rng.integers(0, 2**63, size=self.CHUNK // 8, dtype=np.uint64)
+        self.buf = np.empty_like(self.base)
+
+    def chunk(self) -> memoryview:
+        key = self.np.uint64(int(self.rng.integers(1, 2**63)))
+        self.np.bitwise_xor(self.base, key, out=self.buf)
+        return memoryview(self.buf).cast("B")
+
+
+def write_file(path, tensors, rnd: RandomBytes, force: bool) -> tuple[bool, int]:
+    head = header_bytes(tensors)
+    data = sum(t.nbytes for t in tensors)
+    size = len(head) + data
+    if not force and os.path.isfile(path) and os.path.getsize(path) == size:
+        with open(path, "rb") as f:
+            if f.read(len(head)) == head:
+                return False, size
+    tmp = path + ".tmp"
+    with open(tmp, "wb", buffering=0) as f:
+        f.write(head)
+        left = data
+        while left:
+            c = rnd.chunk()
+            n = min(left, len(c))
+            f.write(c[:n])
+            left -= n
+    os.replace(tmp, path)
+    return True, size
+
+
+def write_text(path, obj):
+    text = json.dumps(obj, indent=2, sort_keys=False) + "\n"
+    if os.path.isfile(path):
+        with open(path) as f:
+            if f.read() == text:
+                return
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def default_out() -> str:
+    return os.environ.get("PINLOAD_MODELS") or os.path.join(os.path.expanduser("~"), ".cache", "pinload", "models")
+
+
+def fmt_bytes(n):
+    return f"{n:,} B ({n / 1e9:.3f} GB)"
+
+
+def check(scale):
+    ok = True
+    print(f"scale={scale}")
+    for c in components(scale):
+        shards = split(c)
+        line = f"  {c.key:9s} {c.cls:24s} {len(c.tensors):5d} tensors  {fmt_bytes(c.total_bytes)}  {len(shards)} file(s)"
+        problems = []
+        if scale == "full":
+            if c.expect_tensors is not None and len(c.tensors) != c.expect_tensors:
+                problems.append(f"tensors {len(c.tensors)} != {c.expect_tensors}")
+            if c.expect_bytes is not None and c.total_bytes != c.expect_bytes:
+                problems.append(f"bytes {c.total_bytes} != {c.expect_bytes}")
+            if c.approx_bytes is not None and abs(c.total_bytes - c.approx_bytes) > 0.02 * c.approx_bytes:
+                problems.append(f"bytes {c.total_bytes} not within 2% of ~{c.approx_bytes}")
+        names = [t.name for t in c.tensors]
+        if len(set(names)) != len(names):
+            problems.append("duplicate tensor names")
+        print(line + ("  OK" if not problems else "  MISMATCH: " + "; ".join(problems)))
+        for i, s in enumerate(shards):
+            if len(shards) > 1:
+                print(f"      {shard_name(c, i, len(shards))}: {len(s)} tensors, {fmt_bytes(sum(t.nbytes for t in s))}")
+        ok = ok and not problems
+    return ok
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=default_out(), help="output root (default $PINLOAD_MODELS or ~/.cache/pinload/models)")
+    ap.add_argument("--scale", choices=("full", "small"), default="full")
+    ap.add_argument("--only", default=None,
+                    help="comma list of clip-l,t5-xxl,flux-dev,vae (default: all but flux-dev at full scale, all at small)")
+    ap.add_argument("--shards", default=None,
+                    help="comma list of 1-based shard numbers to write for sharded components (the index is always "
+                         "complete; a folder with missing shards does not open as a whole, but each shard file does)")
+    ap.add_argument("--check", action="store_true", help="print computed totals against MODELS.md and exit")
+    ap.add_argument("--force", action="store_true", help="rewrite files that already exist")
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+
+    if a.check:
+        ok = check("full")
+        check("small")
+        return 0 if ok else 1
+
+    comps = components(a.scale)
+    keys = [c.key for c in comps]
+    if a.only:
+        want = [k.strip() for k in a.only.split(",") if k.strip()]
+        bad = [k for k in want if k not in keys]
+        if bad:
+            ap.error(f"unknown component(s) {bad}; choose from {keys}")
+    else:
+        want = [k for k in keys if a.scale == "small" or k != "flux-dev"]
+    shard_sel = None
+    if a.shards:
+        shard_sel = {int(s) for s in a.shards.split(",")}
+
+    root = os.path.join(a.out, "flux-dev" if a.scale == "full" else "flux-dev-small")
+    os.makedirs(root, exist_ok=True)
+    write_text(os.path.join(root, "model_index.json"), MODEL_INDEX)
+    rnd = RandomBytes(a.seed)
+    grand = 0
+    for c in comps:
+        if c.key not in want:
+            continue
+        d = os.path.join(root, c.folder)
+        os.makedirs(d, exist_ok=True)
+        cfg = dict(c.config)
+        write_text(os.path.join(d, "config.json"), cfg)
+        shards = split(c)
+        n = len(shards)
+        if n > 1:
+            weight_map = {}
+            for i, s in enumerate(shards):
+                for t in s:
+                    weight_map[t.name] = shard_name(c, i, n)
+            index = {"metadata": {"total_size": c.total_bytes},
+                     "weight_map": dict(sorted(weight_map.items()))}
+            write_text(os.path.join(d, f"{c.stem}.safetensors.index.json"), index)
+        for i, s in enumerate(shards):
+            if n > 1 and shard_sel is not None and (i + 1) not in shard_sel:
+                continue
+            path = os.path.join(d, shard_name(c, i, n))
+            t0 = time.monotonic()
+            wrote, size = write_file(path, s, rnd, a.force)
+            dt = time.monotonic() - t0
+            grand += size
+            what = f"wrote in {dt:.1f}s ({size / dt / 1e9:.2f} GB/s)" if wrote else "exists, kept"
+            print(f"{path}: {len(s)} tensors, {fmt_bytes(size)}: {what}", flush=True)
+    print(f"{root}: {fmt_bytes(grand)} in the selected files")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
