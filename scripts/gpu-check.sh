@@ -12,7 +12,7 @@
 # (scripts/fetch-gpu-deps.sh fills it on the dev machine; carry it along), it
 # goes on CMAKE_PREFIX_PATH and LD_LIBRARY_PATH. Missing packages are named.
 #
-# OUTDIR receives at most 7 files:
+# OUTDIR receives at most 8 files:
 #   results.json           the summary: steps, dependencies, test counts,
 #                          measurements (CudaMeasure) and the torch reference
 #   gpu-check.log          this script's progress and the machine's description
@@ -20,6 +20,7 @@
 #   tests.log              the test binaries' output (and ctest's, if run)
 #   device_test.json       GoogleTest JSON reports
 #   copy_engine_test.json
+#   device_loader_test.json
 #   torch_reference.log
 #
 # Exit status: 0 all passed and the CUDA tests ran; 1 a build step or a test
@@ -128,7 +129,7 @@ res = {"status": status, "steps": steps, "dependencies": json.loads(deps), "meas
 with open(os.path.join(out, "gpu-check.log")) as f:
     res["machine"] = [l.rstrip() for l in f if not l.startswith("[gpu-check")][:12]
 suites = {}
-for name in ("device_test", "copy_engine_test"):
+for name in ("device_test", "copy_engine_test", "device_loader_test"):
     path = os.path.join(out, name + ".json")
     if not os.path.exists(path):
         continue
@@ -173,7 +174,7 @@ FAILED=0
 run_step configure 120 "$OUT/build.log" cmake -S . -B "$BUILD" "${GENERATOR[@]}" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DPINLOAD_WITH_CUDA=ON -DPINLOAD_WITH_PYTHON=OFF -DPINLOAD_BUILD_BENCH="$BENCH" || FAILED=1
 if ((FAILED == 0)); then
-  run_step build_device_tests 300 "$OUT/build.log" cmake --build "$BUILD" -j "$JOBS" --target device_test copy_engine_test ||
+  run_step build_device_tests 300 "$OUT/build.log" cmake --build "$BUILD" -j "$JOBS" --target device_test copy_engine_test device_loader_test ||
     FAILED=1
 fi
 if ((FAILED)); then
@@ -186,7 +187,7 @@ fi
 # ---- the CUDA suites and the measurements
 TESTS_FAILED=0
 export PINLOAD_MEASURE_MIB=$MEASURE_MIB
-for t in device_test copy_engine_test; do
+for t in device_test copy_engine_test device_loader_test; do
   run_step "$t" 150 "$OUT/tests.log" "$BUILD/tests/$t" --gtest_output="json:$OUT/$t.json" || TESTS_FAILED=1
 done
 grep -E '^measure: ' "$OUT/tests.log" | tee -a "$OUT/gpu-check.log"
