@@ -405,7 +405,7 @@ TEST(CopyEngineSim, DestroyingWithCopiesInFlightWaitsJoinsAndReleases) {
     EXPECT_FALSE(tickets.back().done());  // 64 copies of >= 2 ms on 4 streams
   }
   EXPECT_LT(Clock::now() - start, std::chrono::seconds(5));
-  EXPECT_EQ(testing::thread_count_settled(baseline), baseline);
+  EXPECT_EQ(testing::settled_thread_count(baseline), baseline);
   for (const CopyTicket& t : tickets) EXPECT_TRUE(t.done());
   EXPECT_EQ(pool->stats().live_blocks, 0u);
   for (int i = 0; i < 4; ++i) {

@@ -184,7 +184,7 @@ TEST_P(DeviceLoadFaultTest, ReadErrorMidLoadReleasesEverything) {
   if (loader.staging_pool()) {
     EXPECT_EQ(loader.staging_pool()->stats().live_blocks, 0u);
   }
-  EXPECT_EQ(testing::thread_count(), threads_before);
+  EXPECT_EQ(testing::settled_thread_count(threads_before), threads_before);
 }
 
 TEST_P(DeviceLoadFaultTest, CancelMidLoadReleasesEverything) {
@@ -212,7 +212,7 @@ TEST_P(DeviceLoadFaultTest, CancelMidLoadReleasesEverything) {
   if (loader.staging_pool()) {
     EXPECT_EQ(loader.staging_pool()->stats().live_blocks, 0u);
   }
-  EXPECT_EQ(testing::thread_count(), threads_before);
+  EXPECT_EQ(testing::settled_thread_count(threads_before), threads_before);
 }
 
 INSTANTIATE_TEST_SUITE_P(Modes, DeviceLoadFaultTest, ::testing::Values(DeviceMode::kCached, DeviceMode::kStreaming),

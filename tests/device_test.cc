@@ -475,7 +475,7 @@ TEST(SimDevice, DestroyingStreamsWithCopiesQueuedDrainsAndJoins) {
     // streams, then the device, go here with copies queued
   }
   EXPECT_LT(Clock::now() - start, std::chrono::seconds(5));
-  EXPECT_EQ(testing::thread_count_settled(baseline), baseline);
+  EXPECT_EQ(testing::settled_thread_count(baseline), baseline);
   // Every queued copy ran; the event outlives its stream and device.
   EXPECT_TRUE(events[0].query());
   EXPECT_EQ(0, std::memcmp(buffer->data(), source.data(), 40 * n));

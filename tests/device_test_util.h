@@ -17,6 +17,7 @@
 #include <gtest/gtest.h>
 
 #include "pinload/device.h"
+#include "test_files.h"
 
 namespace pinload::testing {
 
@@ -86,28 +87,6 @@ class OpenOnExit {
  private:
   Gate& gate_;
 };
-
-// Threads of this process now (Linux /proc).
-inline int thread_count() {
-  std::ifstream status("/proc/self/status");
-  std::string line;
-  while (std::getline(status, line)) {
-    if (line.rfind("Threads:", 0) == 0) return std::stoi(line.substr(8));
-  }
-  return -1;
-}
-
-// Waits up to 5 s for the thread count to fall to `n` (a joined thread may
-// linger in /proc for a moment).
-inline int thread_count_settled(int n) {
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
-  int now = thread_count();
-  while (now > n && std::chrono::steady_clock::now() < deadline) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-    now = thread_count();
-  }
-  return now;
-}
 
 // A byte pattern that differs per (seed, position), and never repeats with
 // a short period, so a shifted or stale copy shows.

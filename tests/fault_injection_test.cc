@@ -80,17 +80,6 @@ bool direct_io_works(const std::string& path) {
   return ok;
 }
 
-// The thread count, once it has settled to `expected` (joined threads may
-// linger in /proc for a moment).
-int settled_thread_count(int expected) {
-  int n = testing::thread_count();
-  for (int i = 0; i < 200 && n != expected; ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    n = testing::thread_count();
-  }
-  return n;
-}
-
 enum class Mode { kOn, kOff, kAutoCold };  // kAutoCold: kAuto that tries O_DIRECT on cached files
 
 const char* mode_name(Mode m) { return m == Mode::kOn ? "On" : m == Mode::kOff ? "Off" : "AutoCold"; }
@@ -132,7 +121,7 @@ class FaultTest : public ::testing::Test {
     EXPECT_EQ(s.in_use_bytes, 0u);
     EXPECT_EQ(s.live_blocks, 0u);
     EXPECT_EQ(rig.env.open_fds(), 0);
-    EXPECT_EQ(settled_thread_count(baseline_threads_), baseline_threads_);
+    EXPECT_EQ(testing::settled_thread_count(baseline_threads_), baseline_threads_);
   }
 
   // The error names `path`, in its context and its message.

@@ -94,17 +94,6 @@ bool direct_io_works(const std::string& path) {
   return ok;
 }
 
-// The thread count, once it has settled to `expected` (joined threads may
-// linger in /proc for a moment).
-int settled_thread_count(int expected) {
-  int n = testing::thread_count();
-  for (int i = 0; i < 200 && n != expected; ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    n = testing::thread_count();
-  }
-  return n;
-}
-
 // kAuto reads a freshly written (cached) file buffered; kAutoCold makes it try
 // O_DIRECT as it would on a cold file.
 enum class Mode { kOn, kOff, kAuto, kAutoCold };
@@ -139,7 +128,7 @@ class LoaderTest : public ::testing::Test {
   }
   void TearDown() override {
     EXPECT_EQ(env_.open_fds(), 0);
-    EXPECT_EQ(settled_thread_count(baseline_threads_), baseline_threads_);
+    EXPECT_EQ(testing::settled_thread_count(baseline_threads_), baseline_threads_);
   }
   std::shared_ptr<Pool> make_pool() { return Pool::create(make_locked_memory_backend(&env_)); }
 

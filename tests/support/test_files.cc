@@ -3,7 +3,9 @@
 #include <dirent.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <fstream>
+#include <thread>
 #include <map>
 #include <sstream>
 #include <stdexcept>
@@ -128,12 +130,30 @@ int open_fd_count() {
 }
 
 int thread_count() {
+  // Sanitizer runtimes start a helper thread with the process's first
+  // pthread_create (TSan's background thread). Start one here, once, so that
+  // no baseline is taken before it exists.
+  static const bool warmed_up = [] {
+    std::thread([] {}).join();
+    return true;
+  }();
+  (void)warmed_up;
   std::ifstream status("/proc/self/status");
   std::string line;
   while (std::getline(status, line)) {
     if (line.rfind("Threads:", 0) == 0) return std::stoi(line.substr(8));
   }
   return -1;
+}
+
+int settled_thread_count(int expected) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  int n = thread_count();
+  while (n > expected && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    n = thread_count();
+  }
+  return n;
 }
 
 }  // namespace pinload::testing

@@ -61,7 +61,11 @@ FileImage write_random_checkpoint(const std::string& path, std::mt19937_64& rng,
 
 // Number of open file descriptors of this process (/proc/self/fd).
 int open_fd_count();
-// Number of threads of this process (/proc/self/status).
+// Number of threads of this process (/proc/self/status), counting the
+// sanitizer runtime's helper thread from the first call on.
 int thread_count();
+// The thread count once it has fallen to `expected`, or after 5 s (a joined
+// thread may linger in /proc for a moment).
+int settled_thread_count(int expected);
 
 }  // namespace pinload::testing
