@@ -386,7 +386,7 @@ TEST(CopyEngineSim, ADeviceErrorFailsTheTicketAndStillReleasesTheBlock) {
 }
 
 TEST(CopyEngineSim, DestroyingWithCopiesInFlightWaitsJoinsAndReleases) {
-  const int baseline = testing::thread_count();
+  const int baseline = testing::stable_thread_count();
   SimDeviceOptions options;
   options.copy_delay = std::chrono::milliseconds(2);
   auto d = make_sim_device(options);

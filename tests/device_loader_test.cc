@@ -165,7 +165,7 @@ TEST_P(DeviceLoadFaultTest, ReadErrorMidLoadReleasesEverything) {
   Faults faults;
   faults.fail_read_at = 20;
   FaultEnv env(faults);
-  const int threads_before = testing::thread_count();
+  const int threads_before = testing::stable_thread_count();
   LoadOptions options;
   options.threads = 4;
   options.block_size = 4096;
@@ -196,7 +196,7 @@ TEST_P(DeviceLoadFaultTest, CancelMidLoadReleasesEverything) {
   Faults faults;
   faults.read_delay_us = 500;
   FaultEnv env(faults);
-  const int threads_before = testing::thread_count();
+  const int threads_before = testing::stable_thread_count();
   LoadOptions options;
   options.threads = 2;
   options.block_size = 4096;

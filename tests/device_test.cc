@@ -456,7 +456,7 @@ TEST(SimDevice, MemoryLimitGivesOutOfMemoryAndFreesComeBack) {
 }
 
 TEST(SimDevice, DestroyingStreamsWithCopiesQueuedDrainsAndJoins) {
-  const int baseline = testing::thread_count();
+  const int baseline = testing::stable_thread_count();
   SimDeviceOptions options;
   options.copy_delay = std::chrono::milliseconds(2);
   const std::size_t n = 4 * KiB;

@@ -108,7 +108,7 @@ class FaultTest : public ::testing::Test {
  protected:
   void SetUp() override {
     std::thread([] {}).join();  // sanitizers start a helper thread on the first one
-    baseline_threads_ = testing::thread_count();
+    baseline_threads_ = testing::stable_thread_count();
     direct_ok_ = direct_io_works(path_);
   }
 

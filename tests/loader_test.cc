@@ -124,7 +124,7 @@ class LoaderTest : public ::testing::Test {
  protected:
   void SetUp() override {
     std::thread([] {}).join();  // sanitizers start a helper thread on the first one
-    baseline_threads_ = testing::thread_count();
+    baseline_threads_ = testing::stable_thread_count();
   }
   void TearDown() override {
     EXPECT_EQ(env_.open_fds(), 0);

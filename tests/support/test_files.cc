@@ -146,6 +146,18 @@ int thread_count() {
   return -1;
 }
 
+int stable_thread_count() {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+  int last = thread_count();
+  for (int same = 0; same < 5 && std::chrono::steady_clock::now() < deadline;) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    const int n = thread_count();
+    same = n == last ? same + 1 : 0;
+    last = n;
+  }
+  return last;
+}
+
 int settled_thread_count(int expected) {
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
   int n = thread_count();

@@ -64,6 +64,9 @@ int open_fd_count();
 // Number of threads of this process (/proc/self/status), counting the
 // sanitizer runtime's helper thread from the first call on.
 int thread_count();
+// The thread count once it has held still for 50 ms (at most 2 s): a
+// baseline that no exiting thread inflates.
+int stable_thread_count();
 // The thread count once it has fallen to `expected`, or after 5 s (a joined
 // thread may linger in /proc for a moment).
 int settled_thread_count(int expected);
