@@ -38,4 +38,4 @@ else()
   set(_cuda_note "device layer: sim only, cuda:N throws")
 endif()
 message(STATUS "pinload layers: CUDA=${PINLOAD_HAVE_CUDA} (${_cuda_note}), "
-               "PYTHON=${PINLOAD_HAVE_PYTHON} (bindings planned), TORCH=${PINLOAD_HAVE_TORCH} (adapter planned)")
+               "PYTHON=${PINLOAD_HAVE_PYTHON} (pinload._core), TORCH=${PINLOAD_HAVE_TORCH} (adapter planned)")

@@ -1,0 +1,121 @@
+"""pinload: load safetensors checkpoints fast, into a reusable pinned memory pool, zero-copy into PyTorch.
+
+The safetensors-compatible API (``safe_open``, ``pinload.torch.load_file``) and the sharded loaders
+(``load_files``, ``iter_tensors``) live in :mod:`pinload.torch` and are re-exported here; they import
+torch on first use, so ``import pinload`` alone stays light. See docs/python.md.
+
+Every error pinload raises is a :class:`pinload.Error`:
+
+- :class:`InvalidFileError` (also a ``ValueError``): a malformed file, index or argument;
+- :class:`NotFoundError` (also a ``FileNotFoundError``): a path or tensor that does not exist;
+- :class:`IoError` (also an ``OSError``): the OS failed a read, open or stat;
+- :class:`OutOfMemoryError` (also a ``MemoryError``): the OS or the pool's budget refused memory;
+- :class:`DeviceError`: the accelerator failed or is unavailable;
+- :class:`CancelledError`: the load was cancelled (Ctrl-C).
+
+Each carries ``.file``, ``.tensor``, ``.begin``, ``.end`` (None where they do not apply), ``.code``
+and ``.message``.
+"""
+
+from __future__ import annotations
+
+import pkgutil
+
+# A build tree keeps the compiled module in <build>/python/pinload/ and the sources in python/pinload/:
+# with both on sys.path, this package spans the two folders.
+__path__ = pkgutil.extend_path(__path__, __name__)
+
+from . import _core  # noqa: E402
+from ._core import (  # noqa: E402
+    CancelledError,
+    DeviceError,
+    Error,
+    InvalidFileError,
+    IoError,
+    NotFoundError,
+    OutOfMemoryError,
+)
+
+__version__ = _core.__version__
+
+__all__ = [
+    "CancelledError",
+    "DeviceError",
+    "Error",
+    "InvalidFileError",
+    "IoError",
+    "NotFoundError",
+    "OutOfMemoryError",
+    "cuda_available",
+    "iter_tensors",
+    "load_file",
+    "load_files",
+    "patch_diffusers",
+    "patch_transformers",
+    "pool_stats",
+    "safe_open",
+    "trim_pool",
+]
+
+# Names served by submodules that import torch (or diffusers / transformers) on first use.
+_LAZY = {
+    "safe_open": "torch",
+    "load_file": "torch",
+    "load_files": "torch",
+    "iter_tensors": "torch",
+    "patch_diffusers": "hooks",
+    "patch_transformers": "hooks",
+}
+
+
+_SUBMODULES = ("torch", "skip_init", "hooks")
+
+
+def __getattr__(name: str):
+    import importlib
+
+    if name in _SUBMODULES:  # pinload.skip_init.empty_model(...) after a plain `import pinload`
+        return importlib.import_module(f".{name}", __name__)
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'pinload' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY) | set(_SUBMODULES))
+
+
+def _device_key(device) -> str:
+    """The pool key of a device argument: 'cpu', 'sim' or 'cuda:N'."""
+    if device is None:
+        return "cpu"
+    if isinstance(device, int):
+        return f"cuda:{device}"
+    text = str(device)
+    if text == "cuda":
+        return "cuda:0"
+    return text
+
+
+def pool_stats(device="cpu") -> dict:
+    """Statistics of the pool that loads to ``device`` share ('cpu', 'sim', 'cuda:N').
+
+    Keys (bytes unless noted): ``reserved`` (held from the OS), ``in_use`` (in live blocks),
+    ``peak``, ``peak_reserved``, ``capacity`` (0: unlimited), and counts ``allocations``,
+    ``free_list_hits`` (allocations that reused a block), ``os_reservations``, ``os_releases``,
+    ``budget_waits``, ``live_blocks``; ``backend`` names the memory backend.
+    """
+    return _core.pool_stats(_device_key(device))
+
+
+def trim_pool(device="cpu") -> None:
+    """Returns the idle memory of ``device``'s pool to the OS (blocks in use stay)."""
+    _core.trim_pool(_device_key(device))
+
+
+def cuda_available() -> tuple[bool, str]:
+    """(available, reason): whether pinload itself can use a CUDA device, and why not."""
+    return _core.cuda_available()

@@ -1,0 +1,295 @@
+"""Route diffusers' and transformers' ``from_pretrained`` weight loading through pinload.
+
+    with pinload.patch_diffusers():                      # also patches transformers (text encoders)
+        pipe = DiffusionPipeline.from_pretrained("/models/sdxl")
+
+    undo = pinload.patch_transformers(threads=16)        # or a plain call; undo.undo() restores
+    model = LlamaForCausalLM.from_pretrained("/models/llama")
+
+What is patched (checked against diffusers 0.42 and transformers 5.24; every module of the library
+that imported the function by name gets the replacement, found by identity, after the modules
+that are known to import it have been imported):
+
+- diffusers: ``diffusers.models.model_loading_utils.load_state_dict`` (imported by name into
+  ``models.modeling_utils`` and the ``loaders`` modules). ``ModelMixin.from_pretrained`` reads
+  every ``.safetensors`` checkpoint and shard through it, and ``DiffusionPipeline.from_pretrained``
+  loads each diffusers component with ``ModelMixin.from_pretrained``.
+- transformers: ``safetensors.safe_open`` as imported by ``transformers.modeling_utils`` (the
+  ``from_pretrained`` path: one handle per shard, ``get_slice(name)[...]`` per tensor, which a
+  pinload handle serves from one parallel load of the whole shard), ``modeling_layers`` and
+  ``integrations.accelerate``; and ``transformers.modeling_utils.load_state_dict`` (safetensors
+  files).
+
+Anything the replacement does not handle (another framework, a ``meta`` or unsupported
+device, a non-safetensors file) goes to the original function. Not patched: LoRA / textual
+inversion / IP-adapter loaders that call ``safetensors.torch.load_file`` through the module, and
+transformers' ``disable_mmap`` path (it parses bytes already read).
+
+Each patch counts its calls in ``.calls`` (a dict: replacement name -> calls served by pinload;
+``files`` counts the files pinload actually loaded); ``.counts()`` adds those of included patches.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import os
+import sys
+import threading
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+__all__ = ["Patch", "patch_diffusers", "patch_transformers"]
+
+_DIFFUSERS_MODULES = (
+    "diffusers.models.model_loading_utils",
+    "diffusers.models.modeling_utils",
+    "diffusers.loaders.single_file_utils",
+    "diffusers.loaders.lora_base",
+    "diffusers.loaders.unet",
+    "diffusers.loaders.textual_inversion",
+    "diffusers.loaders.ip_adapter",
+)
+_TRANSFORMERS_MODULES = (
+    "transformers.modeling_utils",
+    "transformers.modeling_layers",
+    "transformers.integrations.accelerate",
+)
+
+
+class Patch:
+    """A set of patched module attributes. ``undo()`` (or leaving the ``with`` block) restores them."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.calls: Dict[str, int] = {}
+        self.patched: List[str] = []  # "module.attr" that were replaced
+        self._undo: List[Tuple[Any, str, Any, Any]] = []
+        self._lock = threading.Lock()
+        self._children: List["Patch"] = []
+        self.active = True
+
+    def count(self, what: str, n: int = 1) -> None:
+        with self._lock:
+            self.calls[what] = self.calls.get(what, 0) + n
+
+    def counts(self) -> Dict[str, int]:
+        """``calls`` merged with those of the patches this one includes (patch_diffusers'
+        transformers patch)."""
+        with self._lock:
+            out = dict(self.calls)
+        for child in self._children:
+            for k, v in child.counts().items():
+                out[k] = out.get(k, 0) + v
+        return out
+
+    def _replace(self, module: Any, attr: str, new: Any) -> None:
+        old = getattr(module, attr)
+        setattr(module, attr, new)
+        self._undo.append((module, attr, old, new))
+        self.patched.append(f"{module.__name__}.{attr}")
+
+    def undo(self) -> None:
+        """Restores every attribute this patch replaced (and those of the patches it includes)."""
+        if not self.active:
+            return
+        for child in reversed(self._children):
+            child.undo()
+        for module, attr, old, new in reversed(self._undo):
+            if getattr(module, attr, None) is new:
+                setattr(module, attr, old)
+        self._undo.clear()
+        self.active = False
+
+    def __enter__(self) -> "Patch":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.undo()
+
+    def __repr__(self) -> str:
+        state = "active" if self.active else "undone"
+        return f"<pinload.Patch {self.name} {state}: {len(self.patched)} attributes, calls={self.calls}>"
+
+
+def _import_all(names) -> None:
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except Exception:  # an optional loader whose own dependencies are missing
+            pass
+
+
+def _replace_everywhere(patch: Patch, package: str, attr: str, original: Any, new: Any) -> None:
+    """Replaces ``attr`` in every loaded module of ``package`` where it is ``original``."""
+    for name, module in list(sys.modules.items()):
+        if module is None or not (name == package or name.startswith(package + ".")):
+            continue
+        try:
+            if module.__dict__.get(attr) is original:
+                patch._replace(module, attr, new)
+        except AttributeError:
+            continue
+
+
+def _is_safetensors_file(path: Any) -> bool:
+    try:
+        return os.fspath(path).endswith(".safetensors")
+    except TypeError:
+        return False
+
+
+def _pinload_device(device: Any) -> bool:
+    """Whether pinload serves loads to ``device`` itself (else the original function does)."""
+    import torch
+
+    if device is None:
+        return True
+    if isinstance(device, int) and not isinstance(device, bool):
+        return True
+    if isinstance(device, str):
+        if device == "sim":
+            return True
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError, ValueError):
+            return False
+    if isinstance(device, torch.device):
+        return device.type in ("cpu", "cuda")
+    return False
+
+
+def _bind(original: Callable, args: tuple, kwargs: dict) -> Optional[inspect.BoundArguments]:
+    try:
+        bound = inspect.signature(original).bind(*args, **kwargs)
+    except TypeError:
+        return None
+    bound.apply_defaults()
+    return bound
+
+
+# ---- diffusers ----
+
+
+def _diffusers_load_state_dict(original: Callable, patch: Patch, options: Dict[str, Any]) -> Callable:
+    @functools.wraps(original)
+    def load_state_dict(*args, **kwargs):
+        bound = _bind(original, args, kwargs)
+        if bound is not None:
+            a = bound.arguments
+            checkpoint = a.get("checkpoint_file")
+            device = a.get("map_location", "cpu")
+            if not isinstance(checkpoint, dict) and _is_safetensors_file(checkpoint) and _pinload_device(device):
+                from .torch import load_file
+
+                result = load_file(checkpoint, device=device, **options)
+                patch.count("diffusers.load_state_dict")
+                patch.count("files")
+                return result
+        return original(*args, **kwargs)
+
+    load_state_dict._pinload_original = original  # type: ignore[attr-defined]
+    return load_state_dict
+
+
+def patch_diffusers(*, transformers: bool = True, **options: Any) -> Patch:
+    """Routes diffusers' safetensors loading (``ModelMixin.from_pretrained``, and so each model
+    component of ``DiffusionPipeline.from_pretrained``) through pinload; with ``transformers``
+    (the default, when it is installed) also ``patch_transformers``, for a pipeline's text
+    encoders. ``options`` are pinload load options (threads, block_size, direct, progress, ...).
+
+    Returns a Patch: use it as a context manager, or call ``.undo()``.
+    """
+    from .torch import _Options
+
+    _Options(**options)  # check them now
+    import diffusers.models.model_loading_utils as mlu
+
+    _import_all(_DIFFUSERS_MODULES)
+    patch = Patch("diffusers")
+    original = mlu.load_state_dict
+    replacement = _diffusers_load_state_dict(original, patch, options)
+    try:
+        _replace_everywhere(patch, "diffusers", "load_state_dict", original, replacement)
+        if transformers:
+            try:
+                import transformers as _  # noqa: F401
+            except ImportError:
+                pass
+            else:
+                patch._children.append(patch_transformers(**options))
+    except BaseException:
+        patch.undo()
+        raise
+    return patch
+
+
+# ---- transformers ----
+
+
+def _transformers_safe_open(original: Callable, patch: Patch, options: Dict[str, Any]) -> Callable:
+    from .torch import safe_open
+
+    class _CountingSafeOpen(safe_open):
+        def _loaded(self):
+            patch.count("files")
+
+    def patched_safe_open(filename, framework="pt", device="cpu", *args, **kwargs):
+        if framework in ("pt", "torch", "pytorch") and not args and _pinload_device(device):
+            patch.count("transformers.safe_open")
+            kwargs.pop("backend", None)
+            return _CountingSafeOpen(filename, framework=framework, device=device, **options)
+        return original(filename, framework, device, *args, **kwargs)
+
+    patched_safe_open._pinload_original = original  # type: ignore[attr-defined]
+    patched_safe_open.__doc__ = original.__doc__
+    return patched_safe_open
+
+
+def _transformers_load_state_dict(original: Callable, patch: Patch, options: Dict[str, Any]) -> Callable:
+    @functools.wraps(original)
+    def load_state_dict(*args, **kwargs):
+        bound = _bind(original, args, kwargs)
+        if bound is not None:
+            a = bound.arguments
+            checkpoint = a.get("checkpoint_file")
+            device = a.get("map_location", "cpu")
+            if _is_safetensors_file(checkpoint) and _pinload_device(device):
+                from .torch import load_file
+
+                result = load_file(checkpoint, device=device, **options)
+                patch.count("transformers.load_state_dict")
+                patch.count("files")
+                return result
+        return original(*args, **kwargs)
+
+    load_state_dict._pinload_original = original  # type: ignore[attr-defined]
+    return load_state_dict
+
+
+def patch_transformers(**options: Any) -> Patch:
+    """Routes transformers' safetensors loading (``PreTrainedModel.from_pretrained``) through
+    pinload. ``options`` are pinload load options. Returns a Patch (context manager, ``.undo()``).
+    """
+    from .torch import _Options
+
+    _Options(**options)
+    import safetensors
+    import transformers.modeling_utils as mu
+
+    _import_all(_TRANSFORMERS_MODULES)
+    patch = Patch("transformers")
+    try:
+        original_open = mu.safe_open
+        _replace_everywhere(patch, "transformers", "safe_open", original_open,
+                            _transformers_safe_open(original_open, patch, options))
+        if original_open is not safetensors.safe_open:  # someone patched it before us: the real one too
+            _replace_everywhere(patch, "transformers", "safe_open", safetensors.safe_open,
+                                _transformers_safe_open(safetensors.safe_open, patch, options))
+        original_load = mu.load_state_dict
+        _replace_everywhere(patch, "transformers", "load_state_dict", original_load,
+                            _transformers_load_state_dict(original_load, patch, options))
+    except BaseException:
+        patch.undo()
+        raise
+    return patch

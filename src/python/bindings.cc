@@ -1,0 +1,593 @@
+// pinload._core: the Python extension module behind python/pinload.
+//
+// It exposes loads (Loader::load_async on a module-wide pool per device),
+// safetensors headers, pool statistics and pinload's errors, and hands tensor
+// memory to Python as DLPack capsules, so that torch.from_dlpack() aliases
+// pool or device memory without a copy and without this module linking
+// libtorch. No raw address ever crosses into Python: only capsules do.
+//
+// Note [DLPack export]
+// Each tensor goes out as a 1-D uint8 DLPack tensor over its bytes (the
+// unversioned "dltensor" capsule, which every torch since 1.10 accepts);
+// Python then views it as the real dtype and reshapes it (python/pinload/
+// torch.py). The DLManagedTensor's manager_ctx owns a copy of the
+// pinload::Tensor, which holds the pool Block (host) or DeviceBuffer (device):
+// the memory lives exactly as long as the consumer keeps the tensor. A host
+// export holds only the block; a device export holds only the device buffer,
+// so a cached-mode device load's pinned staging copy goes back to the pool
+// once the load's own StateDict is dropped. Device kinds:
+//   host tensors          kDLCPU
+//   "sim" device tensors  kDLCPU (sim device memory is host memory)
+//   "cuda:N" tensors      kDLCUDA, device_id N
+// The deleter only destroys C++ objects, so it may run on any thread, with or
+// without the GIL (torch frees tensors from its own threads).
+//
+// Note [GIL]
+// Every call that may block (header reads, loads, waits, pool trims, the
+// destruction of a load in flight) releases the GIL. Objects handed to Python
+// (StateDict, LoadHandle) are only touched with the GIL held.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "pinload/checkpoint.h"
+#include "pinload/copy_engine.h"
+#include "pinload/device.h"
+#include "pinload/dtype.h"
+#include "pinload/env.h"
+#include "pinload/error.h"
+#include "pinload/loader.h"
+#include "pinload/pool.h"
+#include "pinload/state_dict.h"
+
+#ifndef PINLOAD_VERSION
+#define PINLOAD_VERSION "0.0.0"
+#endif
+
+namespace py = pybind11;
+
+namespace pinload::python {
+namespace {
+
+// ---- DLPack ABI (dlpack.h 0.8; stable since 0.2) ----
+// Declared here so that the module needs no dlpack headers.
+enum : std::int32_t { kDLCPU = 1, kDLCUDA = 2 };
+enum : std::uint8_t { kDLUInt = 1 };
+struct DLDevice {
+  std::int32_t device_type;  // DLDeviceType, a C enum
+  std::int32_t device_id;
+};
+struct DLDataType {
+  std::uint8_t code;
+  std::uint8_t bits;
+  std::uint16_t lanes;
+};
+struct DLTensor {
+  void* data;
+  DLDevice device;
+  std::int32_t ndim;
+  DLDataType dtype;
+  std::int64_t* shape;
+  std::int64_t* strides;
+  std::uint64_t byte_offset;
+};
+struct DLManagedTensor {
+  DLTensor dl_tensor;
+  void* manager_ctx;
+  void (*deleter)(DLManagedTensor* self);
+};
+static_assert(sizeof(DLDevice) == 8 && sizeof(DLDataType) == 4, "DLPack ABI");
+
+constexpr const char* kCapsuleName = "dltensor";
+constexpr const char* kUsedCapsuleName = "used_dltensor";
+
+// What a capsule owns: the tensor (and so its block or buffer), the shape
+// array DLPack points at, and the managed tensor itself.
+struct Exported {
+  Tensor tensor;
+  std::int64_t shape[1];
+  DLManagedTensor managed;
+};
+
+void delete_exported(DLManagedTensor* managed) noexcept { delete static_cast<Exported*>(managed->manager_ctx); }
+
+// A capsule that nobody consumed frees what it owns; a consumed one
+// ("used_dltensor") belongs to its consumer, which calls the deleter.
+void capsule_destructor(PyObject* capsule) noexcept {
+  if (PyCapsule_IsValid(capsule, kUsedCapsuleName)) return;
+  PyObject *type, *value, *traceback;
+  PyErr_Fetch(&type, &value, &traceback);
+  auto* managed = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(capsule, kCapsuleName));
+  if (managed != nullptr) {
+    managed->deleter(managed);
+  } else {
+    PyErr_WriteUnraisable(capsule);
+  }
+  PyErr_Restore(type, value, traceback);
+}
+
+// Where a load's tensors are handed out from.
+struct Placement {
+  enum Kind { kHost, kSim, kCuda } kind = kHost;
+  int ordinal = 0;
+  std::string device = "cpu";  // canonical: "cpu", "sim", "cuda:N"
+  // The torch device the exported tensors are on.
+  std::string torch_device() const { return kind == kCuda ? device : "cpu"; }
+};
+
+// A capsule over `t`'s bytes, or None for a tensor with no bytes.
+py::object export_tensor(const Tensor& t, const Placement& placement) {
+  if (t.nbytes() == 0) return py::none();
+  std::unique_ptr<Exported> ctx;
+  void* data = nullptr;
+  DLDevice device{kDLCPU, 0};
+  if (placement.kind == Placement::kHost) {
+    if (!t.on_host()) throw InvalidFileError("tensor has no host copy", ErrorContext{{}, t.name()});
+    ctx.reset(new Exported{Tensor(t.name(), t.dtype(), t.shape(), t.block(), t.block_offset(), t.nbytes()), {}, {}});
+    data = const_cast<std::byte*>(ctx->tensor.data());
+  } else {
+    if (!t.on_device()) throw InvalidFileError("tensor has no device copy", ErrorContext{{}, t.name()});
+    ctx.reset(
+        new Exported{Tensor(t.name(), t.dtype(), t.shape(), t.device_buffer(), t.device_offset(), t.nbytes()), {}, {}});
+    data = ctx->tensor.device_data();
+    if (placement.kind == Placement::kCuda) device = DLDevice{kDLCUDA, placement.ordinal};
+  }
+  ctx->shape[0] = static_cast<std::int64_t>(t.nbytes());
+  ctx->managed.dl_tensor = DLTensor{data, device, 1, DLDataType{kDLUInt, 8, 1}, ctx->shape, nullptr, 0};
+  ctx->managed.manager_ctx = ctx.get();
+  ctx->managed.deleter = &delete_exported;
+  PyObject* capsule = PyCapsule_New(&ctx->managed, kCapsuleName, &capsule_destructor);
+  if (capsule == nullptr) throw py::error_already_set();
+  ctx.release();  // the capsule owns it now
+  return py::reinterpret_steal<py::object>(capsule);
+}
+
+// ---- strings: file names are bytes to the OS ----
+
+py::str decode(const std::string& text, const char* errors = "surrogateescape") {
+  PyObject* s = PyUnicode_DecodeUTF8(text.data(), static_cast<Py_ssize_t>(text.size()), errors);
+  if (s == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::str>(s);
+}
+
+py::list shape_list(const std::vector<std::uint64_t>& shape) {
+  py::list out;
+  for (std::uint64_t d : shape) out.append(py::int_(d));
+  return out;
+}
+
+// ---- errors ----
+
+struct ErrorTypes {
+  py::object base;
+  py::object by_code[6];
+};
+ErrorTypes& error_types() {
+  static auto* types = new ErrorTypes;  // leaked: lives as long as the interpreter
+  return *types;
+}
+
+void raise_error(const Error& e) {
+  const auto code = static_cast<std::size_t>(e.code());
+  py::object type = code < 6 ? error_types().by_code[code] : error_types().base;
+  py::object instance = type(decode(e.what(), "backslashreplace"));
+  const ErrorContext& ctx = e.context();
+  instance.attr("file") = ctx.file.empty() ? py::object(py::none()) : py::object(decode(ctx.file));
+  instance.attr("tensor") = ctx.tensor.empty() ? py::object(py::none()) : py::object(decode(ctx.tensor));
+  instance.attr("begin") = ctx.begin ? py::object(py::int_(*ctx.begin)) : py::object(py::none());
+  instance.attr("end") = ctx.end ? py::object(py::int_(*ctx.end)) : py::object(py::none());
+  instance.attr("code") = py::str(error_code_name(e.code()));
+  instance.attr("message") = decode(e.message(), "backslashreplace");
+  PyErr_SetObject(type.ptr(), instance.ptr());
+}
+
+py::object make_error_type(py::module_& m, const char* name, const char* doc, py::object bases) {
+  const std::string qualified = std::string("pinload.") + name;
+  PyObject* type = PyErr_NewExceptionWithDoc(qualified.c_str(), doc, bases.ptr(), nullptr);
+  if (type == nullptr) throw py::error_already_set();
+  py::object out = py::reinterpret_steal<py::object>(type);
+  m.attr(name) = out;
+  return out;
+}
+
+void register_errors(py::module_& m) {
+  ErrorTypes& t = error_types();
+  t.base = make_error_type(m, "Error",
+                           "Base class of every pinload error. Attributes: code (str), message (the text without "
+                           "the context), file, tensor, begin, end (None where they do not apply).",
+                           py::reinterpret_borrow<py::object>(PyExc_Exception));
+  for (const char* attr : {"file", "tensor", "begin", "end", "message"}) t.base.attr(attr) = py::none();
+  t.base.attr("code") = py::str("error");
+  struct Spec {
+    ErrorCode code;
+    const char* name;
+    PyObject* extra_base;
+    const char* doc;
+  };
+  const Spec specs[] = {
+      {ErrorCode::kInvalidFile, "InvalidFileError", PyExc_ValueError,
+       "A malformed safetensors file, index or argument (also a ValueError)."},
+      {ErrorCode::kNotFound, "NotFoundError", PyExc_FileNotFoundError,
+       "A path or tensor that does not exist (also a FileNotFoundError)."},
+      {ErrorCode::kIo, "IoError", PyExc_OSError, "The OS failed a read, open or stat (also an OSError)."},
+      {ErrorCode::kOutOfMemory, "OutOfMemoryError", PyExc_MemoryError,
+       "The OS or the pool's budget refused memory (also a MemoryError)."},
+      {ErrorCode::kDevice, "DeviceError", nullptr, "The accelerator or its driver failed, or is unavailable."},
+      {ErrorCode::kCancelled, "CancelledError", nullptr, "The load was cancelled."},
+  };
+  for (const Spec& s : specs) {
+    py::object bases = s.extra_base != nullptr
+                           ? py::object(py::make_tuple(t.base, py::reinterpret_borrow<py::object>(s.extra_base)))
+                           : py::object(py::make_tuple(t.base));
+    py::object type = make_error_type(m, s.name, s.doc, bases);
+    type.attr("code") = py::str(error_code_name(s.code));
+    t.by_code[static_cast<std::size_t>(s.code)] = type;
+  }
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const Error& e) {
+      raise_error(e);
+    }
+  });
+}
+
+// ---- devices and pools: one of each per device, for the whole process ----
+
+struct Registry {
+  std::mutex mu;
+  std::map<std::string, Device*> devices;  // never destroyed: buffers and loads may outlive any Python object
+  std::map<std::string, std::shared_ptr<Pool>> pools;
+};
+Registry& registry() {
+  static auto* r = new Registry;
+  return *r;
+}
+
+// Opens (once) the device `spec` names and returns it with its placement;
+// nullptr for "cpu".
+Device* device_for(const std::string& spec, Placement* placement) {
+  if (spec == "cpu") {
+    *placement = Placement{};
+    return nullptr;
+  }
+  std::string key = spec == "cuda" ? "cuda:0" : spec;
+  Registry& r = registry();
+  std::lock_guard lock(r.mu);
+  Device*& device = r.devices[key];
+  if (device == nullptr) {
+    try {
+      device = open_device(key).release();
+    } catch (...) {
+      r.devices.erase(key);
+      throw;
+    }
+  }
+  if (device->kind() == DeviceKind::kCuda) {
+    placement->kind = Placement::kCuda;
+    placement->device = device->name();  // "cuda:N"
+    placement->ordinal = std::stoi(placement->device.substr(5));
+  } else {
+    placement->kind = Placement::kSim;
+    placement->device = "sim";
+  }
+  return device;
+}
+
+// The pool shared by every load to `spec` (locked host memory for "cpu",
+// the device's pinned memory otherwise).
+std::shared_ptr<Pool> pool_for(const std::string& spec) {
+  Placement placement;
+  Device* device = device_for(spec, &placement);
+  Registry& r = registry();
+  std::lock_guard lock(r.mu);
+  std::shared_ptr<Pool>& pool = r.pools[placement.device];
+  if (!pool) pool = device ? Pool::create(device->make_pinned_backend()) : Pool::create_default();
+  return pool;
+}
+
+py::dict stats_dict(const PoolStats& s, std::string_view backend) {
+  py::dict d;
+  d["backend"] = py::str(std::string(backend));
+  d["capacity"] = s.capacity_bytes;
+  d["reserved"] = s.reserved_bytes;
+  d["in_use"] = s.in_use_bytes;
+  d["peak"] = s.peak_in_use_bytes;
+  d["peak_reserved"] = s.peak_reserved_bytes;
+  d["allocations"] = s.allocations;
+  d["free_list_hits"] = s.free_list_hits;
+  d["os_reservations"] = s.os_reservations;
+  d["os_releases"] = s.os_releases;
+  d["budget_waits"] = s.budget_waits;
+  d["live_blocks"] = s.live_blocks;
+  return d;
+}
+
+// ---- the objects handed to Python ----
+
+class PyStateDict {
+ public:
+  PyStateDict(StateDict sd, Placement placement) : sd_(std::move(sd)), placement_(std::move(placement)) {}
+
+  std::size_t size() const { return sd_.size(); }
+  bool contains(const std::string& name) const { return sd_.find(name) != nullptr; }
+  py::list names() const {
+    py::list out;
+    for (const Tensor& t : sd_) out.append(decode(t.name()));
+    return out;
+  }
+  py::dict metadata() const {
+    py::dict out;
+    for (const auto& [k, v] : sd_.metadata()) out[decode(k)] = decode(v);
+    return out;
+  }
+  py::tuple entry(const Tensor& t) const {
+    return py::make_tuple(decode(t.name()), py::str(std::string(dtype_name(t.dtype()))), shape_list(t.shape()),
+                          export_tensor(t, placement_));
+  }
+  // (name, dtype, shape, capsule or None) of one tensor.
+  py::tuple export_one(const std::string& name) const { return entry(sd_.at(name)); }
+  // The same for every tensor, in load order.
+  py::list export_all() const {
+    py::list out;
+    for (const Tensor& t : sd_) out.append(entry(t));
+    return out;
+  }
+  // (name, dtype, shape) of every tensor, in load order; exports nothing.
+  py::list infos() const {
+    py::list out;
+    for (const Tensor& t : sd_) {
+      out.append(py::make_tuple(decode(t.name()), py::str(std::string(dtype_name(t.dtype()))), shape_list(t.shape())));
+    }
+    return out;
+  }
+  std::uint64_t total_bytes() const { return sd_.total_bytes(); }
+  const Placement& placement() const { return placement_; }
+
+ private:
+  StateDict sd_;
+  Placement placement_;
+};
+
+class PyLoadHandle {
+ public:
+  PyLoadHandle(LoadHandle handle, Placement placement)
+      : handle_(std::make_unique<LoadHandle>(std::move(handle))), placement_(std::move(placement)) {}
+  PyLoadHandle(const PyLoadHandle&) = delete;
+  PyLoadHandle& operator=(const PyLoadHandle&) = delete;
+  // Dropping a load in flight cancels it and joins its thread (which never
+  // needs the GIL); let other Python threads run meanwhile.
+  ~PyLoadHandle() {
+    if (!handle_) return;
+    handle_->cancel();
+#if PY_VERSION_HEX >= 0x030D0000
+    const bool finalizing = Py_IsFinalizing();
+#else
+    const bool finalizing = _Py_IsFinalizing();
+#endif
+    if (!finalizing && PyGILState_Check()) {
+      py::gil_scoped_release release;
+      handle_.reset();
+    } else {
+      handle_.reset();
+    }
+  }
+
+  bool done() const { return !handle_ || handle_->done(); }
+  void cancel() {
+    if (handle_) handle_->cancel();
+  }
+  py::dict progress() const {
+    const LoadProgress p = handle_ ? handle_->progress() : last_;
+    py::dict d;
+    d["bytes_done"] = p.bytes_done;
+    d["bytes_total"] = p.bytes_total;
+    d["files_direct"] = p.files_direct;
+    d["files_buffered"] = p.files_buffered;
+    d["bytes_copied"] = p.bytes_copied;
+    return d;
+  }
+  // Waits up to `timeout` seconds (None: until done) with the GIL released;
+  // true once the load has finished.
+  bool wait(std::optional<double> timeout) {
+    if (!handle_) return true;
+    py::gil_scoped_release release;
+    const auto start = std::chrono::steady_clock::now();
+    auto pause = std::chrono::microseconds(100);
+    while (!handle_->done()) {
+      auto sleep = pause;
+      if (timeout) {
+        const auto left = std::chrono::duration<double>(*timeout) - (std::chrono::steady_clock::now() - start);
+        if (left <= std::chrono::duration<double>::zero()) return false;
+        sleep = std::min(sleep, std::chrono::duration_cast<std::chrono::microseconds>(left) +
+                                    std::chrono::microseconds(1));
+      }
+      std::this_thread::sleep_for(sleep);
+      pause = std::min(pause * 2, std::chrono::microseconds(5000));
+    }
+    return true;
+  }
+  // The loaded state dict, or the load's error. Call once.
+  PyStateDict result() {
+    if (!handle_) throw InvalidFileError("result() was already taken from this load");
+    last_ = handle_->progress();
+    std::unique_ptr<LoadHandle> handle = std::move(handle_);
+    StateDict sd;
+    {
+      py::gil_scoped_release release;
+      try {
+        sd = handle->wait();
+      } catch (...) {
+        handle.reset();
+        throw;
+      }
+      last_ = handle->progress();
+      handle.reset();
+    }
+    return PyStateDict(std::move(sd), placement_);
+  }
+  const Placement& placement() const { return placement_; }
+
+ private:
+  std::unique_ptr<LoadHandle> handle_;
+  Placement placement_;
+  LoadProgress last_;
+};
+
+DirectIo parse_direct(const std::string& direct) {
+  if (direct == "auto") return DirectIo::kAuto;
+  if (direct == "on") return DirectIo::kOn;
+  if (direct == "off") return DirectIo::kOff;
+  throw InvalidFileError("direct must be 'auto', 'on' or 'off', not '" + direct + "'");
+}
+
+std::unique_ptr<PyLoadHandle> load_async(const std::vector<std::string>& paths, const std::string& device_spec, unsigned threads,
+                         std::size_t block_size, const std::string& direct, std::size_t files_in_flight,
+                         std::size_t streams, std::size_t chunk_bytes, std::optional<std::uint64_t> staging_bytes,
+                         const std::string& variant) {
+  if (paths.empty()) throw InvalidFileError("no path given");
+  if (threads == 0 || threads > 1024) throw InvalidFileError("threads must be 1..1024");
+  if (block_size < 4096 || block_size > (std::size_t{1} << 30)) throw InvalidFileError("block_size must be 4 KiB..1 GiB");
+  if (streams == 0 || streams > 64) throw InvalidFileError("streams must be 1..64");
+  if (chunk_bytes == 0) throw InvalidFileError("chunk_bytes must be > 0");
+  if (files_in_flight == 0) throw InvalidFileError("files_in_flight must be > 0");
+  LoadOptions options;
+  options.threads = threads;
+  options.block_size = block_size;
+  options.direct = parse_direct(direct);
+  options.files_in_flight = files_in_flight;
+  options.resolve.variant = variant;
+  Placement placement;
+  std::shared_ptr<Pool> pool;
+  LoadHandle handle = [&] {
+    py::gil_scoped_release release;
+    Device* device = device_for(device_spec, &placement);
+    if (staging_bytes && device == nullptr) throw InvalidFileError("staging_bytes (streaming mode) needs a device");
+    options.target.device = device;
+    options.target.copy.streams = streams;
+    options.target.copy.chunk_bytes = chunk_bytes;
+    if (staging_bytes) {
+      options.target.mode = DeviceMode::kStreaming;
+      options.target.staging_bytes = *staging_bytes;
+    }
+    Loader loader(options, pool_for(device_spec));
+    return loader.load_async(paths);  // the load's thread holds what it needs
+  }();
+  return std::make_unique<PyLoadHandle>(std::move(handle), std::move(placement));
+}
+
+py::dict read_header(const std::string& path) {
+  CheckpointFile file;
+  {
+    py::gil_scoped_release release;
+    file = read_checkpoint_file(default_env(), path);
+  }
+  py::list tensors;
+  for (const TensorInfo& t : file.header.tensors) {
+    tensors.append(py::make_tuple(decode(t.name), py::str(std::string(dtype_name(t.dtype))), shape_list(t.shape),
+                                  py::int_(t.begin), py::int_(t.end)));
+  }
+  py::object metadata = py::none();
+  if (file.header.has_metadata) {
+    py::dict md;
+    for (const auto& [k, v] : file.header.metadata) md[decode(k)] = decode(v);
+    metadata = md;
+  }
+  py::dict out;
+  out["path"] = decode(file.path);
+  out["tensors"] = tensors;  // file order: by offset
+  out["metadata"] = metadata;
+  out["data_offset"] = file.header.data_offset();
+  out["file_size"] = file.header.file_size;
+  return out;
+}
+
+}  // namespace
+}  // namespace pinload::python
+
+PYBIND11_MODULE(_core, m) {
+  using namespace pinload;
+  using namespace pinload::python;
+  m.doc() = "pinload's native core: parallel direct-I/O loads into pinned pools, handed out as DLPack capsules.";
+  m.attr("__version__") = PINLOAD_VERSION;
+  m.attr("DEFAULT_THREADS") = kDefaultThreads;
+  m.attr("DEFAULT_BLOCK_SIZE") = kDefaultBlockSize;
+  m.attr("DEFAULT_STREAMS") = kDefaultCopyStreams;
+  m.attr("DEFAULT_CHUNK_BYTES") = kDefaultCopyChunkBytes;
+  m.attr("DEFAULT_STAGING_BYTES") = kDefaultStagingBytes;
+  register_errors(m);
+
+  py::class_<PyStateDict>(m, "StateDict", "A loaded checkpoint: tensors in pool or device memory.")
+      .def("__len__", &PyStateDict::size)
+      .def("__contains__", &PyStateDict::contains, py::arg("name"))
+      .def("names", &PyStateDict::names, "Tensor names in load order.")
+      .def("metadata", &PyStateDict::metadata, "The files' __metadata__, merged (the first file wins a key).")
+      .def("infos", &PyStateDict::infos, "(name, dtype, shape) of every tensor, in load order.")
+      .def("export", &PyStateDict::export_one, py::arg("name"),
+           "(name, dtype, shape, capsule) of one tensor; the capsule is None when it has no bytes. "
+           "Raises NotFoundError for an unknown name.")
+      .def("export_all", &PyStateDict::export_all, "export() of every tensor, in load order.")
+      .def_property_readonly("total_bytes", &PyStateDict::total_bytes)
+      .def_property_readonly("device", [](const PyStateDict& s) { return s.placement().device; },
+                             "The pinload device: 'cpu', 'sim' or 'cuda:N'.")
+      .def_property_readonly("torch_device", [](const PyStateDict& s) { return s.placement().torch_device(); },
+                             "The torch device of exported tensors: 'cpu' or 'cuda:N'.");
+
+  py::class_<PyLoadHandle>(m, "LoadHandle", "A load in flight. Dropping it cancels the load.")
+      .def("done", &PyLoadHandle::done)
+      .def("cancel", &PyLoadHandle::cancel)
+      .def("progress", &PyLoadHandle::progress,
+           "dict: bytes_done, bytes_total, files_direct, files_buffered, bytes_copied.")
+      .def("wait", &PyLoadHandle::wait, py::arg("timeout") = py::none(),
+           "Waits up to timeout seconds (None: until done), without the GIL; True once finished.")
+      .def("result", &PyLoadHandle::result, "The StateDict, or raises the load's error. Call once.")
+      .def_property_readonly("device", [](const PyLoadHandle& h) { return h.placement().device; });
+
+  m.def("load_async", &load_async, py::arg("paths"), py::arg("device") = "cpu",
+        py::arg("threads") = kDefaultThreads, py::arg("block_size") = kDefaultBlockSize, py::arg("direct") = "auto",
+        py::arg("files_in_flight") = 2, py::arg("streams") = kDefaultCopyStreams,
+        py::arg("chunk_bytes") = kDefaultCopyChunkBytes, py::arg("staging_bytes") = py::none(),
+        py::arg("variant") = "",
+        "Starts loading `paths` (bytes: files, indexes, folders) to `device` ('cpu', 'sim', 'cuda', 'cuda:N') "
+        "on the device's shared pool; returns a LoadHandle at once.");
+  m.def("read_header", &read_header, py::arg("path"),
+        "Reads and validates one file's header: dict with path, tensors [(name, dtype, shape, begin, end)] in "
+        "offset order, metadata (dict or None), data_offset, file_size.");
+  m.def(
+      "pool_stats", [](const std::string& device) { auto pool = pool_for(device); return stats_dict(pool->stats(), pool->backend_name()); },
+      py::arg("device") = "cpu", "Statistics of the pool shared by loads to `device`.");
+  m.def(
+      "trim_pool",
+      [](const std::string& device) {
+        auto pool = pool_for(device);
+        py::gil_scoped_release release;
+        pool->trim();
+      },
+      py::arg("device") = "cpu", "Returns the idle memory of `device`'s pool to the OS.");
+  m.def("dtype_names", [] {
+    py::list out;
+    for (int i = 0; i < kDTypeCount; ++i) out.append(py::str(std::string(dtype_name(static_cast<DType>(i)))));
+    return out;
+  });
+  m.def("built_with_cuda", &built_with_cuda);
+  m.def("cuda_available", [] {
+    std::string why;
+    bool ok = false;
+    {
+      py::gil_scoped_release release;
+      ok = cuda_available(&why);
+    }
+    return py::make_tuple(ok, why);
+  }, "(available, reason): whether pinload can use a CUDA device, and why not.");
+}

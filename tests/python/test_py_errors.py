@@ -1,0 +1,139 @@
+"""Typed errors: every failure is a pinload.Error subclass carrying the file (and tensor, offsets)."""
+
+import json
+import struct
+
+import pytest
+import torch
+import safetensors.torch as st
+
+import pinload
+import pinload.torch as pt
+from pl_helpers import write_raw
+
+
+def loaders(path):
+    """Every entry point that reads a file, as thunks."""
+    return {
+        "load_file": lambda: pt.load_file(path),
+        "load_files": lambda: pinload.load_files([path]),
+        "iter_tensors": lambda: list(pinload.iter_tensors(path)),
+        "safe_open": lambda: pinload.safe_open(path).get_tensors(),
+    }
+
+
+def test_hierarchy():
+    assert issubclass(pinload.Error, Exception)
+    subclasses = {
+        pinload.InvalidFileError: ("invalid_file", ValueError),
+        pinload.NotFoundError: ("not_found", FileNotFoundError),
+        pinload.IoError: ("io", OSError),
+        pinload.OutOfMemoryError: ("out_of_memory", MemoryError),
+        pinload.DeviceError: ("device", None),
+        pinload.CancelledError: ("cancelled", None),
+    }
+    for cls, (code, extra) in subclasses.items():
+        assert issubclass(cls, pinload.Error)
+        assert cls.__module__ == "pinload"
+        assert cls.code == code
+        if extra is not None:
+            assert issubclass(cls, extra)
+    e = pinload.InvalidFileError("plain")
+    assert (e.file, e.tensor, e.begin, e.end) == (None, None, None, None)
+
+
+def test_missing_file_is_not_found_with_file_set(tmp_path):
+    path = tmp_path / "absent.safetensors"
+    for name, call in loaders(path).items():
+        with pytest.raises(pinload.NotFoundError) as info:
+            call()
+        e = info.value
+        assert isinstance(e, pinload.Error) and isinstance(e, FileNotFoundError), name
+        assert e.file == str(path), name
+        assert str(path) in str(e) and e.code == "not_found"
+
+
+def test_folder_without_checkpoint_is_not_found(tmp_path):
+    with pytest.raises(pinload.NotFoundError) as info:
+        pinload.load_files(tmp_path)
+    assert info.value.file is not None
+
+
+def good_file(tmp_path):
+    path = tmp_path / "good.safetensors"
+    st.save_file({"a": torch.arange(64, dtype=torch.float32), "b": torch.ones(8, 8)}, str(path))
+    return path
+
+
+def test_truncated_file(tmp_path):
+    path = good_file(tmp_path)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 10])
+    for name, call in loaders(path).items():
+        with pytest.raises(pinload.InvalidFileError) as info:
+            call()
+        assert info.value.file == str(path), name
+        assert isinstance(info.value, pinload.Error)
+
+
+@pytest.mark.parametrize("content,what", [
+    (b"", "empty"),
+    (b"\x05\x00\x00", "short prefix"),
+    (struct.pack("<Q", 1 << 40) + b"{}", "header length past the end"),
+    (struct.pack("<Q", 8) + b"not json", "not JSON"),
+    (struct.pack("<Q", 2) + b"[]", "not an object"),
+])
+def test_bad_header(tmp_path, content, what):
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(content)
+    for name, call in loaders(path).items():
+        with pytest.raises(pinload.InvalidFileError) as info:
+            call()
+        assert info.value.file == str(path), (name, what)
+        assert isinstance(info.value, ValueError)
+
+
+def test_bad_tensor_entry_names_tensor_and_offsets(tmp_path):
+    # "b" claims 12 bytes for a [2] F32 tensor.
+    header = {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+              "b": {"dtype": "F32", "shape": [2], "data_offsets": [8, 20]}}
+    text = json.dumps(header).encode()
+    path = tmp_path / "bad_entry.safetensors"
+    path.write_bytes(struct.pack("<Q", len(text)) + text + b"\0" * 20)
+    with pytest.raises(pinload.InvalidFileError) as info:
+        pt.load_file(path)
+    e = info.value
+    assert e.file == str(path) and e.tensor == "b"
+    assert e.begin is not None and e.end is not None and e.begin < e.end
+    assert e.message and e.message in str(e)
+
+
+def test_unknown_dtype(tmp_path):
+    path = write_raw(tmp_path / "unknown.safetensors", [("x", "F12", [1], b"\0\0")])
+    with pytest.raises(pinload.InvalidFileError) as info:
+        pinload.safe_open(path)
+    assert info.value.file == str(path)
+
+
+def test_bad_index(tmp_path):
+    st.save_file({"a": torch.ones(2)}, str(tmp_path / "model-00001-of-00001.safetensors"))
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"a": "model-00001-of-00001.safetensors",
+                                                "ghost": "model-00001-of-00001.safetensors"}}))
+    with pytest.raises(pinload.Error) as info:
+        pinload.load_files(index)
+    assert info.value.file is not None
+    index.write_text("{ not json")
+    with pytest.raises(pinload.InvalidFileError):
+        pinload.load_files(index)
+    index.write_text(json.dumps({"weight_map": {"a": "missing-shard.safetensors"}}))
+    with pytest.raises(pinload.NotFoundError):
+        pinload.load_files(index)
+
+
+def test_unknown_device(tmp_path):
+    path = good_file(tmp_path)
+    with pytest.raises(pinload.InvalidFileError):
+        pinload._core.load_async([str(path).encode()], "tpu:3")
+    with pytest.raises(RuntimeError):  # torch rejects the device string itself
+        pt.load_file(path, device="nonsense")
