@@ -13,7 +13,7 @@ echo "== tests (build/)"
 echo "== ASan + UBSan + fuzz (build-asan/, clang)"
 if [[ ! -f build-asan/build.ninja ]]; then
   cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ \
-        -DPINLOAD_SANITIZE=address,undefined -DPINLOAD_FUZZ=ON -DPINLOAD_BUILD_BENCH=OFF -DPINLOAD_WITH_PYTHON=OFF -DPINLOAD_WERROR=ON >/dev/null
+        -DPINLOAD_SANITIZE=address,undefined -DPINLOAD_FUZZ=ON -DPINLOAD_BUILD_BENCH=OFF -DPINLOAD_WITH_PYTHON=OFF -DPINLOAD_WITH_TORCH=OFF -DPINLOAD_WERROR=ON >/dev/null
 fi
 cmake --build build-asan
 (cd build-asan && ASAN_OPTIONS=detect_leaks=1 ctest --output-on-failure -j "$JOBS" -L 'unit|fuzz')
@@ -21,7 +21,7 @@ cmake --build build-asan
 echo "== TSan (build-tsan/, clang)"
 if [[ ! -f build-tsan/build.ninja ]]; then
   cmake -S . -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ \
-        -DPINLOAD_SANITIZE=thread -DPINLOAD_BUILD_BENCH=OFF -DPINLOAD_WITH_PYTHON=OFF -DPINLOAD_WERROR=ON >/dev/null
+        -DPINLOAD_SANITIZE=thread -DPINLOAD_BUILD_BENCH=OFF -DPINLOAD_WITH_PYTHON=OFF -DPINLOAD_WITH_TORCH=OFF -DPINLOAD_WERROR=ON >/dev/null
 fi
 cmake --build build-tsan
 (cd build-tsan && TSAN_OPTIONS=halt_on_error=1 ctest --output-on-failure -j "$JOBS" -L unit)
