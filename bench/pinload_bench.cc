@@ -57,6 +57,7 @@
 #include "pinload/host_memory.h"
 #include "pinload/loader.h"
 #include "pinload/pool.h"
+#include "cli/size_arg.h"
 
 namespace {
 
@@ -92,19 +93,9 @@ struct UsageError : std::runtime_error {
 };
 
 std::uint64_t parse_size(const std::string& text) {
-  std::size_t pos = 0;
-  std::uint64_t value = 0;
-  try {
-    value = std::stoull(text, &pos);
-  } catch (const std::exception&) {
-    throw UsageError("not a size: '" + text + "'");
-  }
-  const std::string unit = text.substr(pos);
-  if (unit.empty()) return value;
-  if (unit == "K" || unit == "k" || unit == "KiB") return value << 10;
-  if (unit == "M" || unit == "m" || unit == "MiB") return value << 20;
-  if (unit == "G" || unit == "g" || unit == "GiB") return value << 30;
-  throw UsageError("unknown size unit in '" + text + "'");
+  const std::optional<std::uint64_t> size = pinload::cli::parse_size_arg(text);
+  if (!size) throw UsageError("not a size: '" + text + "' (bytes, or a number with K, M or G)");
+  return *size;
 }
 
 std::vector<std::string> split(const std::string& text, char sep = ',') {

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "cli/progress.h"
+#include "cli/size_arg.h"
 #include "pinload/checkpoint.h"
 #include "pinload/device.h"
 #include "pinload/error.h"
@@ -40,19 +41,9 @@ struct Args {
 };
 
 std::uint64_t parse_size(const std::string& text) {
-  std::size_t pos = 0;
-  std::uint64_t value = 0;
-  try {
-    value = std::stoull(text, &pos);
-  } catch (const std::exception&) {
-    throw UsageError("not a size: '" + text + "'");
-  }
-  const std::string unit = text.substr(pos);
-  if (unit == "K" || unit == "k" || unit == "KiB") return value << 10;
-  if (unit == "M" || unit == "m" || unit == "MiB") return value << 20;
-  if (unit == "G" || unit == "g" || unit == "GiB") return value << 30;
-  if (!unit.empty()) throw UsageError("unknown size unit in '" + text + "'");
-  return value;
+  const std::optional<std::uint64_t> size = parse_size_arg(text);
+  if (!size) throw UsageError("not a size: '" + text + "' (bytes, or a number with K, M or G)");
+  return *size;
 }
 
 Args parse_args(int argc, char** argv) {
