@@ -172,7 +172,7 @@ log "dependencies found (benchmark: $BENCH)"
 # ---- build
 FAILED=0
 run_step configure 120 "$OUT/build.log" cmake -S . -B "$BUILD" "${GENERATOR[@]}" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-  -DPINLOAD_WITH_CUDA=ON -DPINLOAD_WITH_PYTHON=OFF -DPINLOAD_BUILD_BENCH="$BENCH" || FAILED=1
+  -DPINLOAD_WITH_CUDA=ON -DPINLOAD_WITH_PYTHON=AUTO -DPINLOAD_BUILD_BENCH="$BENCH" || FAILED=1
 if ((FAILED == 0)); then
   run_step build_device_tests 300 "$OUT/build.log" cmake --build "$BUILD" -j "$JOBS" --target device_test copy_engine_test device_loader_test ||
     FAILED=1
@@ -232,6 +232,11 @@ if (($(remaining) > 150)); then
   if run_step build_all 150 "$OUT/build.log" cmake --build "$BUILD" -j "$JOBS"; then
     run_step ctest_unit 120 "$OUT/tests.log" ctest --test-dir "$BUILD" -L unit -j "$JOBS" --output-on-failure ||
       TESTS_FAILED=1
+    # The Python package's torch tests on cuda (built when pybind11 is there).
+    if ls "$BUILD"/python/pinload/_core*.so >/dev/null 2>&1; then
+      run_step python_tests 150 "$OUT/tests.log" env PYTHONPATH="$BUILD/python:$ROOT/python" \
+        python3 -m pytest -q -rs "$ROOT/tests/python" || TESTS_FAILED=1
+    fi
   elif [[ ${RC[build_all]} == 124 ]]; then
     log "the other unit suites did not build in time: not run (not a failure)"
   else
