@@ -95,7 +95,13 @@ class PosixEnv final : public Env {
     return p;
   }
   int unmap(void* address, std::size_t bytes) override { return ::munmap(address, bytes) == 0 ? 0 : -errno; }
-  int lock(void* address, std::size_t bytes) override { return ::mlock(address, bytes) == 0 ? 0 : -errno; }
+  int lock(void* address, std::size_t bytes) override {
+#ifdef MLOCK_ONFAULT
+    if (::mlock2(address, bytes, MLOCK_ONFAULT) == 0) return 0;
+    if (errno != EINVAL && errno != ENOSYS) return -errno;
+#endif
+    return ::mlock(address, bytes) == 0 ? 0 : -errno;
+  }
   int unlock(void* address, std::size_t bytes) override { return ::munlock(address, bytes) == 0 ? 0 : -errno; }
   int advise(void* address, std::size_t bytes, int advice) override {
     return ::madvise(address, bytes, advice) == 0 ? 0 : -errno;

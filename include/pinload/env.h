@@ -50,7 +50,11 @@ class Env {
   // `extra_flags` (MAP_HUGETLB, say): the address, or nullptr with *err set.
   virtual void* map_anonymous(std::size_t bytes, int extra_flags, int* err) = 0;
   virtual int unmap(void* address, std::size_t bytes) = 0;
-  virtual int lock(void* address, std::size_t bytes) = 0;    // mlock(2)
+  // Locks the range as its pages are touched: mlock2(MLOCK_ONFAULT), or
+  // mlock(2) where the kernel lacks it. Touching is left to the caller, so
+  // the pool's pages are faulted in by the reader threads, in parallel,
+  // rather than all at once by the thread that reserves them.
+  virtual int lock(void* address, std::size_t bytes) = 0;
   virtual int unlock(void* address, std::size_t bytes) = 0;  // munlock(2)
   virtual int advise(void* address, std::size_t bytes, int advice) = 0;  // madvise(2)
 };
