@@ -24,10 +24,9 @@ if ((${#missing[@]})); then
 fi
 
 PYTHON=${PYTHON:-python3}
-py_missing=()
-for p in "${PY_PACKAGES[@]}"; do
-  "$PYTHON" -c "import $p" 2>/dev/null || py_missing+=("$p")
-done
+# find_spec looks a package up without importing it (torch takes seconds).
+read -r -a py_missing <<<"$("$PYTHON" -c 'import importlib.util as u, sys
+print(" ".join(p for p in sys.argv[1:] if u.find_spec(p) is None))' "${PY_PACKAGES[@]}")"
 if ((${#py_missing[@]})); then
   echo "setup: installing Python packages: ${py_missing[*]}"
   "$PYTHON" -m pip install -q "${py_missing[@]}"
