@@ -168,10 +168,11 @@ def _bind(original: Callable, args: tuple, kwargs: dict) -> Optional[inspect.Bou
     return bound
 
 
-# ---- diffusers ----
+def _routed_load_state_dict(original: Callable, patch: Patch, options: Dict[str, Any], counter: str) -> Callable:
+    """Wraps a library's ``load_state_dict(checkpoint_file, map_location=...)`` (diffusers' and
+    transformers' have that shape) so that a safetensors file goes through pinload; anything
+    else (a .bin file, a dict, a device pinload does not serve) goes to the original."""
 
-
-def _diffusers_load_state_dict(original: Callable, patch: Patch, options: Dict[str, Any]) -> Callable:
     @functools.wraps(original)
     def load_state_dict(*args, **kwargs):
         bound = _bind(original, args, kwargs)
@@ -179,17 +180,20 @@ def _diffusers_load_state_dict(original: Callable, patch: Patch, options: Dict[s
             a = bound.arguments
             checkpoint = a.get("checkpoint_file")
             device = a.get("map_location", "cpu")
-            if not isinstance(checkpoint, dict) and _is_safetensors_file(checkpoint) and _pinload_device(device):
+            if _is_safetensors_file(checkpoint) and _pinload_device(device):
                 from .torch import load_file
 
                 result = load_file(checkpoint, device=device, **options)
-                patch.count("diffusers.load_state_dict")
+                patch.count(counter)
                 patch.count("files")
                 return result
         return original(*args, **kwargs)
 
     load_state_dict._pinload_original = original  # type: ignore[attr-defined]
     return load_state_dict
+
+
+# ---- diffusers ----
 
 
 def patch_diffusers(*, transformers: bool = True, **options: Any) -> Patch:
@@ -208,7 +212,7 @@ def patch_diffusers(*, transformers: bool = True, **options: Any) -> Patch:
     _import_all(_DIFFUSERS_MODULES)
     patch = Patch("diffusers")
     original = mlu.load_state_dict
-    replacement = _diffusers_load_state_dict(original, patch, options)
+    replacement = _routed_load_state_dict(original, patch, options, "diffusers.load_state_dict")
     try:
         _replace_everywhere(patch, "diffusers", "load_state_dict", original, replacement)
         if transformers:
@@ -246,27 +250,6 @@ def _transformers_safe_open(original: Callable, patch: Patch, options: Dict[str,
     return patched_safe_open
 
 
-def _transformers_load_state_dict(original: Callable, patch: Patch, options: Dict[str, Any]) -> Callable:
-    @functools.wraps(original)
-    def load_state_dict(*args, **kwargs):
-        bound = _bind(original, args, kwargs)
-        if bound is not None:
-            a = bound.arguments
-            checkpoint = a.get("checkpoint_file")
-            device = a.get("map_location", "cpu")
-            if _is_safetensors_file(checkpoint) and _pinload_device(device):
-                from .torch import load_file
-
-                result = load_file(checkpoint, device=device, **options)
-                patch.count("transformers.load_state_dict")
-                patch.count("files")
-                return result
-        return original(*args, **kwargs)
-
-    load_state_dict._pinload_original = original  # type: ignore[attr-defined]
-    return load_state_dict
-
-
 def patch_transformers(**options: Any) -> Patch:
     """Routes transformers' safetensors loading (``PreTrainedModel.from_pretrained``) through
     pinload. ``options`` are pinload load options. Returns a Patch (context manager, ``.undo()``).
@@ -288,7 +271,7 @@ def patch_transformers(**options: Any) -> Patch:
                                 _transformers_safe_open(safetensors.safe_open, patch, options))
         original_load = mu.load_state_dict
         _replace_everywhere(patch, "transformers", "load_state_dict", original_load,
-                            _transformers_load_state_dict(original_load, patch, options))
+                            _routed_load_state_dict(original_load, patch, options, "transformers.load_state_dict"))
     except BaseException:
         patch.undo()
         raise
