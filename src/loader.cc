@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
+#include <condition_variable>
 #include <exception>
 #include <mutex>
 #include <optional>
@@ -15,12 +17,59 @@
 
 namespace pinload {
 
+namespace detail {
+
+// Tensors of a load in flight that are ready to hand out (Note [Ready
+// tensors] in loader.h), until the load ends.
+class ReadyQueue {
+ public:
+  void push(std::vector<Tensor> tensors) {
+    if (tensors.empty()) return;
+    {
+      std::lock_guard lock(mu_);
+      if (closed_) return;
+      for (Tensor& t : tensors) ready_.push_back(std::move(t));
+    }
+    cv_.notify_all();
+  }
+  // The load has ended: nothing more comes. A failed load drops what was not
+  // taken, so that a partial result is never handed out after the failure.
+  void close(bool failed) {
+    {
+      std::lock_guard lock(mu_);
+      closed_ = true;
+      if (failed) ready_.clear();
+    }
+    cv_.notify_all();
+  }
+  // True once take() would not block.
+  bool wait_for(std::chrono::milliseconds timeout) {
+    std::unique_lock lock(mu_);
+    return cv_.wait_for(lock, timeout, [&] { return closed_ || !ready_.empty(); });
+  }
+  // Waits for tensors or for the end; empty at the end.
+  std::vector<Tensor> take() {
+    std::unique_lock lock(mu_);
+    cv_.wait(lock, [&] { return closed_ || !ready_.empty(); });
+    return std::exchange(ready_, {});
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<Tensor> ready_;
+  bool closed_ = false;
+};
+
+}  // namespace detail
+
 struct Loader::Counters {
   std::atomic<std::uint64_t> bytes_done{0};
   std::atomic<std::uint64_t> bytes_total{0};
   std::atomic<std::uint64_t> files_direct{0};
   std::atomic<std::uint64_t> files_buffered{0};
   std::atomic<std::uint64_t> bytes_copied{0};
+  detail::ReadyQueue* ready = nullptr;  // set by load_async
 };
 
 namespace {
@@ -62,6 +111,56 @@ class FirstError {
  private:
   mutable std::mutex mu_;
   std::exception_ptr error_;
+};
+
+// Which tensors of a host load have all their bytes in memory (Note [Ready
+// tensors] in loader.h). Chunks of a file complete out of order; each file
+// tracks the prefix of its sweep that has arrived, and a tensor is ready once
+// that prefix covers its last byte.
+class Arrivals {
+ public:
+  // Tensor indices count the checkpoint's tensors file by file, in header order.
+  Arrivals(const ReadPlan& plan, const Checkpoint& checkpoint) : files_(plan.files.size()) {
+    std::size_t index = 0;
+    for (std::size_t i = 0; i < files_.size(); ++i) {
+      File& f = files_[i];
+      f.arrived.assign(plan.files[i].chunk_count, false);
+      f.starts.resize(plan.files[i].chunk_count);
+      const std::uint64_t data_offset = plan.files[i].data_offset;
+      for (const TensorInfo& t : checkpoint.files[i].header.tensors) f.by_end.push_back({data_offset + t.end, index++});
+      std::sort(f.by_end.begin(), f.by_end.end());
+    }
+    for (const ReadChunk& c : plan.chunks) files_[c.file].starts[c.index] = c.offset;
+  }
+
+  // Chunk `c` has arrived: appends the tensors that became ready to *ready.
+  void arrived(const ReadChunk& c, std::vector<std::size_t>* ready) {
+    File& f = files_[c.file];
+    std::lock_guard lock(f.mu);
+    f.arrived[c.index] = true;
+    while (f.prefix < f.arrived.size() && f.arrived[f.prefix]) ++f.prefix;
+    const std::uint64_t covered = f.prefix == f.arrived.size() ? UINT64_MAX : f.starts[f.prefix];
+    while (f.next < f.by_end.size() && f.by_end[f.next].first <= covered) ready->push_back(f.by_end[f.next++].second);
+  }
+
+  // Every tensor not handed out yet (a file with no chunks; the end of a load).
+  void rest(std::vector<std::size_t>* ready) {
+    for (File& f : files_) {
+      std::lock_guard lock(f.mu);
+      while (f.next < f.by_end.size()) ready->push_back(f.by_end[f.next++].second);
+    }
+  }
+
+ private:
+  struct File {
+    std::mutex mu;
+    std::vector<std::uint64_t> starts;  // file offset of each chunk, by ReadChunk::index
+    std::vector<bool> arrived;          // by ReadChunk::index
+    std::size_t prefix = 0;     // chunks [0, prefix) have arrived
+    std::vector<std::pair<std::uint64_t, std::size_t>> by_end;  // (end in file, tensor index)
+    std::size_t next = 0;       // by_end[0, next) handed out
+  };
+  std::vector<File> files_;
 };
 
 // Opens a file for the load and decides direct or buffered (Note [Direct I/O]).
@@ -214,6 +313,37 @@ StateDict Loader::run(const Checkpoint& checkpoint, std::stop_token stop, Counte
     }
   }
 
+  std::vector<Tensor> tensors;
+  tensors.reserve(checkpoint.tensor_count());
+  std::vector<std::pair<std::string, std::string>> metadata;
+  for (std::size_t i = 0; i < n; ++i) {
+    const CheckpointFile& cf = checkpoint.files[i];
+    const std::uint64_t base = plan.files[i].data_in_block();
+    for (const TensorInfo& t : cf.header.tensors) {
+      if (streaming) {
+        tensors.emplace_back(cf.name_prefix + t.name, t.dtype, t.shape, files[i]->device_buffer, t.begin, t.nbytes());
+        continue;
+      }
+      Tensor& tensor =
+          tensors.emplace_back(cf.name_prefix + t.name, t.dtype, t.shape, files[i]->block, base + t.begin, t.nbytes());
+      if (device != nullptr) tensor.set_device(files[i]->device_buffer, t.begin);
+    }
+    for (const auto& kv : cf.header.metadata) {
+      if (std::none_of(metadata.begin(), metadata.end(), [&](const auto& m) { return m.first == kv.first; })) {
+        metadata.push_back(kv);
+      }
+    }
+  }
+  // Host loads hand tensors out as they arrive; device loads once copied.
+  std::optional<Arrivals> arrivals;
+  if (counters->ready != nullptr && device == nullptr) arrivals.emplace(plan, checkpoint);
+  auto hand_out = [&](const std::vector<std::size_t>& ready) {
+    std::vector<Tensor> out;
+    out.reserve(ready.size());
+    for (std::size_t i : ready) out.push_back(tensors[i]);
+    counters->ready->push(std::move(out));
+  };
+
   std::atomic<std::size_t> next{0};
   std::stop_source abort;  // the first error, or the caller's stop, ends every worker
   std::stop_callback forward_stop(stop, [&] { abort.request_stop(); });
@@ -234,6 +364,11 @@ StateDict Loader::run(const Checkpoint& checkpoint, std::stop_token stop, Counte
         const std::size_t dest_offset = streaming ? 0 : c.offset - r.read_begin;
         read_chunk(env_, f, r, c, options_.direct, counters, dest->data() + dest_offset);
         counters->bytes_done.fetch_add(c.valid, std::memory_order_relaxed);
+        if (arrivals) {
+          std::vector<std::size_t> ready;
+          arrivals->arrived(c, &ready);
+          if (!ready.empty()) hand_out(ready);
+        }
         if (engine) {
           // Only the data section goes to the device: clip the header bytes
           // that an aligned read brings along.
@@ -273,27 +408,11 @@ StateDict Loader::run(const Checkpoint& checkpoint, std::stop_token stop, Counte
   }
   if (auto e = first_error.get()) std::rethrow_exception(e);
   if (stop.stop_requested()) throw CancelledError("load cancelled");
-
-  std::vector<Tensor> tensors;
-  tensors.reserve(checkpoint.tensor_count());
-  std::vector<std::pair<std::string, std::string>> metadata;
-  for (std::size_t i = 0; i < n; ++i) {
-    const CheckpointFile& cf = checkpoint.files[i];
-    const std::uint64_t base = plan.files[i].data_in_block();
-    for (const TensorInfo& t : cf.header.tensors) {
-      if (streaming) {
-        tensors.emplace_back(cf.name_prefix + t.name, t.dtype, t.shape, files[i]->device_buffer, t.begin, t.nbytes());
-        continue;
-      }
-      Tensor& tensor =
-          tensors.emplace_back(cf.name_prefix + t.name, t.dtype, t.shape, files[i]->block, base + t.begin, t.nbytes());
-      if (device != nullptr) tensor.set_device(files[i]->device_buffer, t.begin);
-    }
-    for (const auto& kv : cf.header.metadata) {
-      if (std::none_of(metadata.begin(), metadata.end(), [&](const auto& m) { return m.first == kv.first; })) {
-        metadata.push_back(kv);
-      }
-    }
+  if (counters->ready != nullptr) {
+    if (!arrivals) arrivals.emplace(plan, checkpoint);
+    std::vector<std::size_t> rest;
+    arrivals->rest(&rest);
+    hand_out(rest);
   }
   return StateDict(std::move(tensors), std::move(metadata));
 }
@@ -301,6 +420,7 @@ StateDict Loader::run(const Checkpoint& checkpoint, std::stop_token stop, Counte
 // ---- asynchronous loads ----
 
 struct LoadHandle::State {
+  detail::ReadyQueue ready;
   Loader::Counters counters;
   std::stop_source stop;
   std::atomic<bool> finished{false};
@@ -317,6 +437,7 @@ struct LoadHandle::State {
 
 LoadHandle Loader::load_async(std::vector<std::string> paths) const {
   auto state = std::make_shared<LoadHandle::State>();
+  state->counters.ready = &state->ready;
   // The thread holds copies of what it needs; `this` need not outlive it.
   state->thread = std::jthread([loader = *this, paths = std::move(paths), s = state.get()] {
     try {
@@ -326,6 +447,7 @@ LoadHandle Loader::load_async(std::vector<std::string> paths) const {
     } catch (...) {
       s->error = std::current_exception();
     }
+    s->ready.close(s->error != nullptr);
     s->finished = true;
   });
   return LoadHandle(std::move(state));
@@ -340,6 +462,20 @@ StateDict LoadHandle::wait() {
   if (state_->thread.joinable()) state_->thread.join();
   if (state_->error) std::rethrow_exception(state_->error);
   return std::move(state_->result);
+}
+
+std::vector<Tensor> LoadHandle::next_ready() {
+  if (!state_) throw CancelledError("next_ready() on an empty LoadHandle");
+  std::vector<Tensor> ready = state_->ready.take();
+  if (ready.empty() && state_->error) {
+    if (state_->thread.joinable()) state_->thread.join();
+    std::rethrow_exception(state_->error);
+  }
+  return ready;
+}
+
+bool LoadHandle::wait_ready(std::chrono::milliseconds timeout) {
+  return !state_ || state_->ready.wait_for(timeout);
 }
 
 void LoadHandle::cancel() noexcept {

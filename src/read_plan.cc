@@ -16,12 +16,14 @@ ReadPlan make_read_plan(std::vector<FileRead> files, const PlanOptions& options)
     for (std::uint64_t at = f.read_begin; at < f.file_size; at += step) {
       ReadChunk c;
       c.file = static_cast<std::uint32_t>(i);
+      c.index = static_cast<std::uint32_t>(per_file[i].size());
       c.offset = at;
       c.length = std::min(step, f.read_end - at);
       c.valid = std::min(at + c.length, f.file_size) - at;
       plan.total_bytes += c.valid;
       per_file[i].push_back(c);
     }
+    f.chunk_count = static_cast<std::uint32_t>(per_file[i].size());
   }
   // Interleave `files_in_flight` files at a time, round-robin by chunk.
   const std::size_t lanes = std::max<std::size_t>(options.files_in_flight, 1);

@@ -94,6 +94,14 @@ TEST_P(DeviceLoadTest, DeviceBytesEqualTheFile) {
   const StateDict sd = loader.load({dir.file("m.safetensors")});
   expect_device_matches(*device, sd, m);
   for (const Tensor& t : sd) EXPECT_EQ(t.on_host(), c.mode == DeviceMode::kCached) << t.name();
+
+  // Handed out one by one (Note [Ready tensors]): only once their copies are done.
+  LoadHandle handle = loader.load_async({dir.file("m.safetensors")});
+  std::vector<Tensor> ready;
+  for (std::vector<Tensor> more = handle.next_ready(); !more.empty(); more = handle.next_ready()) {
+    for (Tensor& t : more) ready.push_back(std::move(t));
+  }
+  expect_device_matches(*device, StateDict(std::move(ready)), m);
 }
 
 INSTANTIATE_TEST_SUITE_P(Modes, DeviceLoadTest,

@@ -12,7 +12,10 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <condition_variable>
+#include <mutex>
 #include <optional>
+#include <set>
 #include <string_view>
 #include <thread>
 #include <tuple>
@@ -216,6 +219,106 @@ TEST_F(LoaderTest, AsyncLoadOutlivesTheLoader) {
     handle.emplace(loader.load_async({path}));
   }
   expect_matches_file(handle->wait(), path, image);
+}
+
+// ---- tensors handed out as they arrive (Note [Ready tensors]) ----
+
+// Holds every pread that reaches the end of a file until release(), or until
+// a timeout that the test then reports as a failure.
+class HoldLastChunkEnv : public EnvWrapper {
+ public:
+  HoldLastChunkEnv(Env* target, std::uint64_t file_size) : EnvWrapper(target), file_size_(file_size) {}
+  std::int64_t pread(int fd, void* buffer, std::size_t bytes, std::uint64_t offset) override {
+    if (offset + bytes >= file_size_) {
+      std::unique_lock lock(mu_);
+      if (!cv_.wait_for(lock, std::chrono::seconds(30), [&] { return released_; })) timed_out_ = true;
+    }
+    return EnvWrapper::pread(fd, buffer, bytes, offset);
+  }
+  void release() {
+    {
+      std::lock_guard lock(mu_);
+      released_ = true;
+    }
+    cv_.notify_all();
+  }
+  bool timed_out() {
+    std::lock_guard lock(mu_);
+    return timed_out_;
+  }
+
+ private:
+  const std::uint64_t file_size_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool released_ = false;
+  bool timed_out_ = false;
+};
+
+TEST_F(LoaderTest, TensorsAreHandedOutBeforeTheLoadEnds) {
+  const std::string& path = odd_model().path;
+  const FileImage& image = odd_model().image;
+  const std::vector<char> file = slurp(path);
+  HoldLastChunkEnv hold(&env_, file.size());
+  Loader loader(load_options(1, 4 * KiB, Mode::kOff), make_pool(), &hold);
+  LoadHandle handle = loader.load_async({path});
+  // The last chunk is held back, so these tensors arrived while the load ran.
+  const std::vector<Tensor> first = handle.next_ready();
+  EXPECT_FALSE(handle.done());
+  hold.release();
+  ASSERT_FALSE(first.empty());
+  EXPECT_EQ(first.front().name(), "a");
+  std::set<std::string> names;
+  for (const Tensor& t : first) names.insert(t.name());
+  EXPECT_FALSE(names.count("i")) << "the last tensor's bytes were not read yet";
+  for (std::vector<Tensor> more = handle.next_ready(); !more.empty(); more = handle.next_ready()) {
+    for (const Tensor& t : more) {
+      EXPECT_TRUE(names.insert(t.name()).second) << t.name() << " handed out twice";
+      expect_tensor_bytes(t, file, image, find_layout(image, t.name()));
+    }
+  }
+  for (const Tensor& t : first) expect_tensor_bytes(t, file, image, find_layout(image, t.name()));
+  EXPECT_EQ(names.size(), layout_of(image).size());
+  EXPECT_FALSE(hold.timed_out());
+  EXPECT_EQ(handle.wait().size(), layout_of(image).size());  // the whole state dict as well
+}
+
+TEST_F(LoaderTest, EveryTensorOfEveryShardIsHandedOutOnce) {
+  std::vector<std::string> paths;
+  std::vector<FileImage> images;
+  for (int i = 0; i < 4; ++i) {
+    paths.push_back(dir_.file("ready" + std::to_string(i) + ".safetensors"));
+    images.push_back(write_shard(paths.back(), "r" + std::to_string(i), 3 + 5 * i, 9 * KiB + 7 * i, 300 + i));
+  }
+  for (const Mode mode : {Mode::kOff, Mode::kAutoCold}) {
+    Loader loader(load_options(8, 4 * KiB, mode, 3), make_pool(), &env_);
+    LoadHandle handle = loader.load_async(paths);
+    std::vector<Tensor> all;
+    for (std::vector<Tensor> more = handle.next_ready(); !more.empty(); more = handle.next_ready()) {
+      for (Tensor& t : more) all.push_back(std::move(t));
+    }
+    const StateDict got(std::move(all));  // throws on a name handed out twice
+    for (std::size_t i = 0; i < paths.size(); ++i) expect_matches_file(got, paths[i], images[i]);
+    EXPECT_EQ(got.size(), 3u + 8 + 13 + 18);
+  }
+}
+
+TEST_F(LoaderTest, FailedLoadStopsHandingOutAndThrows) {
+  const std::string& path = odd_model().path;
+  FaultEnv failing(testing::Faults{.fail_read_at = 40}, &env_);
+  Loader loader(load_options(2, 4 * KiB, Mode::kOff), make_pool(), &failing);
+  LoadHandle handle = loader.load_async({path});
+  std::size_t handed_out = 0;
+  try {
+    for (std::vector<Tensor> more = handle.next_ready(); !more.empty(); more = handle.next_ready()) {
+      handed_out += more.size();
+    }
+    ADD_FAILURE() << "next_ready() ended without the read error";
+  } catch (const IoError& e) {
+    EXPECT_EQ(e.context().file, path);
+  }
+  EXPECT_LT(handed_out, layout_of(odd_model().image).size());
+  EXPECT_THROW(handle.wait(), IoError);
 }
 
 TEST_F(LoaderTest, FileWithoutTensors) {

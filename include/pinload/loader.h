@@ -33,6 +33,13 @@
 //               below staging_bytes, so a model larger than host memory loads.
 //               Tensors are on the device only.
 //
+// Note [Ready tensors]
+// A load started with load_async hands tensors out as they arrive, through
+// LoadHandle::next_ready: a host tensor as soon as the chunks that hold its
+// bytes have been read (chunks complete out of order, so a file's tensors
+// become ready as the arrived prefix of its sweep grows), a device tensor when
+// the load's copies have completed. wait() still returns the whole state dict.
+//
 // Failure: a load either returns every tensor or throws; on throw, every block,
 // file descriptor and thread it took has been released. A load whose blocks
 // cannot fit the pool's budget together fails at once with OutOfMemoryError,
@@ -40,6 +47,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -148,6 +156,14 @@ class LoadHandle {
   // Waits and returns the state dict, or throws what the load threw
   // (CancelledError after cancel()). Call once.
   StateDict wait();
+  // Waits until tensors not returned before are ready (Note [Ready tensors])
+  // and returns them; empty once every tensor has been returned. Throws what
+  // the load threw (a failed load hands out nothing more). Call from one
+  // thread at a time.
+  std::vector<Tensor> next_ready();
+  // True once next_ready() would return without waiting; false after
+  // `timeout`.
+  bool wait_ready(std::chrono::milliseconds timeout);
   // Asks the load to stop; wait() then throws CancelledError.
   void cancel() noexcept;
   bool done() const noexcept;

@@ -22,6 +22,7 @@ struct FileRead {
   // Filled by make_read_plan:
   std::uint64_t read_begin = 0;  // data_offset rounded down to alignment
   std::uint64_t read_end = 0;    // file_size rounded up to alignment
+  std::uint32_t chunk_count = 0; // chunks in the file's sweep
   std::uint64_t block_bytes() const noexcept { return read_end - read_begin; }
   // Where the data section starts inside the file's block.
   std::uint64_t data_in_block() const noexcept { return data_offset - read_begin; }
@@ -29,6 +30,7 @@ struct FileRead {
 
 struct ReadChunk {
   std::uint32_t file = 0;     // index into ReadPlan::files
+  std::uint32_t index = 0;    // position in the file's sweep: chunk `index` starts before chunk `index + 1`
   std::uint64_t offset = 0;   // in the file; lands at offset - read_begin in the block
   std::uint64_t length = 0;   // a multiple of the file's alignment
   std::uint64_t valid = 0;    // bytes that must arrive: length clipped at file_size

@@ -256,23 +256,37 @@ def _stderr_is_terminal() -> bool:
         return False
 
 
+class _LoadProgress:
+    """Draws a load's progress bar on stderr once it has run for a second (only on a terminal)."""
+
+    def __init__(self, handle: "_core.LoadHandle", progress: bool) -> None:
+        self.handle = handle
+        self.bar = _ProgressBar(sys.stderr) if progress and _stderr_is_terminal() else None
+        self.start = time.monotonic()
+        self.poll = 0.05 if self.bar is not None else 0.2  # short waits: signals get through between them
+
+    def tick(self) -> None:
+        if self.bar is not None and time.monotonic() - self.start >= 1.0:
+            p = self.handle.progress()
+            self.bar.draw(p["bytes_done"], p["bytes_total"], time.monotonic() - self.start)
+
+    def finish(self) -> None:
+        if self.bar is not None:
+            p = self.handle.progress()
+            self.bar.finish(p["bytes_done"], p["bytes_total"], time.monotonic() - self.start)
+
+
 def _wait(handle: "_core.LoadHandle", progress: bool) -> "_core.StateDict":
     """Waits for a load (Ctrl-C cancels it) and returns its state dict."""
-    show = progress and _stderr_is_terminal()
-    bar = _ProgressBar(sys.stderr) if show else None
-    start = time.monotonic()
+    shown = _LoadProgress(handle, progress)
     try:
-        while not handle.wait(0.05 if show else 0.2):  # short waits: signals get through between them
-            if bar is not None and time.monotonic() - start >= 1.0:
-                p = handle.progress()
-                bar.draw(p["bytes_done"], p["bytes_total"], time.monotonic() - start)
+        while not handle.wait(shown.poll):
+            shown.tick()
     except BaseException:
         handle.cancel()
         handle.wait(None)
         raise
-    if bar is not None:
-        p = handle.progress()
-        bar.finish(p["bytes_done"], p["bytes_total"], time.monotonic() - start)
+    shown.finish()
     return handle.result()
 
 
@@ -285,9 +299,8 @@ def _as_paths(paths: Union[PathLike, Iterable[PathLike]]) -> List[str]:
     return out
 
 
-def _load(paths: List[str], device: Device, options: _Options) -> Tuple["_core.StateDict", Optional[torch.device]]:
-    spec, move_to = _resolve_device(device)
-    handle = _core.load_async(
+def _start(paths: List[str], spec: str, options: _Options) -> "_core.LoadHandle":
+    return _core.load_async(
         [os.fsencode(p) for p in paths],
         spec,
         threads=options.threads,
@@ -299,7 +312,11 @@ def _load(paths: List[str], device: Device, options: _Options) -> Tuple["_core.S
         staging_bytes=options.staging_bytes,
         variant=options.variant,
     )
-    return _wait(handle, options.progress), move_to
+
+
+def _load(paths: List[str], device: Device, options: _Options) -> Tuple["_core.StateDict", Optional[torch.device]]:
+    spec, move_to = _resolve_device(device)
+    return _wait(_start(paths, spec, options), options.progress), move_to
 
 
 def _check_dtypes(sd: "_core.StateDict", file: Optional[str]) -> None:
@@ -323,9 +340,8 @@ def _describe(paths: List[str]) -> str:
     return paths[0] if len(paths) == 1 else ", ".join(paths)
 
 
-def _iterate(paths: List[str], device: Device, options: _Options) -> Iterator[Tuple[str, torch.Tensor]]:
-    sd, move_to = _load(paths, device, options)
-    file = _describe(paths)
+def _yield_all(sd: "_core.StateDict", move_to: Optional[torch.device],
+               file: str) -> Iterator[Tuple[str, torch.Tensor]]:
     _check_dtypes(sd, file)
     torch_device = sd.torch_device
     # One capsule per tensor, dropped as soon as it is converted: a file's block goes back to the
@@ -337,6 +353,32 @@ def _iterate(paths: List[str], device: Device, options: _Options) -> Iterator[Tu
         tensor = _to_torch(dtype, shape, capsule, torch_device, move_to, name, file)
         del capsule
         yield name, tensor
+
+
+def _iterate(paths: List[str], device: Device, options: _Options) -> Iterator[Tuple[str, torch.Tensor]]:
+    sd, move_to = _load(paths, device, options)
+    return _yield_all(sd, move_to, _describe(paths))
+
+
+def _stream(paths: List[str], device: Device, options: _Options) -> Iterator[Tuple[str, torch.Tensor]]:
+    """Yields tensors as the load hands them out (Note [Ready tensors] in loader.h); stopping early,
+    or an error, cancels the load."""
+    spec, move_to = _resolve_device(device)
+    handle = _start(paths, spec, options)
+    shown = _LoadProgress(handle, options.progress)
+    file = _describe(paths)
+    try:
+        while True:
+            batch = handle.next_ready(shown.poll)
+            if batch is None:
+                break
+            shown.tick()
+            yield from _yield_all(batch, move_to, file)
+    except BaseException:
+        handle.cancel()
+        handle.wait(None)
+        raise
+    shown.finish()
 
 
 def load_file(filename: PathLike, device: Device = "cpu", **options: Any) -> Dict[str, torch.Tensor]:
@@ -362,14 +404,17 @@ def load_files(index_or_paths: Union[PathLike, Sequence[PathLike]], device: Devi
 
 def iter_tensors(paths: Union[PathLike, Sequence[PathLike]], device: Device = "cpu",
                  **options: Any) -> Iterator[Tuple[str, torch.Tensor]]:
-    """Yields (name, tensor) for every tensor of ``paths`` (as ``load_files`` takes them), in load
-    order: the contract of vLLM's ``load_weights(weights: Iterable[tuple[str, Tensor]])``.
+    """Yields (name, tensor) for every tensor of ``paths`` (as ``load_files`` takes them) as its
+    bytes arrive: the contract of vLLM's ``load_weights(weights: Iterable[tuple[str, Tensor]])``.
 
-    For now the whole checkpoint is loaded before the first tensor is yielded (one parallel load
-    is what makes it fast); a file's pool block returns to the pool once every tensor of that file
-    has been yielded and dropped by the caller. The load starts on the first ``next()``.
+    One parallel load runs in the background; a host tensor is yielded as soon as the reads that
+    hold it have completed (roughly in file order; shards read at once interleave), a device tensor
+    once the load's copies are done. Closing the iterator early, or an error, cancels the load; an
+    error is raised after the tensors already yielded. A file's pool block returns to the pool once
+    every tensor of that file has been dropped by the caller. The load starts on the first
+    ``next()``.
     """
-    return _iterate(_as_paths(paths), device, _Options(**options))
+    return _stream(_as_paths(paths), device, _Options(**options))
 
 
 # ---- safe_open ----

@@ -418,6 +418,24 @@ class PyLoadHandle {
     }
     return true;
   }
+  // Tensors ready since the last call (Note [Ready tensors] in loader.h), as
+  // a state dict; None once every tensor has been handed out. Waits up to
+  // `timeout` seconds (None: until some are ready) and returns an empty state
+  // dict when the time is up.
+  std::optional<PyStateDict> next_ready(std::optional<double> timeout) {
+    if (!handle_) throw InvalidFileError("result() was already taken from this load");
+    std::vector<Tensor> ready;
+    {
+      py::gil_scoped_release release;
+      if (timeout) {
+        const auto ms = std::chrono::milliseconds(static_cast<std::int64_t>(std::max(*timeout, 0.0) * 1000));
+        if (!handle_->wait_ready(ms)) return PyStateDict(StateDict(), placement_);
+      }
+      ready = handle_->next_ready();
+    }
+    if (ready.empty()) return std::nullopt;
+    return PyStateDict(StateDict(std::move(ready)), placement_);
+  }
   // The loaded state dict, or the load's error. Call once.
   PyStateDict result() {
     if (!handle_) throw InvalidFileError("result() was already taken from this load");
@@ -552,6 +570,9 @@ PYBIND11_MODULE(_core, m) {
       .def("wait", &PyLoadHandle::wait, py::arg("timeout") = py::none(),
            "Waits up to timeout seconds (None: until done), without the GIL; True once finished.")
       .def("result", &PyLoadHandle::result, "The StateDict, or raises the load's error. Call once.")
+      .def("next_ready", &PyLoadHandle::next_ready, py::arg("timeout") = py::none(),
+           "Tensors ready since the last call, as a StateDict (empty when `timeout` seconds pass first); "
+           "None once every tensor has been handed out. Raises the load's error.")
       .def_property_readonly("device", [](const PyLoadHandle& h) { return h.placement().device; });
 
   m.def("load_async", &load_async, py::arg("paths"), py::arg("device") = "cpu",

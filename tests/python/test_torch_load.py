@@ -123,13 +123,28 @@ def test_streaming_needs_a_device(small_file):
         pt.load_file(path, staging_bytes="1M")
 
 
-def test_iter_tensors_yields_every_tensor_in_load_order(sharded):
+def test_iter_tensors_yields_every_tensor_once_as_it_arrives(sharded):
     index, tensors = sharded
-    pairs = list(pinload.iter_tensors(index))
+    pairs = list(pinload.iter_tensors(index, block_size="4K"))
     names = [n for n, _ in pairs]
     assert sorted(names) == sorted(tensors) and len(names) == len(set(names))
-    assert names == list(pinload.load_files(index))
     assert_same_dict(dict(pairs), tensors)
+    # One reader, one file at a time: arrival order is the files' order.
+    serial = [n for n, _ in pinload.iter_tensors(index, threads=1, files_in_flight=1)]
+    assert serial == list(pinload.load_files(index))
+
+
+@pytest.mark.parametrize("device", ["cpu", "sim"])
+def test_iter_tensors_closed_early_cancels_and_frees(sharded, device):
+    index, tensors = sharded
+    base = pinload._core.pool_stats(device)["in_use"]
+    gen = pinload.iter_tensors(index, device=device, block_size="4K")
+    name, first = next(gen)
+    assert torch.equal(first.cpu(), tensors[name])
+    del first
+    gen.close()
+    del gen
+    assert pinload._core.pool_stats(device)["in_use"] == base
 
 
 def test_iter_tensors_starts_on_first_next(tmp_path):
