@@ -19,6 +19,12 @@
 //             freed a moment ago.
 //   sweep     cold (and warm) loads over threads {1,2,4,8,16} x block {256K,1M,2M,8M}
 //             (--sweep adds it)
+//   device    with --device (cuda:N, or sim, the CPU stand-in; --device adds it):
+//             the physical limit, one large copy from pinned memory to the device
+//             (pinned cudaMemcpy on a GPU), best of 3; the copy engine alone
+//             (upload() of the checkpoint already in pinned memory); warm and cold
+//             loads to the device (cached mode) next to host-only loads of the same
+//             round; a cold streaming load within --staging-bytes
 //
 // fio's buffers are malloc'ed 4 KiB pages: a 2 MiB direct read then needs 512
 // scatter-gather segments, more than many virtual disks take in one request
@@ -42,6 +48,7 @@
 #include <cstring>
 #include <ctime>
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <map>
 #include <memory>
@@ -53,6 +60,8 @@
 #include <vector>
 
 #include "pinload/checkpoint.h"
+#include "pinload/copy_engine.h"
+#include "pinload/device.h"
 #include "pinload/error.h"
 #include "pinload/host_memory.h"
 #include "pinload/loader.h"
@@ -72,7 +81,12 @@ constexpr const char* kUsage =
     "  --repeat N             runs per measurement (default 3)\n"
     "  --huge-pages off|thp|explicit   pool memory (default thp)\n"
     "  --lock on|off          mlock the pool's memory (default on, as the library)\n"
-    "  --phases LIST          comma list of memcpy,fio,buffered,cold,warm,pool,sweep (default all but sweep)\n"
+    "  --phases LIST          comma list of memcpy,fio,buffered,cold,warm,pool,sweep,device\n"
+    "                         (default all but sweep; device only with --device)\n"
+    "  --device SPEC          also load to cuda:N or sim (the CPU stand-in): adds the device phase\n"
+    "  --streams N            copy streams (default 2)\n"
+    "  --chunk-size B         bytes per copy (default 8M)\n"
+    "  --staging-bytes B      host budget of the streaming load (default 256M)\n"
     "  --sweep                add the threads x block-size sweep\n"
     "  --sweep-threads LIST   default 1,2,4,8,16\n"
     "  --sweep-blocks LIST    default 256K,1M,2M,8M\n"
@@ -130,6 +144,9 @@ struct Args {
   std::size_t memcpy_bytes = 512u << 20;
   std::string label;
   std::string json_out;
+  std::string device;  // --device: empty for none
+  pinload::CopyOptions copy;
+  std::uint64_t staging_bytes = pinload::kDefaultStagingBytes;
 
   bool has(const std::string& phase) const {
     return std::find(phases.begin(), phases.end(), phase) != phases.end();
@@ -187,7 +204,7 @@ Args parse_args(int argc, char** argv) {
       a.phases = split(value());
       for (const auto& p : a.phases) {
         if (p != "memcpy" && p != "fio" && p != "buffered" && p != "cold" && p != "warm" && p != "pool" &&
-            p != "sweep") {
+            p != "sweep" && p != "device") {
           throw UsageError("unknown phase '" + p + "'");
         }
       }
@@ -218,6 +235,15 @@ Args parse_args(int argc, char** argv) {
       a.memcpy_bytes = parse_size(value());
     } else if (s == "--variant") {
       a.load.resolve.variant = value();
+    } else if (s == "--device") {
+      a.device = value();
+      if (!a.has("device")) a.phases.push_back("device");
+    } else if (s == "--streams") {
+      a.copy.streams = std::max<std::size_t>(1, parse_size(value()));
+    } else if (s == "--chunk-size") {
+      a.copy.chunk_bytes = std::max<std::size_t>(4096, parse_size(value()));
+    } else if (s == "--staging-bytes") {
+      a.staging_bytes = parse_size(value());
     } else if (s == "--label") {
       a.label = value();
     } else if (s == "--json") {
@@ -231,6 +257,7 @@ Args parse_args(int argc, char** argv) {
     }
   }
   if (a.paths.empty()) throw UsageError("no path given");
+  if (a.has("device") && a.device.empty()) throw UsageError("the device phase needs --device");
   return a;
 }
 
@@ -596,6 +623,131 @@ double median_of(std::vector<double> v) {
   return v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
 }
 
+// ---- device ----
+
+// One copy of `bytes` from pinned host memory to the device, best of `reps`
+// after a warm-up: on CUDA, pinned cudaMemcpy bandwidth, the ceiling of every
+// load to the device.
+double pinned_copy_gbps(pinload::Device& device, std::size_t bytes, int reps) {
+  auto pool = pinload::Pool::create(device.make_pinned_backend());
+  std::shared_ptr<pinload::Block> block = pool->allocate(bytes);
+  std::memset(block->data(), 0x5a, bytes);
+  std::shared_ptr<pinload::DeviceBuffer> buffer = device.allocate(bytes);
+  pinload::Stream stream = device.create_stream();
+  double best = 0;
+  for (int r = 0; r <= reps; ++r) {
+    const auto t0 = Clock::now();
+    device.copy_to_device_async(*buffer, 0, block->data(), bytes, stream);
+    stream.synchronize();
+    if (r > 0) best = std::max(best, static_cast<double>(bytes) / seconds_since(t0) / 1e9);
+  }
+  return best;
+}
+
+struct DevicePhase {
+  json results = json::object();
+  json ratios = json::object();
+  json targets = json::object();
+  std::vector<std::pair<std::string, const Series*>> rows;
+  std::map<std::string, Series> series;
+};
+
+// The device phase (see the top of the file). Host-only loads of the same
+// rounds go into the same pinned pool, so the ratios compare like with like.
+DevicePhase device_phase(const Args& args, const std::vector<std::string>& files,
+                         const std::function<double()>& drop, double fio_best) {
+  DevicePhase out;
+  // The stand-in without poisoning fresh memory: a GPU's cudaMalloc writes nothing.
+  std::unique_ptr<pinload::Device> device =
+      args.device == "sim" ? pinload::make_sim_device({.poison = false}) : pinload::open_device(args.device);
+  std::cerr << "[device] " << device->description() << "\n";
+  out.results["device"] = device->description();
+  const double limit = pinned_copy_gbps(*device, args.memcpy_bytes, 3);
+  std::cerr << "  pinned copy to the device, " << size_name(args.memcpy_bytes) << ": " << fmt(limit) << " GB/s\n";
+  out.results["pinned_copy_gbps"] = limit;
+  out.results["pinned_copy_bytes"] = args.memcpy_bytes;
+  out.results["streams"] = args.copy.streams;
+  out.results["chunk_bytes"] = args.copy.chunk_bytes;
+  out.results["staging_bytes"] = args.staging_bytes;
+
+  auto pinned = pinload::Pool::create(device->make_pinned_backend());
+  pinload::LoadOptions host = args.load;
+  pinload::LoadOptions cached = args.load;
+  cached.target = {device.get(), pinload::DeviceMode::kCached, args.copy, args.staging_bytes};
+  pinload::LoadOptions streaming = cached;
+  streaming.target.mode = pinload::DeviceMode::kStreaming;
+  Series& engine = out.series["engine"];
+  Series& warm_host = out.series["warm_host"];
+  Series& warm_device = out.series["warm_device"];
+  Series& cold_host = out.series["cold_host"];
+  Series& cold_device = out.series["cold_device"];
+  Series& cold_streaming = out.series["cold_streaming"];
+
+  buffered_read(files);  // warm: the files in the page cache
+  {
+    const pinload::StateDict sd = pinload::Loader(host, pinned).load(args.paths);
+    for (int r = 0; r < args.repeat; ++r) {
+      const auto t0 = Clock::now();
+      const pinload::StateDict on_device = pinload::upload(sd, *device, args.copy);
+      Sample s;
+      s.seconds = seconds_since(t0);
+      s.gbps = static_cast<double>(sd.total_bytes()) / s.seconds / 1e9;
+      log_sample("copy engine alone (upload)", s);
+      engine.runs.push_back(s);
+    }
+  }
+  std::vector<double> warm_round, cold_round;
+  for (int r = 0; r < args.repeat; ++r) {
+    warm_host.runs.push_back(pinload_load(args.paths, host, pinned));
+    warm_device.runs.push_back(pinload_load(args.paths, cached, pinned));
+    log_sample("warm, host only", warm_host.runs.back());
+    log_sample("warm, to the device", warm_device.runs.back());
+    warm_round.push_back(warm_device.runs.back().gbps / warm_host.runs.back().gbps);
+  }
+  std::uint64_t staging_peak = 0;
+  for (int r = 0; r < args.repeat; ++r) {
+    drop();
+    cold_host.runs.push_back(pinload_load(args.paths, host, pinned));
+    drop();
+    cold_device.runs.push_back(pinload_load(args.paths, cached, pinned));
+    log_sample("cold, host only", cold_host.runs.back());
+    log_sample("cold, to the device", cold_device.runs.back());
+    cold_round.push_back(cold_device.runs.back().gbps / cold_host.runs.back().gbps);
+    drop();
+    cold_streaming.runs.push_back(pinload_load(args.paths, streaming, pinned));
+    log_sample("cold, streaming to the device", cold_streaming.runs.back());
+  }
+  {
+    // The staging pool's peak, from one more streaming load whose loader we keep.
+    drop();
+    pinload::Loader loader(streaming, pinned);
+    (void)loader.load(args.paths);
+    staging_peak = loader.staging_pool()->stats().peak_reserved_bytes;
+  }
+  for (auto& [name, series] : out.series) out.results[name] = series.to_json();
+  out.results["streaming_staging_peak_reserved_bytes"] = staging_peak;
+
+  out.ratios["device_engine_over_pinned_copy"] = engine.best() / limit;
+  out.ratios["device_warm_over_pinned_copy"] = warm_device.best() / limit;
+  out.ratios["device_warm_over_host_warm_same_round_median"] = median_of(warm_round);
+  out.ratios["device_cold_over_host_cold_same_round_median"] = median_of(cold_round);
+  out.targets["device_engine_ge_0.9_pinned_copy"] = engine.best() / limit >= 0.9;
+  out.targets["device_warm_ge_0.85_pinned_copy"] = warm_device.best() / limit >= 0.85;
+  out.targets["device_streaming_peak_le_budget"] = staging_peak <= args.staging_bytes;
+  if (fio_best > 0) {
+    out.ratios["device_cold_over_fio_best"] = cold_device.best() / fio_best;
+    out.targets["device_cold_ge_0.9_fio"] = cold_device.best() / fio_best >= 0.9;
+  }
+  const std::string on = " (" + args.device + ")";
+  out.rows = {{"copy engine alone, upload()" + on, &engine},
+              {"warm, host only, pinned pool", &warm_host},
+              {"warm, to the device, cached" + on, &warm_device},
+              {"cold, host only, pinned pool", &cold_host},
+              {"cold, to the device, cached" + on, &cold_device},
+              {"cold, streaming, " + size_name(args.staging_bytes) + " staging" + on, &cold_streaming}};
+  return out;
+}
+
 int run(const Args& args) {
   pinload::Checkpoint ck = pinload::open_checkpoint(pinload::default_env(), args.paths, args.load.resolve);
   std::vector<std::string> files;
@@ -909,6 +1061,12 @@ int run(const Args& args) {
               << fmt(static_cast<double>(st.reserved_bytes) / total_s / 1e9) << " GB/s\n";
   }
 
+  std::optional<DevicePhase> device;
+  if (args.has("device")) {
+    device = device_phase(args, files, drop, fio_best);
+    results["device"] = device->results;
+  }
+
   out["drop_cache_method"] = drop_method.empty() ? "none" : drop_method;
   out["host"]["loadavg_at_end"] = read_first_line("/proc/loadavg");
   out["results"] = results;
@@ -940,6 +1098,10 @@ int run(const Args& args) {
   }
   if (!warm.empty() && buffered_warm > 0) ratios["warm_over_read_1thread_warm"] = warm.best() / buffered_warm;
   if (reloads > 0) targets["reload_zero_new_os_reservations"] = reload_new_reservations == 0;
+  if (device) {
+    ratios.update(device->ratios);
+    targets.update(device->targets);
+  }
   out["ratios"] = ratios;
   out["targets"] = targets;
 
@@ -980,6 +1142,10 @@ int run(const Args& args) {
     const json& pr = results["pool_reserve"];
     row("fresh pool: reserve" + std::string(pr["locked"].get<bool>() ? " + mlock" : "") + " + touch, no I/O",
         pr["gbps"].get<double>(), 0, 1);
+  }
+  if (device) {
+    row("pinned copy to " + args.device + ", " + size_name(args.memcpy_bytes), device->results["pinned_copy_gbps"].get<double>(), 0, 3);
+    for (const auto& [name, series] : device->rows) row(name, series->best(), series->median(), series->runs.size());
   }
   std::printf("GB/s = 1e9 B/s. cache drop: %s. loadavg at start: %s, at end: %s\n",
               drop_method.empty() ? "none" : drop_method.c_str(),

@@ -238,6 +238,9 @@ struct SimDeviceOptions {
   // Device memory limit for the default allocator (0: none); past it,
   // allocate() throws OutOfMemoryError.
   std::uint64_t memory_bytes = 0;
+  // Fill every allocation with 0xA5 so that tests see bytes no copy wrote.
+  // Benchmarks turn it off: cudaMalloc writes nothing either.
+  bool poison = true;
 };
 
 // Opens a device: "cpu" or "sim" (the stand-in, default options), "cuda"

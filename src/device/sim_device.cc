@@ -10,6 +10,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <map>
 #include <new>
 #include <optional>
 #include <thread>
@@ -180,9 +181,15 @@ class SimEvent final : public detail::EventImpl {
   std::uint64_t seq_;
 };
 
+// Host memory standing in for device memory. Freed buffers are kept and
+// handed out again (like torch's caching allocator over cudaMalloc), so a
+// re-load does not pay page faults that a GPU would not pay either.
 class SimAllocator final : public DeviceAllocator {
  public:
-  explicit SimAllocator(std::uint64_t limit) : limit_(limit) {}
+  SimAllocator(std::uint64_t limit, bool poison) : limit_(limit), poison_(poison) {}
+  ~SimAllocator() override {
+    for (auto& [bytes, data] : cached_) ::operator delete(data, std::align_val_t{kSimAlignment});
+  }
 
   void* allocate(std::size_t bytes) override {
     if (bytes == 0) bytes = 1;
@@ -195,33 +202,52 @@ class SimAllocator final : public DeviceAllocator {
         }
       } while (!used_.compare_exchange_weak(used, used + bytes, std::memory_order_relaxed));
     }
-    void* data = ::operator new(bytes, std::align_val_t{kSimAlignment}, std::nothrow);
+    void* data = take_cached(bytes);
+    if (data == nullptr) data = ::operator new(bytes, std::align_val_t{kSimAlignment}, std::nothrow);
     if (data == nullptr) {
       if (limit_ != 0) used_.fetch_sub(bytes, std::memory_order_relaxed);
       throw OutOfMemoryError("sim device allocation of " + std::to_string(bytes) + " bytes failed");
     }
-    std::memset(data, kPoison, bytes);
+    if (poison_) std::memset(data, kPoison, bytes);
     return data;
   }
 
   void deallocate(void* data, std::size_t bytes) noexcept override {
     if (bytes == 0) bytes = 1;
-    ::operator delete(data, std::align_val_t{kSimAlignment});
     if (limit_ != 0) used_.fetch_sub(bytes, std::memory_order_relaxed);
+    std::lock_guard lock(mu_);
+    try {
+      cached_.emplace(bytes, data);
+    } catch (...) {
+      ::operator delete(data, std::align_val_t{kSimAlignment});
+    }
   }
 
   std::string_view name() const noexcept override { return "sim-host"; }
 
  private:
+  // A cached buffer of exactly `bytes`, or nullptr.
+  void* take_cached(std::size_t bytes) {
+    std::lock_guard lock(mu_);
+    auto it = cached_.find(bytes);
+    if (it == cached_.end()) return nullptr;
+    void* data = it->second;
+    cached_.erase(it);
+    return data;
+  }
+
   const std::uint64_t limit_;
+  const bool poison_;
   std::atomic<std::uint64_t> used_{0};
+  std::mutex mu_;
+  std::multimap<std::size_t, void*> cached_;  // freed buffers by size
 };
 
 class SimDevice final : public Device {
  public:
   explicit SimDevice(SimDeviceOptions options)
       : options_(std::make_shared<const SimDeviceOptions>(std::move(options))),
-        allocator_(std::make_shared<SimAllocator>(options_->memory_bytes)) {}
+        allocator_(std::make_shared<SimAllocator>(options_->memory_bytes, options_->poison)) {}
 
   const std::string& name() const noexcept override { return name_; }
   std::string description() const override { return "CPU stand-in device (sim): streams are threads, copies memcpy"; }
