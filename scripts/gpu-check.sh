@@ -14,14 +14,18 @@
 #
 # OUTDIR receives at most 8 files:
 #   results.json           the summary: steps, dependencies, test counts,
-#                          measurements (CudaMeasure) and the torch reference
+#                          measurements (CudaMeasure), the torch reference and
+#                          pinload-bench's device ratios and targets
 #   gpu-check.log          this script's progress and the machine's description
 #   build.log              dependency probe, configure, build
-#   tests.log              the test binaries' output (and ctest's, if run)
-#   device_test.json       GoogleTest JSON reports
-#   copy_engine_test.json
-#   device_loader_test.json
-#   torch_reference.log
+#   tests.log              the test binaries' output (and ctest's, pytest's, the
+#                          torch reference's)
+#   gtest.json             the GoogleTest JSON reports of the CUDA suites
+#   bench_device.json      pinload-bench --device cuda:0 on a generated 4.9 GB
+#                          checkpoint (CLIP-L, VAE, a T5-XXL shard): the pinned
+#                          cudaMemcpy limit, the copy engine alone, warm and cold
+#                          loads to the GPU next to host-only loads, fio if present
+#   bench.log              its progress
 #
 # Exit status: 0 all passed and the CUDA tests ran; 1 a build step or a test
 # failed; 2 dependencies missing; 3 everything passed but no CUDA device was
@@ -129,12 +133,11 @@ res = {"status": status, "steps": steps, "dependencies": json.loads(deps), "meas
 with open(os.path.join(out, "gpu-check.log")) as f:
     res["machine"] = [l.rstrip() for l in f if not l.startswith("[gpu-check")][:12]
 suites = {}
-for name in ("device_test", "copy_engine_test", "device_loader_test"):
-    path = os.path.join(out, name + ".json")
-    if not os.path.exists(path):
-        continue
-    with open(path) as f:
-        report = json.load(f)
+reports = {}
+if os.path.exists(os.path.join(out, "gtest.json")):
+    with open(os.path.join(out, "gtest.json")) as f:
+        reports = json.load(f)
+for name, report in reports.items():
     s = {"tests": 0, "failures": 0, "skipped": [], "failed": []}
     for suite in report.get("testsuites", []):
         for t in suite.get("testsuite", []):
@@ -150,14 +153,19 @@ for name in ("device_test", "copy_engine_test", "device_loader_test"):
                 res.setdefault("measurements", {}).update({k: v for k, v in t.items() if k not in known})
     suites[name] = s
 res["suites"] = suites
-ref = os.path.join(out, "torch_reference.log")
-if os.path.exists(ref):
-    for line in open(ref):
-        if line.startswith("torch_reference: "):
-            res["torch_reference"] = json.loads(line[len("torch_reference: "):])
+for line in open(os.path.join(out, "tests.log"), errors="replace"):
+    if line.startswith("torch_reference: "):
+        res["torch_reference"] = json.loads(line[len("torch_reference: "):])
+bench = os.path.join(out, "bench_device.json")
+if os.path.exists(bench):
+    with open(bench) as f:
+        b = json.load(f)
+    res["bench_device"] = {k: b.get(k) for k in ("ratios", "targets")}
+    res["bench_device"]["pinned_copy_gbps"] = b.get("results", {}).get("device", {}).get("pinned_copy_gbps")
 with open(os.path.join(out, "results.json"), "w") as f:
     json.dump(res, f, indent=1, sort_keys=True)
-print(json.dumps({k: res.get(k) for k in ("status", "steps", "measurements", "torch_reference")}, indent=1))
+print(json.dumps({k: res.get(k) for k in ("status", "steps", "measurements", "torch_reference", "bench_device")},
+                 indent=1))
 EOF
 }
 
@@ -187,13 +195,24 @@ fi
 # ---- the CUDA suites and the measurements
 TESTS_FAILED=0
 export PINLOAD_MEASURE_MIB=$MEASURE_MIB
+GTEST_DIR=$(mktemp -d)
 for t in device_test copy_engine_test device_loader_test; do
-  run_step "$t" 150 "$OUT/tests.log" "$BUILD/tests/$t" --gtest_output="json:$OUT/$t.json" || TESTS_FAILED=1
+  run_step "$t" 150 "$OUT/tests.log" "$BUILD/tests/$t" --gtest_output="json:$GTEST_DIR/$t.json" || TESTS_FAILED=1
 done
+python3 - "$GTEST_DIR" "$OUT/gtest.json" <<'EOF'
+import glob, json, os, sys
+merged = {}
+for path in sorted(glob.glob(os.path.join(sys.argv[1], "*.json"))):
+    with open(path) as f:
+        merged[os.path.basename(path)[:-5]] = json.load(f)
+with open(sys.argv[2], "w") as f:
+    json.dump(merged, f, indent=1)
+EOF
+rm -rf "$GTEST_DIR"
 grep -E '^measure: ' "$OUT/tests.log" | tee -a "$OUT/gpu-check.log"
 
 # ---- the torch reference: the same copy, through torch's pinned memory
-run_step torch_reference 90 "$OUT/torch_reference.log" env LD_LIBRARY_PATH="$ORIG_LD_LIBRARY_PATH" \
+run_step torch_reference 90 "$OUT/tests.log" env LD_LIBRARY_PATH="$ORIG_LD_LIBRARY_PATH" \
   python3 - "$MEASURE_MIB" <<'EOF'
 import json, sys, time
 res = {}
@@ -226,6 +245,19 @@ except Exception as e:  # report, never crash the check
     res["error"] = repr(e)
 print("torch_reference: " + json.dumps(res))
 EOF
+
+# ---- pinload-bench's device phase on a generated checkpoint (CLIP-L, VAE and a
+# T5-XXL shard: 4.9 GB of real FLUX component shapes), with the physical limits
+MODELS=${PINLOAD_MODELS:-/tmp/pinload-models}
+if (($(remaining) > 200)) && run_step build_bench 120 "$OUT/build.log" cmake --build "$BUILD" -j "$JOBS" --target pinload_bench; then
+  if run_step gen_checkpoint 90 "$OUT/bench.log" env PINLOAD_MODELS="$MODELS" \
+      python3 scripts/gen_checkpoints.py --only clip-l,vae,t5-xxl --shards 2; then
+    M=$MODELS/flux-dev
+    run_step bench_device 150 "$OUT/bench.log" "$BUILD/bench/pinload-bench" --device cuda:0 --repeat 3 \
+      --phases memcpy,fio,buffered,device --memcpy-bytes 1G --json "$OUT/bench_device.json" \
+      "$M/text_encoder" "$M/vae" "$M/text_encoder_2/model-00002-of-00002.safetensors"
+  fi
+fi
 
 # ---- the rest of the unit suites, if time allows (not part of the verdict's CUDA half)
 if (($(remaining) > 150)); then
