@@ -181,6 +181,15 @@ void open_for_load(Env* env, const CheckpointFile& cf, const LoadOptions& option
       return;
     }
   }
+  // Reads land at page-aligned places in pool blocks (Note [Direct I/O]).
+  if (f->stat.dio_mem_align > kFallbackDirectAlign) {
+    const std::string why = "O_DIRECT needs " + std::to_string(f->stat.dio_mem_align) +
+                            "-byte aligned memory here; pool blocks are aligned to " +
+                            std::to_string(kFallbackDirectAlign);
+    if (options.direct == DirectIo::kOn) throw IoError(why, ErrorContext{cf.path});
+    log::debug("{}: {}, reading buffered", cf.path, why);
+    return;
+  }
   const int fd = env->open_read(cf.path, O_DIRECT);
   if (fd >= 0) {
     f->direct_fd = ScopedFd(env, fd);

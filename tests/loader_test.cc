@@ -321,6 +321,34 @@ TEST_F(LoaderTest, FailedLoadStopsHandingOutAndThrows) {
   EXPECT_THROW(handle.wait(), IoError);
 }
 
+// A filesystem whose direct I/O needs memory aligned beyond a page.
+class WideDioAlignEnv : public EnvWrapper {
+ public:
+  using EnvWrapper::EnvWrapper;
+  int stat(int fd, FileStat* out) override {
+    const int rc = EnvWrapper::stat(fd, out);
+    out->dio_mem_align = 8192;
+    out->dio_offset_align = 512;
+    return rc;
+  }
+};
+
+TEST_F(LoaderTest, MemoryAlignmentAbovePageSizeReadsBuffered) {
+  const std::string& path = odd_model().path;
+  WideDioAlignEnv wide(&env_);
+  Loader automatic(load_options(4, 64 * KiB, Mode::kAutoCold), make_pool(), &wide);
+  expect_matches_file(automatic.load({path}), path, odd_model().image);
+  EXPECT_EQ(env_.direct_opens(), 0u);
+  Loader forced(load_options(4, 64 * KiB, Mode::kOn), make_pool(), &wide);
+  try {
+    (void)forced.load({path});
+    ADD_FAILURE() << "direct I/O was forced where it cannot work";
+  } catch (const IoError& e) {
+    EXPECT_NE(std::string(e.what()).find("8192-byte aligned memory"), std::string::npos) << e.what();
+    EXPECT_EQ(e.context().file, path);
+  }
+}
+
 TEST_F(LoaderTest, FileWithoutTensors) {
   const std::string path = dir_.file("empty.safetensors");
   std::mt19937_64 rng(1);

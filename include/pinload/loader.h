@@ -10,7 +10,9 @@
 // cache (sampled with mincore), where a buffered read is a memcpy and direct
 // I/O would go to the disk again. Direct reads are aligned supersets of the
 // data section (alignment from statx STATX_DIOALIGN, else 4096): the block
-// holds a few header bytes before the first tensor. Where O_DIRECT is refused
+// holds a few header bytes before the first tensor. Reads land at offsets of
+// the file's alignment in page-aligned blocks, so a file whose memory
+// alignment (STATX_DIOALIGN) is above 4096 is read buffered. Where O_DIRECT is refused
 // at open() or at the first read (EINVAL: tmpfs, some FUSE mounts), the file
 // falls back to buffered reads. kOn makes a refusal an error.
 //
