@@ -1,6 +1,9 @@
 #include <fcntl.h>
+#include <linux/mempolicy.h>
+#include <sched.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -12,6 +15,39 @@
 
 namespace pinload {
 namespace {
+
+// Far above any real machine's node or CPU ids; bounds the masks built here.
+constexpr int kMaxNumaNode = 4095;
+constexpr int kMaxCpu = 1 << 20;
+
+// A node mask with bit `node` set, and the `maxnode` the kernel wants for it:
+// it counts one bit past the mask (mbind(2), set_mempolicy(2)).
+struct NodeMask {
+  explicit NodeMask(int node) : bits(static_cast<std::size_t>(node) / kBitsPerWord + 1, 0) {
+    bits[static_cast<std::size_t>(node) / kBitsPerWord] |= 1ul << (static_cast<unsigned>(node) % kBitsPerWord);
+  }
+  unsigned long maxnode() const { return bits.size() * kBitsPerWord + 1; }
+  static constexpr unsigned kBitsPerWord = sizeof(unsigned long) * 8;
+  std::vector<unsigned long> bits;
+};
+
+// A heap cpu_set_t for `cpus` CPUs (CPU_ALLOC): machines may have more than
+// CPU_SETSIZE.
+class CpuSet {
+ public:
+  explicit CpuSet(int cpus) : set_(CPU_ALLOC(cpus)), bytes_(CPU_ALLOC_SIZE(cpus)) {
+    if (set_ != nullptr) CPU_ZERO_S(bytes_, set_);
+  }
+  ~CpuSet() { CPU_FREE(set_); }
+  CpuSet(const CpuSet&) = delete;
+  CpuSet& operator=(const CpuSet&) = delete;
+  cpu_set_t* get() const { return set_; }
+  std::size_t bytes() const { return bytes_; }
+
+ private:
+  cpu_set_t* set_;
+  std::size_t bytes_;
+};
 
 class PosixEnv final : public Env {
  public:
@@ -105,6 +141,46 @@ class PosixEnv final : public Env {
   int unlock(void* address, std::size_t bytes) override { return ::munlock(address, bytes) == 0 ? 0 : -errno; }
   int advise(void* address, std::size_t bytes, int advice) override {
     return ::madvise(address, bytes, advice) == 0 ? 0 : -errno;
+  }
+
+  // Raw system calls, so that pinload does not need libnuma.
+  int bind_memory(void* address, std::size_t bytes, int node) override {
+    if (node < 0 || node > kMaxNumaNode) return -EINVAL;
+    const NodeMask mask(node);
+    return ::syscall(SYS_mbind, address, bytes, MPOL_PREFERRED, mask.bits.data(), mask.maxnode(), 0u) == 0 ? 0
+                                                                                                          : -errno;
+  }
+  int set_thread_memory_node(int node) override {
+    if (node > kMaxNumaNode) return -EINVAL;
+    if (node < 0) return ::syscall(SYS_set_mempolicy, MPOL_DEFAULT, nullptr, 0ul) == 0 ? 0 : -errno;
+    const NodeMask mask(node);
+    return ::syscall(SYS_set_mempolicy, MPOL_PREFERRED, mask.bits.data(), mask.maxnode()) == 0 ? 0 : -errno;
+  }
+  int get_thread_affinity(std::vector<int>* cpus) override {
+    // Grow the set until the kernel's CPU count fits in it (EINVAL: too small).
+    for (int n = 1024; n <= kMaxCpu; n *= 2) {
+      CpuSet set(n);
+      if (set.get() == nullptr) return -ENOMEM;
+      if (::sched_getaffinity(0, set.bytes(), set.get()) != 0) {
+        if (errno == EINVAL) continue;
+        return -errno;
+      }
+      cpus->clear();
+      for (int cpu = 0; cpu < n; ++cpu) {
+        if (CPU_ISSET_S(cpu, set.bytes(), set.get())) cpus->push_back(cpu);
+      }
+      return 0;
+    }
+    return -EINVAL;
+  }
+  int set_thread_affinity(const std::vector<int>& cpus) override {
+    if (cpus.empty()) return -EINVAL;
+    const int top = *std::max_element(cpus.begin(), cpus.end());
+    if (top >= kMaxCpu || *std::min_element(cpus.begin(), cpus.end()) < 0) return -EINVAL;
+    CpuSet set(top + 1);
+    if (set.get() == nullptr) return -ENOMEM;
+    for (int cpu : cpus) CPU_SET_S(cpu, set.bytes(), set.get());
+    return ::sched_setaffinity(0, set.bytes(), set.get()) == 0 ? 0 : -errno;  // 0: this thread only
   }
 };
 

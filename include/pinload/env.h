@@ -9,9 +9,11 @@
 // Thread safety: every method may be called concurrently from many threads.
 #pragma once
 
+#include <cerrno>
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace pinload {
 
@@ -57,6 +59,34 @@ class Env {
   virtual int lock(void* address, std::size_t bytes) = 0;
   virtual int unlock(void* address, std::size_t bytes) = 0;  // munlock(2)
   virtual int advise(void* address, std::size_t bytes, int advice) = 0;  // madvise(2)
+
+  // NUMA placement (numa.h). An Env that cannot place says -ENOSYS, and the
+  // caller leaves placement to the OS.
+  //
+  // Prefers node `node` for the pages of [address, +bytes) that are touched
+  // from now on: mbind(2) with MPOL_PREFERRED. 0 or -errno.
+  virtual int bind_memory(void* address, std::size_t bytes, int node) {
+    (void)address, (void)bytes, (void)node;
+    return -ENOSYS;
+  }
+  // Prefers `node` for the calling thread's later allocations, those a
+  // driver makes on its behalf included: set_mempolicy(2) MPOL_PREFERRED;
+  // node < 0 restores MPOL_DEFAULT. 0 or -errno.
+  virtual int set_thread_memory_node(int node) {
+    (void)node;
+    return -ENOSYS;
+  }
+  // The CPUs the calling thread may run on, ascending (sched_getaffinity(2)):
+  // 0 or -errno.
+  virtual int get_thread_affinity(std::vector<int>* cpus) {
+    (void)cpus;
+    return -ENOSYS;
+  }
+  // Restricts the calling thread to `cpus` (sched_setaffinity(2)): 0 or -errno.
+  virtual int set_thread_affinity(const std::vector<int>& cpus) {
+    (void)cpus;
+    return -ENOSYS;
+  }
 };
 
 // The process-wide POSIX Env. Never null; lives until exit.
@@ -92,6 +122,12 @@ class EnvWrapper : public Env {
   int advise(void* address, std::size_t bytes, int advice) override {
     return target_->advise(address, bytes, advice);
   }
+  int bind_memory(void* address, std::size_t bytes, int node) override {
+    return target_->bind_memory(address, bytes, node);
+  }
+  int set_thread_memory_node(int node) override { return target_->set_thread_memory_node(node); }
+  int get_thread_affinity(std::vector<int>* cpus) override { return target_->get_thread_affinity(cpus); }
+  int set_thread_affinity(const std::vector<int>& cpus) override { return target_->set_thread_affinity(cpus); }
 
  private:
   Env* target_;
