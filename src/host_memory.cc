@@ -30,6 +30,8 @@ class LockedMemoryBackend final : public HostMemoryBackend {
       if (range.data == nullptr) throw_os_error("cannot map " + std::to_string(bytes) + " bytes of host memory", err);
       if (options_.huge_pages != HugePages::kOff) env_->advise(range.data, bytes, MADV_HUGEPAGE);
     }
+    // Before lock(): where mlock2(MLOCK_ONFAULT) is missing, mlock faults every page in.
+    if (options_.numa_node >= 0) bind_to_node(range.data, bytes);
     if (options_.lock && !lock_refused_.load(std::memory_order_relaxed)) {
       const int rc = env_->lock(range.data, bytes);
       if (rc == 0) {
@@ -53,9 +55,18 @@ class LockedMemoryBackend final : public HostMemoryBackend {
   std::string_view name() const noexcept override { return "locked-host"; }
 
  private:
+  void bind_to_node(void* data, std::size_t bytes) {
+    const int rc = env_->bind_memory(data, bytes, options_.numa_node);
+    if (rc != 0 && !bind_refused_.exchange(true)) {
+      log::warn("binding pool memory to NUMA node {} failed ({}); its pages go where the OS puts them",
+                options_.numa_node, -rc);
+    }
+  }
+
   Env* env_;
   LockedMemoryOptions options_;
   std::atomic<bool> lock_refused_{false};
+  std::atomic<bool> bind_refused_{false};
 };
 
 }  // namespace

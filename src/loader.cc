@@ -201,6 +201,29 @@ void open_for_load(Env* env, const CheckpointFile& cf, const LoadOptions& option
   }
 }
 
+// Note [NUMA placement] (numa.h). Under kNumaAuto, a sysfs it cannot read
+// turns placement off rather than failing the load.
+NumaPlacement choose_numa_placement(const LoadOptions& options) {
+  const int requested = options.numa.node;
+  if (requested == kNumaNone) return {};
+  try {
+    const NumaTopology topology = NumaTopology::read(options.numa.sysfs_root);
+    const Device* device = options.target.device;
+    const int device_node =
+        requested == kNumaAuto && device != nullptr && topology.multi_node() ? device->numa_node(topology) : -1;
+    NumaPlacement placement = place_numa(topology, requested, device_node);
+    if (placement.active()) {
+      log::debug("NUMA: pool memory and readers on node {} (CPUs {})", placement.node,
+                 format_cpulist(placement.cpus));
+    }
+    return placement;
+  } catch (const Error& e) {
+    if (requested != kNumaAuto) throw;
+    log::warn("NUMA placement off: {}", e.what());
+    return {};
+  }
+}
+
 [[noreturn]] void throw_read_error(const OpenFile& f, std::int64_t rc, std::uint64_t at, std::uint64_t end) {
   throw_os_error("read failed", static_cast<int>(-rc), ErrorContext{f.path, {}, at, end});
 }
@@ -241,17 +264,20 @@ void read_chunk(Env* env, OpenFile& f, const FileRead& plan, const ReadChunk& c,
 }  // namespace
 
 Loader::Loader(LoadOptions options, std::shared_ptr<Pool> pool, Env* env)
-    : options_(options), pool_(std::move(pool)), env_(env != nullptr ? env : default_env()) {
+    : options_(options),
+      pool_(std::move(pool)),
+      env_(env != nullptr ? env : default_env()),
+      numa_(choose_numa_placement(options_)) {
   if (options_.threads == 0) options_.threads = 1;
   if (options_.block_size < 4096) options_.block_size = 4096;
   Device* device = options_.target.device;
   if (!pool_) {
-    pool_ = device ? Pool::create(device->make_pinned_backend(PinnedMemoryOptions{.env = env_}))
-                   : Pool::create(make_locked_memory_backend(env_));
+    pool_ = device ? Pool::create(device->make_pinned_backend(PinnedMemoryOptions{.env = env_, .numa_node = numa_.node}))
+                   : Pool::create(make_locked_memory_backend(env_, LockedMemoryOptions{.numa_node = numa_.node}));
   }
   if (device && options_.target.mode == DeviceMode::kStreaming) {
     // Small budgets use plain pages: a 2 MiB huge-page granule would not fit.
-    PinnedMemoryOptions pinned{.env = env_};
+    PinnedMemoryOptions pinned{.env = env_, .numa_node = numa_.node};
     if (options_.target.staging_bytes < (64u << 20)) pinned.huge_pages = HugePages::kOff;
     std::unique_ptr<HostMemoryBackend> backend = device->make_pinned_backend(pinned);
     const std::uint64_t align = backend->alignment();
@@ -358,6 +384,7 @@ StateDict Loader::run(const Checkpoint& checkpoint, std::stop_token stop, Counte
   std::stop_callback forward_stop(stop, [&] { abort.request_stop(); });
   FirstError first_error;
   auto worker = [&] {
+    const ThreadAffinityScope near_pool(env_, numa_.cpus);  // Note [NUMA placement]
     try {
       for (;;) {
         if (abort.stop_requested()) return;

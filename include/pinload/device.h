@@ -44,6 +44,7 @@
 
 #include "pinload/env.h"
 #include "pinload/host_memory.h"
+#include "pinload/numa.h"
 
 namespace pinload {
 
@@ -160,6 +161,11 @@ struct PinnedMemoryOptions {
   PinMethod method = PinMethod::kHostAlloc;
   HugePages huge_pages = HugePages::kTransparent;  // kHostRegister and "sim" only
   Env* env = nullptr;                               // mmap/mlock; null: default_env()
+  // >= 0: each reservation prefers this NUMA node (Note [NUMA placement],
+  // numa.h): mmap'ed ranges are bound before they are touched or pinned;
+  // cudaHostAlloc runs on a helper thread whose memory policy prefers the
+  // node, since the driver allocates and pins inside the call. -1: none.
+  int numa_node = -1;
 };
 
 enum class DeviceKind { kSim, kCuda };
@@ -177,6 +183,13 @@ class Device {
   virtual DeviceKind kind() const noexcept = 0;
   // Unique among the devices of this process; tags DeviceBuffers and Streams.
   std::uint64_t id() const noexcept { return id_; }
+  // The device's PCI address as sysfs spells it ("0000:19:00.0"; CUDA:
+  // cudaDeviceGetPCIBusId), or empty when it has none.
+  virtual std::string pci_bus_id() const { return {}; }
+  // The NUMA node the device is attached to: by default the sysfs numa_node
+  // of pci_bus_id() under `topology`'s root; -1 when unknown. Throws
+  // InvalidFileError for a malformed sysfs file (numa.h).
+  virtual int numa_node(const NumaTopology& topology) const;
 
   // A slab backend for Pool::create whose memory the device copies from at
   // full speed (CUDA: pinned; "sim": mmap + mlock).
@@ -241,6 +254,10 @@ struct SimDeviceOptions {
   // Fill every allocation with 0xA5 so that tests see bytes no copy wrote.
   // Benchmarks turn it off: cudaMalloc writes nothing either.
   bool poison = true;
+  // NUMA placement tests: the node numa_node() reports (-1: ask sysfs by
+  // pci_bus_id, if any) and the PCI address it claims (empty: none).
+  int numa_node = -1;
+  std::string pci_bus_id;
 };
 
 // Opens a device: "cpu" or "sim" (the stand-in, default options), "cuda"

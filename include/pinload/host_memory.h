@@ -42,6 +42,10 @@ struct LockedMemoryOptions {
   // mlock each range. Where RLIMIT_MEMLOCK refuses, fall back to unlocked
   // memory and warn once.
   bool lock = true;
+  // >= 0: each range prefers this NUMA node (Env::bind_memory), bound before
+  // any of its pages is touched or locked. Where the kernel refuses, pages go
+  // where the OS puts them, with one warning. -1: no binding, no Env call.
+  int numa_node = -1;
 };
 
 // mmap-backed memory, mlock'ed where the limit allows. `env` must outlive it.

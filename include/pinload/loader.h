@@ -63,6 +63,7 @@
 #include "pinload/copy_engine.h"
 #include "pinload/device.h"
 #include "pinload/env.h"
+#include "pinload/numa.h"
 #include "pinload/pool.h"
 #include "pinload/state_dict.h"
 
@@ -85,6 +86,14 @@ struct DeviceTarget {
   std::uint64_t staging_bytes = kDefaultStagingBytes;  // kStreaming's host budget
 };
 
+// Where a load's pool and reader threads go on a NUMA machine: Note [NUMA
+// placement] in numa.h. A pool handed to the Loader is used as it is; only
+// the Loader's own pools (and its readers) are placed.
+struct NumaOptions {
+  int node = kNumaAuto;             // kNumaAuto, kNumaNone, or a node id
+  std::string sysfs_root = "/sys";  // where the topology is read (tests: a fake tree)
+};
+
 struct LoadOptions {
   unsigned threads = kDefaultThreads;
   std::size_t block_size = kDefaultBlockSize;
@@ -94,6 +103,7 @@ struct LoadOptions {
   double resident_threshold = 0.5;
   ResolveOptions resolve;
   DeviceTarget target;  // Note [Device loads]
+  NumaOptions numa;
 };
 
 // Counters of one load, readable while it runs.
@@ -111,7 +121,8 @@ class Loader {
  public:
   // `pool` null: a pool of its own, on the target device's pinned memory or
   // else locked host memory. `env` null: the POSIX env. *env must outlive the
-  // Loader and every load it starts.
+  // Loader and every load it starts. Throws InvalidFileError for a
+  // LoadOptions::numa.node the machine lacks.
   explicit Loader(LoadOptions options = {}, std::shared_ptr<Pool> pool = nullptr, Env* env = nullptr);
 
   // Loads every tensor of `paths` (files, indexes, folders). Blocks; throws
@@ -128,6 +139,8 @@ class Loader {
   const std::shared_ptr<Pool>& staging_pool() const noexcept { return staging_pool_; }
   const LoadOptions& options() const noexcept { return options_; }
   Env* env() const noexcept { return env_; }
+  // The NUMA node and CPUs this loader uses; inactive on one-node machines.
+  const NumaPlacement& numa_placement() const noexcept { return numa_; }
 
   struct Counters;  // internal: a load's live progress counters
 
@@ -138,6 +151,7 @@ class Loader {
   std::shared_ptr<Pool> pool_;
   std::shared_ptr<Pool> staging_pool_;
   Env* env_;
+  NumaPlacement numa_;
 };
 
 // Copies the host tensors of `host` to `device`: one device allocation per

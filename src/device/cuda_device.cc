@@ -22,8 +22,13 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstdio>
+#include <exception>
+#include <thread>
+
+#include "log.h"
 
 namespace pinload {
 namespace {
@@ -178,11 +183,57 @@ class CudaAllocator final : public DeviceAllocator {
   int ordinal_;
 };
 
+// Asks once per backend, warning on the first refusal, that memory prefer a
+// NUMA node; see PinnedMemoryOptions::numa_node.
+class NodeBinding {
+ public:
+  NodeBinding(Env* env, int node) : env_(env), node_(node) {}
+  int node() const { return node_; }
+  void bind(void* data, std::size_t bytes) { report(env_->bind_memory(data, bytes, node_)); }
+  void prefer_for_this_thread() { report(env_->set_thread_memory_node(node_)); }
+
+ private:
+  void report(int rc) {
+    if (rc != 0 && !refused_.exchange(true)) {
+      log::warn("placing pinned memory on NUMA node {} failed ({}); its pages go where the OS puts them", node_, -rc);
+    }
+  }
+  Env* env_;
+  int node_;
+  std::atomic<bool> refused_{false};
+};
+
 // cudaHostAlloc(cudaHostAllocPortable): pinned for every device; page-aligned.
 class HostAllocBackend final : public HostMemoryBackend {
  public:
-  explicit HostAllocBackend(int ordinal) : ordinal_(ordinal) {}
+  HostAllocBackend(int ordinal, Env* env, int numa_node) : ordinal_(ordinal), binding_(env, numa_node) {}
   HostRange reserve(std::size_t bytes) override {
+    if (binding_.node() < 0) return allocate(bytes);
+    // The driver allocates and pins the pages inside cudaHostAlloc, so mbind
+    // would come too late: allocate on a thread of our own whose memory
+    // policy prefers the node, leaving the caller's policy alone.
+    HostRange range;
+    std::exception_ptr error;
+    std::thread([&] {
+      try {
+        binding_.prefer_for_this_thread();
+        range = allocate(bytes);
+      } catch (...) {
+        error = std::current_exception();
+      }
+    }).join();
+    if (error) std::rethrow_exception(error);
+    return range;
+  }
+  void release(const HostRange& range) noexcept override {
+    QuietDeviceGuard guard(ordinal_);
+    (void)cudaFreeHost(range.data);
+  }
+  std::size_t alignment() const noexcept override { return static_cast<std::size_t>(::sysconf(_SC_PAGESIZE)); }
+  std::string_view name() const noexcept override { return "cuda-host-alloc"; }
+
+ private:
+  HostRange allocate(std::size_t bytes) {
     DeviceGuard guard(ordinal_);
     void* data = nullptr;
     check(cudaHostAlloc(&data, bytes, cudaHostAllocPortable), "cudaHostAlloc",
@@ -193,22 +244,16 @@ class HostAllocBackend final : public HostMemoryBackend {
     }
     return HostRange{data, bytes, /*locked=*/true, /*huge_pages=*/false};
   }
-  void release(const HostRange& range) noexcept override {
-    QuietDeviceGuard guard(ordinal_);
-    (void)cudaFreeHost(range.data);
-  }
-  std::size_t alignment() const noexcept override { return static_cast<std::size_t>(::sysconf(_SC_PAGESIZE)); }
-  std::string_view name() const noexcept override { return "cuda-host-alloc"; }
 
- private:
   int ordinal_;
+  NodeBinding binding_;
 };
 
 // mmap (huge pages as asked) + cudaHostRegister(cudaHostRegisterPortable).
 class HostRegisterBackend final : public HostMemoryBackend {
  public:
-  HostRegisterBackend(int ordinal, Env* env, HugePages huge_pages)
-      : ordinal_(ordinal), env_(env), huge_pages_(huge_pages) {}
+  HostRegisterBackend(int ordinal, Env* env, HugePages huge_pages, int numa_node)
+      : ordinal_(ordinal), env_(env), huge_pages_(huge_pages), binding_(env, numa_node) {}
   HostRange reserve(std::size_t bytes) override {
     HostRange range;
     range.bytes = bytes;
@@ -222,6 +267,7 @@ class HostRegisterBackend final : public HostMemoryBackend {
       if (range.data == nullptr) throw_os_error("cannot map " + std::to_string(bytes) + " bytes of host memory", err);
       if (huge_pages_ != HugePages::kOff) env_->advise(range.data, bytes, MADV_HUGEPAGE);
     }
+    if (binding_.node() >= 0) binding_.bind(range.data, bytes);  // before cudaHostRegister faults the pages in
     DeviceGuard guard(ordinal_);
     const cudaError_t rc = cudaHostRegister(range.data, bytes, cudaHostRegisterPortable);
     if (rc != cudaSuccess) {
@@ -247,6 +293,7 @@ class HostRegisterBackend final : public HostMemoryBackend {
   int ordinal_;
   Env* env_;
   HugePages huge_pages_;
+  NodeBinding binding_;
 };
 
 class CudaDevice final : public Device {
@@ -261,18 +308,31 @@ class CudaDevice final : public Device {
     std::snprintf(gib, sizeof gib, "%.1f GiB", static_cast<double>(prop.totalGlobalMem) / (1u << 30));
     description_ = std::string(prop.name) + " (" + name_ + ", " + gib + ", cc " + std::to_string(prop.major) + "." +
                    std::to_string(prop.minor) + ", " + std::to_string(prop.asyncEngineCount) + " copy engines)";
+    // Only NUMA placement needs it: without it the device's node is unknown.
+    char bus_id[32] = {};
+    if (const cudaError_t rc = cudaDeviceGetPCIBusId(bus_id, sizeof bus_id, ordinal_); rc != cudaSuccess) {
+      (void)cudaGetLastError();
+      log::debug("{}: cudaDeviceGetPCIBusId failed ({}); NUMA node unknown", name_, cuda_message(rc));
+    } else {
+      try {
+        pci_bus_id_ = normalize_pci_bus_id(bus_id);
+      } catch (const InvalidFileError& e) {
+        log::debug("{}: {}; NUMA node unknown", name_, e.what());
+      }
+    }
   }
 
   const std::string& name() const noexcept override { return name_; }
   std::string description() const override { return description_; }
   DeviceKind kind() const noexcept override { return DeviceKind::kCuda; }
+  std::string pci_bus_id() const override { return pci_bus_id_; }
 
   std::unique_ptr<HostMemoryBackend> make_pinned_backend(PinnedMemoryOptions options) override {
+    Env* env = options.env != nullptr ? options.env : default_env();
     if (options.method == PinMethod::kHostRegister) {
-      return std::make_unique<HostRegisterBackend>(ordinal_, options.env != nullptr ? options.env : default_env(),
-                                                   options.huge_pages);
+      return std::make_unique<HostRegisterBackend>(ordinal_, env, options.huge_pages, options.numa_node);
     }
-    return std::make_unique<HostAllocBackend>(ordinal_);
+    return std::make_unique<HostAllocBackend>(ordinal_, env, options.numa_node);
   }
 
   std::shared_ptr<DeviceAllocator> default_allocator() const override { return allocator_; }
@@ -305,6 +365,7 @@ class CudaDevice final : public Device {
   int ordinal_;
   std::string name_;
   std::string description_;
+  std::string pci_bus_id_;
   std::shared_ptr<CudaAllocator> allocator_;
 };
 

@@ -45,6 +45,11 @@ void Event::synchronize() {
 Device::Device() : id_(g_next_device_id.fetch_add(1, std::memory_order_relaxed)) {}
 Device::~Device() = default;
 
+int Device::numa_node(const NumaTopology& topology) const {
+  const std::string bus_id = pci_bus_id();
+  return bus_id.empty() ? -1 : topology.node_of_pci_device(bus_id);
+}
+
 void Device::set_allocator(std::shared_ptr<DeviceAllocator> allocator) {
   std::lock_guard lock(allocator_mu_);
   allocator_ = std::move(allocator);

@@ -252,10 +252,15 @@ class SimDevice final : public Device {
   const std::string& name() const noexcept override { return name_; }
   std::string description() const override { return "CPU stand-in device (sim): streams are threads, copies memcpy"; }
   DeviceKind kind() const noexcept override { return DeviceKind::kSim; }
+  std::string pci_bus_id() const override { return options_->pci_bus_id; }
+  int numa_node(const NumaTopology& topology) const override {
+    return options_->numa_node >= 0 ? options_->numa_node : Device::numa_node(topology);
+  }
 
   std::unique_ptr<HostMemoryBackend> make_pinned_backend(PinnedMemoryOptions options) override {
     LockedMemoryOptions locked;
     locked.huge_pages = options.huge_pages;
+    locked.numa_node = options.numa_node;
     return make_locked_memory_backend(options.env != nullptr ? options.env : default_env(), locked);
   }
 
