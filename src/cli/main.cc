@@ -1,6 +1,7 @@
 // The pinload command-line program: inspect and load safetensors checkpoints.
 #include <openssl/evp.h>
 
+#include <charconv>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -25,7 +26,8 @@ constexpr const char* kUsage =
     "usage: pinload inspect [--json] [--variant V] PATH...\n"
     "       pinload load [--digest] [-v] [--threads N] [--block-size BYTES[K|M]]\n"
     "                    [--direct auto|on|off] [--variant V] [--device cpu|sim|cuda:N]\n"
-    "                    [--streams K] [--chunk-size BYTES] [--staging-bytes BYTES] PATH...\n"
+    "                    [--streams K] [--chunk-size BYTES] [--staging-bytes BYTES]\n"
+    "                    [--numa-node auto|none|N] PATH...\n"
     "PATH: a .safetensors file, a *.safetensors.index.json, or a folder.\n";
 
 struct UsageError : std::runtime_error {
@@ -44,6 +46,18 @@ std::uint64_t parse_size(const std::string& text) {
   const std::optional<std::uint64_t> size = parse_size_arg(text);
   if (!size) throw UsageError("not a size: '" + text + "' (bytes, or a number with K, M or G)");
   return *size;
+}
+
+// auto: the device's node; none: leave placement to the OS; N: node N.
+int parse_numa_node(const std::string& text) {
+  if (text == "auto") return kNumaAuto;
+  if (text == "none") return kNumaNone;
+  int node = -1;
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), node);
+  if (ec != std::errc() || end != text.data() + text.size() || node < 0 || node > 4095) {
+    throw UsageError("--numa-node takes auto, none or a node number");
+  }
+  return node;
 }
 
 Args parse_args(int argc, char** argv) {
@@ -70,6 +84,7 @@ Args parse_args(int argc, char** argv) {
       args.load.target.staging_bytes = parse_size(value());
       args.load.target.mode = DeviceMode::kStreaming;
     }
+    else if (a == "--numa-node") args.load.numa.node = parse_numa_node(value());
     else if (a == "--direct") {
       const std::string v = value();
       if (v == "auto") args.load.direct = DirectIo::kAuto;
@@ -206,6 +221,11 @@ int run_load(const Args& args) {
                    s.in_use_bytes / 1048576.0, s.peak_in_use_bytes / 1048576.0,
                    static_cast<unsigned long long>(s.allocations), static_cast<unsigned long long>(s.free_list_hits),
                    static_cast<unsigned long long>(s.os_reservations));
+      const NumaPlacement& numa = loader.numa_placement();
+      if (numa.active()) {
+        std::fprintf(stderr, "numa: pool and readers on node %d (CPUs %s)\n", numa.node,
+                     format_cpulist(numa.cpus).c_str());
+      }
       if (device) {
         std::fprintf(stderr, "device %s: %.3f GB copied%s\n", device->description().c_str(), p.bytes_copied / 1e9,
                      loader.staging_pool()

@@ -243,6 +243,23 @@ def test_usage_error_exits_2(run_pinload):
     assert run.stderr.startswith("pinload: error: unknown command 'frobnicate'\nusage:"), run
 
 
+def test_numa_node_option(tmp_path, run_pinload):
+    rng = stfiles.seeded(11)
+    path = tmp_path / "numa.safetensors"
+    stfiles.write_random_raw(path, rng, count=12)
+    expected = stfiles.expected_digest(path)
+    for args in (["--numa-node", "auto"], ["--numa-node", "none"], ["--numa-node", "0"],
+                 ["--numa-node", "auto", "--device", "sim"]):
+        assert digest_lines(run_pinload("load", "--digest", *args, path)) == expected, args
+    for bad in ("x", "-1", "1.5", ""):
+        run = run_pinload("load", "--numa-node", bad, path)
+        assert run.returncode == 2, run
+        assert run.stderr.startswith("pinload: error: --numa-node takes auto, none or a node number\n"), run
+    run = run_pinload("load", "--numa-node", "4095", path)  # no machine has it
+    assert run.returncode == 1, run
+    assert run.stderr.startswith("pinload: error: NUMA node 4095 does not exist; this machine has node(s) "), run
+
+
 # ---------------------------------------------------------------------------
 # Sharded checkpoints and diffusers folders through the CLI
 
