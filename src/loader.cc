@@ -384,8 +384,8 @@ StateDict Loader::run(const Checkpoint& checkpoint, std::stop_token stop, Counte
   std::stop_callback forward_stop(stop, [&] { abort.request_stop(); });
   FirstError first_error;
   auto worker = [&] {
-    const ThreadAffinityScope near_pool(env_, numa_.cpus);  // Note [NUMA placement]
     try {
+      const ThreadAffinityScope near_pool(env_, numa_.cpus);  // Note [NUMA placement]
       for (;;) {
         if (abort.stop_requested()) return;
         const std::size_t i = next.fetch_add(1, std::memory_order_relaxed);
