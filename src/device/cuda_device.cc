@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <exception>
+#include <system_error>
 #include <thread>
 
 #include "log.h"
@@ -214,14 +215,21 @@ class HostAllocBackend final : public HostMemoryBackend {
     // policy prefers the node, leaving the caller's policy alone.
     HostRange range;
     std::exception_ptr error;
-    std::thread([&] {
-      try {
-        binding_.prefer_for_this_thread();
-        range = allocate(bytes);
-      } catch (...) {
-        error = std::current_exception();
-      }
-    }).join();
+    std::thread helper;
+    try {
+      helper = std::thread([&] {
+        try {
+          binding_.prefer_for_this_thread();
+          range = allocate(bytes);
+        } catch (...) {
+          error = std::current_exception();
+        }
+      });
+    } catch (const std::system_error& e) {
+      log::debug("no helper thread for a NUMA-placed cudaHostAlloc ({}); allocating unplaced", e.what());
+      return allocate(bytes);
+    }
+    helper.join();
     if (error) std::rethrow_exception(error);
     return range;
   }
