@@ -15,11 +15,28 @@ folder layout, sharded the way `save_pretrained` shards them:
                                                                 FLUX.1-dev (FluxTransformer2DModel)
   <out>/flux-dev/vae/diffusion_pytorch_model.safetensors        AutoencoderKL (16 latent channels)
 
+and the SDXL base pipeline, fp16 variant files as the published repository has them:
+
+  <out>/sdxl-base/model_index.json
+  <out>/sdxl-base/unet/diffusion_pytorch_model.fp16.safetensors   UNet2DConditionModel (SDXL base)
+  <out>/sdxl-base/text_encoder/model.fp16.safetensors             CLIP-L   (CLIPTextModel)
+  <out>/sdxl-base/text_encoder_2/model.fp16.safetensors           CLIP-G   (CLIPTextModelWithProjection)
+  <out>/sdxl-base/vae/diffusion_pytorch_model.fp16.safetensors    AutoencoderKL (4 latent channels)
+
+The SDXL components are not hand-coded: they are the real diffusers and transformers
+classes, built from the published configs (written below: nothing can be downloaded)
+on the meta device, and their state_dict gives the names, shapes and order. That needs
+torch, diffusers and transformers; the FLUX components need only numpy.
+
 `--scale small` writes the same names and structure with fewer layers and narrower
-widths (about 0.2 GB in all) to <out>/flux-dev-small/, for CI and quick runs.
+widths (about 0.2 GB for FLUX, 0.1 GB for SDXL) to <out>/flux-dev-small/ and
+<out>/sdxl-base-small/, for CI and quick runs.
 
 Totals are checked against /work/shared/MODELS.md (FLUX 1160 tensors / 23,802,816,640 B,
-T5 219 / 9,524,621,312 B, CLIP-L 196 / ~246 MB, VAE 244 / ~168 MB): run `--check`.
+T5 219 / 9,524,621,312 B, CLIP-L 196 / ~246 MB, VAE 244 / ~168 MB, SDXL UNet ~1680 /
+~5.1 GB, CLIP-G ~517 / ~1.39 GB, SDXL VAE 248 / ~168 MB): run `--check`. Where diffusers
+and transformers are installed, --check also compares the hand-coded FLUX components with
+the real classes built on the meta device (names and shapes).
 
 The full FLUX transformer (24 GB) is never written unless asked for by name
 (`--only flux-dev`). Writing is idempotent: a file that exists with the expected
@@ -30,6 +47,7 @@ Examples:
   scripts/gen_checkpoints.py --check
   scripts/gen_checkpoints.py --scale small
   scripts/gen_checkpoints.py --only clip-l,vae,t5-xxl --shards 2    # ~5 GB bench set
+  scripts/gen_checkpoints.py --only sdxl                             # the SDXL pipeline, 6.9 GB
 """
 from __future__ import annotations
 
@@ -293,6 +311,171 @@ MODEL_INDEX = {
     "vae": ["diffusers", "AutoencoderKL"],
 }
 
+# ---------------------------------------------------------------- SDXL (real classes, meta device)
+
+# Published configs of stabilityai/stable-diffusion-xl-base-1.0 (unet/, vae/,
+# text_encoder/, text_encoder_2/ config.json), reduced to the keys the classes take.
+SDXL_UNET = {
+    "_class_name": "UNet2DConditionModel", "act_fn": "silu", "addition_embed_type": "text_time",
+    "addition_embed_type_num_heads": 64, "addition_time_embed_dim": 256, "attention_head_dim": [5, 10, 20],
+    "block_out_channels": [320, 640, 1280], "center_input_sample": False, "class_embed_type": None,
+    "class_embeddings_concat": False, "conv_in_kernel": 3, "conv_out_kernel": 3, "cross_attention_dim": 2048,
+    "cross_attention_norm": None, "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"],
+    "downsample_padding": 1, "dual_cross_attention": False, "encoder_hid_dim": None, "encoder_hid_dim_type": None,
+    "flip_sin_to_cos": True, "freq_shift": 0, "in_channels": 4, "layers_per_block": 2,
+    "mid_block_only_cross_attention": None, "mid_block_scale_factor": 1, "mid_block_type": "UNetMidBlock2DCrossAttn",
+    "norm_eps": 1e-05, "norm_num_groups": 32, "num_attention_heads": None, "num_class_embeds": None,
+    "only_cross_attention": False, "out_channels": 4, "projection_class_embeddings_input_dim": 2816,
+    "resnet_out_scale_factor": 1.0, "resnet_skip_time_act": False, "resnet_time_scale_shift": "default",
+    "sample_size": 128, "time_cond_proj_dim": None, "time_embedding_act_fn": None, "time_embedding_dim": None,
+    "time_embedding_type": "positional", "timestep_post_act": None, "transformer_layers_per_block": [1, 2, 10],
+    "up_block_types": ["CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"], "upcast_attention": None,
+    "use_linear_projection": True,
+}
+SDXL_VAE = {
+    "_class_name": "AutoencoderKL", "act_fn": "silu", "block_out_channels": [128, 256, 512, 512],
+    "down_block_types": ["DownEncoderBlock2D"] * 4, "force_upcast": True, "in_channels": 3, "latent_channels": 4,
+    "layers_per_block": 2, "norm_num_groups": 32, "out_channels": 3, "sample_size": 1024, "scaling_factor": 0.13025,
+    "up_block_types": ["UpDecoderBlock2D"] * 4,
+}
+SDXL_CLIP_L = {
+    "architectures": ["CLIPTextModel"], "hidden_act": "quick_gelu", "hidden_size": 768, "intermediate_size": 3072,
+    "max_position_embeddings": 77, "num_attention_heads": 12, "num_hidden_layers": 12, "projection_dim": 768,
+    "vocab_size": 49408, "torch_dtype": "float16",
+}
+SDXL_CLIP_G = {
+    "architectures": ["CLIPTextModelWithProjection"], "hidden_act": "gelu", "hidden_size": 1280,
+    "intermediate_size": 5120, "max_position_embeddings": 77, "num_attention_heads": 20, "num_hidden_layers": 32,
+    "projection_dim": 1280, "vocab_size": 49408, "torch_dtype": "float16",
+}
+
+
+def _small_sdxl():
+    """Same classes and block structure, narrower and shallower (about 0.1 GB)."""
+    unet = dict(SDXL_UNET, block_out_channels=[64, 128, 256], attention_head_dim=[2, 4, 8],
+                transformer_layers_per_block=[1, 1, 2], cross_attention_dim=768, addition_time_embed_dim=32,
+                projection_class_embeddings_input_dim=6 * 32 + 512, addition_embed_type_num_heads=8)
+    vae = dict(SDXL_VAE, block_out_channels=[64, 128, 256, 256])
+    clip_l = dict(SDXL_CLIP_L, hidden_size=256, intermediate_size=1024, num_attention_heads=4, num_hidden_layers=2,
+                  projection_dim=256)
+    clip_g = dict(SDXL_CLIP_G, hidden_size=512, intermediate_size=2048, num_attention_heads=8, num_hidden_layers=2,
+                  projection_dim=512)
+    return unet, vae, clip_l, clip_g
+
+
+TORCH_DTYPE_NAMES = {"float16": "F16", "bfloat16": "BF16", "float32": "F32", "int64": "I64"}
+
+
+def meta_tensors(cls_name: str, config: dict, dtype: str) -> list:
+    """The state_dict of the real class built from `config` on the meta device:
+    names, shapes and module order, every floating tensor stored as `dtype` (the
+    fp16 variant files are saved with torch_dtype=float16)."""
+    try:
+        import torch
+        if cls_name in ("CLIPTextModel", "CLIPTextModelWithProjection"):
+            import transformers
+            cfg = transformers.CLIPTextConfig(**{k: v for k, v in config.items()
+                                                 if k not in ("architectures", "torch_dtype")})
+            make = lambda: getattr(transformers, cls_name)(cfg)  # noqa: E731
+        else:
+            import diffusers
+            make = lambda: getattr(diffusers, cls_name).from_config(  # noqa: E731
+                {k: v for k, v in config.items() if k != "_class_name"})
+    except ImportError as e:
+        raise SystemExit(f"{cls_name}: the SDXL components are built from the real classes and need torch, "
+                         f"diffusers and transformers ({e})")
+    with torch.device("meta"):
+        model = make()
+    out = []
+    for name, v in model.state_dict().items():
+        if cls_name == "CLIPTextModel" and not name.startswith("text_model."):
+            # Published CLIPTextModel files name the tower `text_model.`; transformers
+            # >= 5 drops that prefix in the module and adds it back on save/load.
+            name = "text_model." + name
+        d = dtype if v.dtype.is_floating_point else TORCH_DTYPE_NAMES[str(v.dtype).removeprefix("torch.")]
+        out.append(T(name, tuple(v.shape), d))
+    return out
+
+
+def sdxl_components(scale: str) -> list[Component]:
+    if scale == "full":
+        unet, vae, clip_l, clip_g = SDXL_UNET, SDXL_VAE, SDXL_CLIP_L, SDXL_CLIP_G
+    else:
+        unet, vae, clip_l, clip_g = _small_sdxl()
+    full = scale == "full"
+    v = ".fp16"  # variant, as the published repository names its half-precision files
+    return [
+        Component("sdxl-unet", "unet", "diffusion_pytorch_model" + v, "diffusers", "UNet2DConditionModel",
+                  meta_tensors("UNet2DConditionModel", unet, "F16"), config=unet,
+                  expect_tensors=1680 if full else None, approx_bytes=5_135_000_000 if full else None),
+        Component("sdxl-clip-l", "text_encoder", "model" + v, "transformers", "CLIPTextModel",
+                  meta_tensors("CLIPTextModel", clip_l, "F16"), config=clip_l,
+                  expect_tensors=196 if full else None, approx_bytes=246_000_000 if full else None),
+        Component("sdxl-clip-g", "text_encoder_2", "model" + v, "transformers", "CLIPTextModelWithProjection",
+                  meta_tensors("CLIPTextModelWithProjection", clip_g, "F16"), config=clip_g,
+                  expect_tensors=517 if full else None, approx_bytes=1_390_000_000 if full else None),
+        Component("sdxl-vae", "vae", "diffusion_pytorch_model" + v, "diffusers", "AutoencoderKL",
+                  meta_tensors("AutoencoderKL", vae, "F16"), config=vae,
+                  expect_tensors=248 if full else None, approx_bytes=168_000_000 if full else None),
+    ]
+
+
+SDXL_MODEL_INDEX = {
+    "_class_name": "StableDiffusionXLPipeline",
+    "_diffusers_version": "0.19.0.dev0",
+    "force_zeros_for_empty_prompt": True,
+    "add_watermarker": None,
+    "scheduler": ["diffusers", "EulerDiscreteScheduler"],
+    "text_encoder": ["transformers", "CLIPTextModel"],
+    "text_encoder_2": ["transformers", "CLIPTextModelWithProjection"],
+    "tokenizer": ["transformers", "CLIPTokenizer"],
+    "tokenizer_2": ["transformers", "CLIPTokenizer"],
+    "unet": ["diffusers", "UNet2DConditionModel"],
+    "vae": ["diffusers", "AutoencoderKL"],
+}
+
+
+def flux_against_real_classes() -> list[str]:
+    """Compare the hand-coded FLUX components (full scale) with the real classes on
+    the meta device: names and shapes. Returns one line per component."""
+    try:
+        import diffusers  # noqa: F401
+        import torch
+        import transformers
+    except ImportError as e:
+        return [f"  (no comparison with the real classes: {e})"]
+    lines = []
+    for c in components("full"):
+        cfg = {k: v for k, v in c.config.items() if k not in ("_class_name", "architectures", "torch_dtype")}
+        if c.cls == "AutoencoderKL":  # the written config.json names only what differs from SD's VAE
+            n = len(cfg["block_out_channels"])
+            cfg.update(down_block_types=["DownEncoderBlock2D"] * n, up_block_types=["UpDecoderBlock2D"] * n)
+        with torch.device("meta"):
+            if c.library == "diffusers":
+                m = getattr(diffusers, c.cls).from_config(cfg)
+            else:
+                conf = {"CLIPTextModel": transformers.CLIPTextConfig,
+                        "T5EncoderModel": transformers.T5Config}[c.cls](**cfg)
+                m = getattr(transformers, c.cls)(conf)
+        real = {}
+        for k, v in m.state_dict().items():
+            if c.cls == "CLIPTextModel" and not k.startswith("text_model."):
+                k = "text_model." + k
+            real[k] = tuple(v.shape)
+        if c.cls == "T5EncoderModel":
+            real.pop("encoder.embed_tokens.weight", None)  # tied to shared.weight, not saved
+        mine = {t.name: tuple(t.shape) for t in c.tensors}
+        missing = sorted(set(real) - set(mine))
+        extra = sorted(set(mine) - set(real))
+        shape = sorted(k for k in set(real) & set(mine) if real[k] != mine[k])
+        if not (missing or extra or shape):
+            lines.append(f"  {c.key:9s} same {len(mine)} names and shapes as {c.library} {c.cls}  OK")
+        else:
+            lines.append(f"  {c.key:9s} differs from {c.library} {c.cls}: {len(missing)} missing "
+                         f"{missing[:3]}, {len(extra)} extra {extra[:3]}, {len(shape)} shapes {shape[:3]}")
+    return lines
+
+
 # ---------------------------------------------------------------- sharding
 
 
@@ -413,29 +596,49 @@ def fmt_bytes(n):
     return f"{n:,} B ({n / 1e9:.3f} GB)"
 
 
-def check(scale):
+PIPELINES = {
+    # name: (folder at full scale, components(scale), model_index.json, seed offset)
+    "flux-dev": ("flux-dev", components, MODEL_INDEX, 0),
+    "sdxl-base": ("sdxl-base", sdxl_components, SDXL_MODEL_INDEX, 1),
+}
+# --only aliases for a whole pipeline
+ALIASES = {"flux": ["clip-l", "t5-xxl", "flux-dev", "vae"],
+           "sdxl": ["sdxl-unet", "sdxl-clip-l", "sdxl-clip-g", "sdxl-vae"]}
+
+
+def pipeline_root(out: str, pipeline: str, scale: str) -> str:
+    folder = PIPELINES[pipeline][0]
+    return os.path.join(out, folder if scale == "full" else folder + "-small")
+
+
+def check(scale, pipelines=("flux-dev", "sdxl-base")):
     ok = True
     print(f"scale={scale}")
-    for c in components(scale):
-        shards = split(c)
-        line = f"  {c.key:9s} {c.cls:24s} {len(c.tensors):5d} tensors  {fmt_bytes(c.total_bytes)}  {len(shards)} file(s)"
-        problems = []
-        if scale == "full":
-            if c.expect_tensors is not None and len(c.tensors) != c.expect_tensors:
-                problems.append(f"tensors {len(c.tensors)} != {c.expect_tensors}")
-            if c.expect_bytes is not None and c.total_bytes != c.expect_bytes:
-                problems.append(f"bytes {c.total_bytes} != {c.expect_bytes}")
-            if c.approx_bytes is not None and abs(c.total_bytes - c.approx_bytes) > 0.02 * c.approx_bytes:
-                problems.append(f"bytes {c.total_bytes} not within 2% of ~{c.approx_bytes}")
-        names = [t.name for t in c.tensors]
-        if len(set(names)) != len(names):
-            problems.append("duplicate tensor names")
-        print(line + ("  OK" if not problems else "  MISMATCH: " + "; ".join(problems)))
-        for i, s in enumerate(shards):
-            if len(shards) > 1:
-                print(f"      {shard_name(c, i, len(shards))}: {len(s)} tensors, {fmt_bytes(sum(t.nbytes for t in s))}")
-        ok = ok and not problems
+    for pipe in pipelines:
+        for c in PIPELINES[pipe][1](scale):
+            ok = check_component(c, scale) and ok
     return ok
+
+
+def check_component(c: Component, scale: str) -> bool:
+    shards = split(c)
+    line = f"  {c.key:11s} {c.cls:28s} {len(c.tensors):5d} tensors  {fmt_bytes(c.total_bytes)}  {len(shards)} file(s)"
+    problems = []
+    if scale == "full":
+        if c.expect_tensors is not None and len(c.tensors) != c.expect_tensors:
+            problems.append(f"tensors {len(c.tensors)} != {c.expect_tensors}")
+        if c.expect_bytes is not None and c.total_bytes != c.expect_bytes:
+            problems.append(f"bytes {c.total_bytes} != {c.expect_bytes}")
+        if c.approx_bytes is not None and abs(c.total_bytes - c.approx_bytes) > 0.02 * c.approx_bytes:
+            problems.append(f"bytes {c.total_bytes} not within 2% of ~{c.approx_bytes}")
+    names = [t.name for t in c.tensors]
+    if len(set(names)) != len(names):
+        problems.append("duplicate tensor names")
+    print(line + ("  OK" if not problems else "  MISMATCH: " + "; ".join(problems)))
+    for i, s in enumerate(shards):
+        if len(shards) > 1:
+            print(f"      {shard_name(c, i, len(shards))}: {len(s)} tensors, {fmt_bytes(sum(t.nbytes for t in s))}")
+    return not problems
 
 
 def main(argv=None):
@@ -443,7 +646,9 @@ def main(argv=None):
     ap.add_argument("--out", default=default_out(), help="output root (default $PINLOAD_MODELS or ~/.cache/pinload/models)")
     ap.add_argument("--scale", choices=("full", "small"), default="full")
     ap.add_argument("--only", default=None,
-                    help="comma list of clip-l,t5-xxl,flux-dev,vae (default: all but flux-dev at full scale, all at small)")
+                    help="comma list of clip-l,t5-xxl,flux-dev,vae (FLUX) and sdxl-unet,sdxl-clip-l,sdxl-clip-g,"
+                         "sdxl-vae (SDXL); 'flux' and 'sdxl' name a whole pipeline (default: all but flux-dev at "
+                         "full scale, all at small)")
     ap.add_argument("--shards", default=None,
                     help="comma list of 1-based shard numbers to write for sharded components (the index is always "
                          "complete; a folder with missing shards does not open as a whole, but each shard file does)")
@@ -454,56 +659,73 @@ def main(argv=None):
 
     if a.check:
         ok = check("full")
+        print("hand-coded FLUX components against the real classes:")
+        lines = flux_against_real_classes()
+        print("\n".join(lines))
+        ok = ok and not any("differs" in x for x in lines)
         check("small")
         return 0 if ok else 1
 
-    comps = components(a.scale)
-    keys = [c.key for c in comps]
+    keys = {"flux-dev": ALIASES["flux"], "sdxl-base": ALIASES["sdxl"]}
+    every = [k for ks in keys.values() for k in ks]
     if a.only:
-        want = [k.strip() for k in a.only.split(",") if k.strip()]
-        bad = [k for k in want if k not in keys]
+        want = []
+        for k in (k.strip() for k in a.only.split(",")):
+            want += ALIASES.get(k, [k] if k else [])
+        bad = [k for k in want if k not in every]
         if bad:
-            ap.error(f"unknown component(s) {bad}; choose from {keys}")
+            ap.error(f"unknown component(s) {bad}; choose from {every} or {list(ALIASES)}")
     else:
-        want = [k for k in keys if a.scale == "small" or k != "flux-dev"]
+        want = [k for k in every if a.scale == "small" or k != "flux-dev"]
     shard_sel = None
     if a.shards:
         shard_sel = {int(s) for s in a.shards.split(",")}
 
-    root = os.path.join(a.out, "flux-dev" if a.scale == "full" else "flux-dev-small")
-    os.makedirs(root, exist_ok=True)
-    write_text(os.path.join(root, "model_index.json"), MODEL_INDEX)
-    rnd = RandomBytes(a.seed)
     grand = 0
-    for c in comps:
-        if c.key not in want:
+    for pipe, (_, make, model_index, seed_offset) in PIPELINES.items():
+        if not any(k in want for k in keys[pipe]):
             continue
-        d = os.path.join(root, c.folder)
-        os.makedirs(d, exist_ok=True)
-        cfg = dict(c.config)
-        write_text(os.path.join(d, "config.json"), cfg)
-        shards = split(c)
-        n = len(shards)
-        if n > 1:
-            weight_map = {}
-            for i, s in enumerate(shards):
-                for t in s:
-                    weight_map[t.name] = shard_name(c, i, n)
-            index = {"metadata": {"total_size": c.total_bytes},
-                     "weight_map": dict(sorted(weight_map.items()))}
-            write_text(os.path.join(d, f"{c.stem}.safetensors.index.json"), index)
-        for i, s in enumerate(shards):
-            if n > 1 and shard_sel is not None and (i + 1) not in shard_sel:
+        root = pipeline_root(a.out, pipe, a.scale)
+        os.makedirs(root, exist_ok=True)
+        write_text(os.path.join(root, "model_index.json"), model_index)
+        # One random stream per pipeline, so that adding a pipeline leaves the
+        # bytes of the others as they were.
+        rnd = RandomBytes(a.seed + seed_offset)
+        for c in make(a.scale):
+            if c.key not in want:
                 continue
-            path = os.path.join(d, shard_name(c, i, n))
-            t0 = time.monotonic()
-            wrote, size = write_file(path, s, rnd, a.force)
-            dt = time.monotonic() - t0
-            grand += size
-            what = f"wrote in {dt:.1f}s ({size / dt / 1e9:.2f} GB/s)" if wrote else "exists, kept"
-            print(f"{path}: {len(s)} tensors, {fmt_bytes(size)}: {what}", flush=True)
-    print(f"{root}: {fmt_bytes(grand)} in the selected files")
+            grand += write_component(c, root, rnd, shard_sel, a.force)
+        print(f"{root}: done")
+    print(f"{fmt_bytes(grand)} in the selected files")
     return 0
+
+
+def write_component(c: Component, root: str, rnd: RandomBytes, shard_sel, force: bool) -> int:
+    d = os.path.join(root, c.folder)
+    os.makedirs(d, exist_ok=True)
+    write_text(os.path.join(d, "config.json"), dict(c.config))
+    shards = split(c)
+    n = len(shards)
+    if n > 1:
+        weight_map = {}
+        for i, s in enumerate(shards):
+            for t in s:
+                weight_map[t.name] = shard_name(c, i, n)
+        index = {"metadata": {"total_size": c.total_bytes},
+                 "weight_map": dict(sorted(weight_map.items()))}
+        write_text(os.path.join(d, f"{c.stem}.safetensors.index.json"), index)
+    total = 0
+    for i, s in enumerate(shards):
+        if n > 1 and shard_sel is not None and (i + 1) not in shard_sel:
+            continue
+        path = os.path.join(d, shard_name(c, i, n))
+        t0 = time.monotonic()
+        wrote, size = write_file(path, s, rnd, force)
+        dt = time.monotonic() - t0
+        total += size
+        what = f"wrote in {dt:.1f}s ({size / dt / 1e9:.2f} GB/s)" if wrote else "exists, kept"
+        print(f"{path}: {len(s)} tensors, {fmt_bytes(size)}: {what}", flush=True)
+    return total
 
 
 if __name__ == "__main__":
