@@ -26,6 +26,8 @@
 #                          cudaMemcpy limit, the copy engine alone, warm and cold
 #                          loads to the GPU next to host-only loads, fio if present
 #   bench.log              its progress
+#   run_all.quick.json     bench/run_all.py --quick on cuda:0 (pinload and the peers on the
+#                          small checkpoints), when at least 90 s of the budget are left
 #
 # Exit status: 0 all passed and the CUDA tests ran; 1 a build step or a test
 # failed; 2 dependencies missing; 3 everything passed but no CUDA device was
@@ -276,6 +278,20 @@ if (($(remaining) > 150)); then
   fi
 else
   log "skipping the other unit suites: $(remaining)s left"
+fi
+
+# ---- the benchmark driver's quick mode on cuda:0, with what is left of the budget
+# (its figures are not part of the verdict; peers that are not installed are skipped
+# with the reason in the JSON, and nothing is downloaded: --no-setup, then the small
+# checkpoints are generated locally where they are missing)
+if (($(remaining) > 90)) && ls "$BUILD"/python/pinload/_core*.so >/dev/null 2>&1; then
+  PINLOAD_MODELS="$MODELS" python3 scripts/gen_checkpoints.py --scale small >>"$OUT/bench.log" 2>&1 ||
+    PINLOAD_MODELS="$MODELS" python3 scripts/gen_checkpoints.py --scale small --only flux >>"$OUT/bench.log" 2>&1 || true
+  run_step bench_quick $(($(remaining) - 20)) "$OUT/bench.log" env PINLOAD_MODELS="$MODELS" LD_LIBRARY_PATH="$ORIG_LD_LIBRARY_PATH" \
+    python3 bench/run_all.py --quick --no-setup --device cuda:0 --scenarios limits,cold,warm,switch \
+    --bin "$BUILD/bench/pinload-bench" --build "$BUILD" --out "$OUT/run_all.quick.json" || true
+else
+  log "bench_quick: skipped ($(remaining)s left or no Python module)"
 fi
 
 # ---- verdict
