@@ -46,6 +46,15 @@ def memcpy_best(run, set_name):
     return max(m["multi_gbps"], m["single_gbps"]) if m else None
 
 
+def rss(res) -> str:
+    """Peak RSS, and in brackets the part above the interpreter with its imports."""
+    hwm = res.get("vmhwm")
+    base = res.get("status_imported", {}).get("VmRSS")
+    if hwm is None:
+        return ""
+    return f"{hwm / 1e9:.2f}" + (f" (+{(hwm - base) / 1e9:.2f})" if base else "")
+
+
 def why_not(res) -> str:
     if "skipped" in res:
         return "skipped: " + res["skipped"]
@@ -60,7 +69,7 @@ def why_not(res) -> str:
 
 def load_table(run, scenario, limit_name, limit_fn) -> list[str]:
     sc = run.get("scenarios", {}).get(scenario, {})
-    out = [f"| set | system | GB/s | seconds | peak RSS GB | / {limit_name} | / pinload | notes |",
+    out = [f"| set | system | GB/s | seconds | peak RSS GB (+ over imports) | / {limit_name} | / pinload | notes |",
            "|---|---|---:|---:|---:|---:|---:|---|"]
     for set_name, systems in sc.items():
         label = run["sets"].get(set_name, {}).get("label", set_name)
@@ -86,14 +95,14 @@ def load_table(run, scenario, limit_name, limit_fn) -> list[str]:
                 continue
             ver = f"verified ({s['verify']['digests_checked']} digests)"
             out.append(f"| {label} ({size / 1e9:.2f} GB) | {'**' + name + '**' if name.startswith('pinload') else name} "
-                       f"| {g:.2f} | {s['seconds']:.2f} | {gb(res.get('vmhwm'))} | "
+                       f"| {g:.2f} | {s['seconds']:.2f} | {rss(res)} | "
                        f"{f2(g / lim) if lim else ''} | {f2(g / pin_g) if pin_g else ''} | {ver} |")
     return out
 
 
 def switch_table(run) -> list[str]:
     sc = run.get("scenarios", {}).get("switch", {})
-    out = ["| system | FLUX s | SDXL s | FLUX again s | FLUX again / first FLUX | peak RSS GB | notes |",
+    out = ["| system | FLUX s | SDXL s | FLUX again s | FLUX again / first FLUX | peak RSS GB (+ over imports) | notes |",
            "|---|---:|---:|---:|---:|---:|---|"]
     for _, systems in sc.items():
         for name, res in systems.items():
@@ -104,15 +113,15 @@ def switch_table(run) -> list[str]:
                 continue
             out.append(f"| {'**' + name + '**' if name.startswith('pinload') else name} | {st[0]['seconds']:.2f} | "
                        f"{st[1]['seconds']:.2f} | {st[2]['seconds']:.3f} | {st[2]['seconds'] / st[0]['seconds']:.3f} | "
-                       f"{gb(res.get('vmhwm'))} | cache dropped once before FLUX |")
+                       f"{rss(res)} | files evicted once, before the first FLUX |")
     return out
 
 
 def memlimit_table(run) -> list[str]:
     sc = run.get("scenarios", {}).get("memlimit", {})
     ml = run.get("mem_limit", {})
-    out = [f"Limit: {gb(ml.get('bytes'))} GB ({ml.get('fraction')} x the set).", "",
-           "| system | GB/s | seconds | peak RSS GB | cgroup peak GB | peak RSS / limit | / pinload | outcome |",
+    out = [f"Limit: {gb(ml.get('bytes'))} GB ({ml.get('rule', str(ml.get('fraction')) + ' x the set')}).", "",
+           "| system | GB/s | seconds | peak RSS GB (+ over imports) | cgroup peak GB | peak RSS / limit | / pinload | outcome |",
            "|---|---:|---:|---:|---:|---:|---:|---|"]
     for _, systems in sc.items():
         pin = systems.get("pinload", {})
@@ -126,14 +135,49 @@ def memlimit_table(run) -> list[str]:
             if cg.get("failcnt"):
                 outcome += f" (limit hit {cg['failcnt']} times: page cache reclaimed)"
             if not res.get("steps") or why_not(res):
-                out.append(f"| {name} | | | {gb(res.get('vmhwm'))} | {gb(cg.get('peak'))} | | | {outcome or 'no result'} |")
+                out.append(f"| {name} | | | {rss(res)} | {gb(cg.get('peak'))} | | | {outcome or 'no result'} |")
                 continue
             s = res["steps"][0]
-            rss = res.get("vmhwm")
+            hwm = res.get("vmhwm")
             out.append(f"| {'**' + name + '**' if name.startswith('pinload') else name} | {s['gbps']:.2f} | "
-                       f"{s['seconds']:.2f} | {gb(rss)} | {gb(cg.get('peak'))} | "
-                       f"{f2(rss / lim) if rss and lim else ''} | {f2(s['gbps'] / pin_g) if pin_g else ''} | "
+                       f"{s['seconds']:.2f} | {rss(res)} | {gb(cg.get('peak'))} | "
+                       f"{f2(hwm / lim) if hwm and lim else ''} | {f2(s['gbps'] / pin_g) if pin_g else ''} | "
                        f"ok{outcome} |")
+    return out
+
+
+def targets_table(run) -> list[str]:
+    """Issue 6's targets, met or missed, per set, from this run's numbers."""
+    out = ["| target | set | value | met? |", "|---|---|---:|---|"]
+
+    def row(t, set_name, v, good):
+        label = run["sets"].get(set_name, {}).get("label", set_name)
+        out.append(f"| {t} | {label} | {v} | {'met' if good else '**missed**'} |")
+    for scen, lim_name, lim_fn, lim_target in (("cold", "fio best", fio_best, 0.9), ("warm", "memcpy", memcpy_best, 0.8)):
+        for set_name, systems in run.get("scenarios", {}).get(scen, {}).items():
+            pin = systems.get("pinload", {})
+            if not ok(pin):
+                continue
+            g = pin["steps"][0]["gbps"]
+            lim = lim_fn(run, set_name)
+            if lim:
+                row(f"{scen}: pinload >= {lim_target} x {lim_name}", set_name, f"{g / lim:.2f}", g / lim >= lim_target)
+            if scen == "cold" and ok(systems.get("safetensors mmap + clone", {})):
+                st = systems["safetensors mmap + clone"]["steps"][0]["gbps"]
+                row("cold: pinload >= 3 x safetensors.torch.load_file (mmap + clone)", set_name, f"{g / st:.2f}x",
+                    g / st >= 3)
+            peers = [(n, r["steps"][0]["gbps"]) for n, r in systems.items() if not n.startswith("pinload") and ok(r)]
+            if peers:
+                n, best = max(peers, key=lambda x: x[1])
+                row(f"{scen}: pinload ahead of every peer (best: {n})", set_name, f"{g / best:.2f}x", g > best)
+    for _, systems in run.get("scenarios", {}).get("switch", {}).items():
+        for n in ("pinload ModelCache", "pinload"):
+            r = systems.get(n, {})
+            if ok(r) and len(r["steps"]) >= 3:
+                v = r["steps"][2]["seconds"] / r["steps"][0]["seconds"]
+                out.append(f"| switch back to FLUX: {n} cost <= 1% of the first (cold) load | FLUX parts | "
+                           f"{100 * v:.1f}% | {'met' if v <= 0.01 else '**missed**'} |")
+                break
     return out
 
 
@@ -173,6 +217,8 @@ def plots(run, img_dir) -> list[str]:
         fig, axes = plt.subplots(len(panels), 1, figsize=(9, 2.2 + 1.6 * len(panels)), squeeze=False)
         for ax, (s, set_name, systems) in zip(axes[:, 0], panels):
             rows = [(n, r["steps"][0]["gbps"]) for n, r in systems.items() if ok(r)]
+            rows += [("pinload re-load (pool kept)", r["steps"][1]["gbps"]) for n, r in systems.items()
+                     if n == "pinload" and ok(r) and len(r["steps"]) > 1]
             rows.sort(key=lambda x: x[1])
             ax.barh([n for n, _ in rows], [g for _, g in rows],
                     color=["tab:red" if n.startswith("pinload") else "tab:gray" for n, _ in rows])
@@ -237,9 +283,10 @@ def section(run, json_path, imgs) -> list[str]:
         skipped = "; ".join(f"{f}: {r}" for f, r in s.get("convert_skipped", {}).items())
         out.append(f"- `{k}`: {s['label']}, {len(s['files'])} files, {s['tensor_bytes'] / 1e9:.3f} GB of tensors"
                    + (f" (variant {s['variant']})" if s.get("variant") else "") + (f"; {skipped}" if skipped else ""))
+    out += ["", "#### Targets (from this run)", ""] + targets_table(run)
     out += ["", "#### Limits (pinload-bench, same run)", ""] + limits_table(run)
     if "cold" in run["scenarios"]:
-        out += ["", "#### 1. Cold start to " + run.get("device", "cpu") + " (page cache dropped before each run)", ""]
+        out += ["", "#### 1. Cold start to " + run.get("device", "cpu") + " (the set's files evicted from the page cache before each run)", ""]
         out += load_table(run, "cold", "fio best", fio_best)
     if "warm" in run["scenarios"]:
         out += ["", "#### 2. Warm start (files in the page cache)", ""]

@@ -269,6 +269,8 @@ def main(argv=None):
     ap.add_argument("--keep-free-gb", type=float, default=15.0)
     ap.add_argument("--timeout", type=int, default=900, help="per worker process")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--merge", action="store_true",
+                    help="keep the other scenarios of an existing --out JSON (re-run some scenarios only)")
     ap.add_argument("--setup", action="store_true", help="install peers, generate checkpoints, and stop")
     ap.add_argument("--no-setup", action="store_true")
     ap.add_argument("--estimate", action="store_true", help="print the expected duration and stop")
@@ -308,6 +310,12 @@ def main(argv=None):
         return 0
 
     R = Runner(a, systems)
+    if a.merge and os.path.exists(a.out):
+        with open(a.out) as f:
+            old = json.load(f)
+        for k in ("limits", "scenarios"):
+            R.out[k] = old.get(k, {})
+        R.out["merged_from"] = old.get("date")
     R.out["device"] = a.device
     R.out["systems"] = systems
     scen = a.scenarios.split(",")
@@ -335,12 +343,19 @@ def main(argv=None):
     if "switch" in scen and "flux" in sets and "sdxl" in sets:
         seq = [dict(steps["flux"], label="FLUX"), dict(steps["sdxl"], label="SDXL"),
                dict(steps["flux"], label="FLUX again")]
+        budget = int(1.2 * (R.out["sets"]["flux"]["tensor_bytes"] + R.out["sets"]["sdxl"]["tensor_bytes"]))
         for system in ["pinload", "pinload ModelCache"] + [s for s in systems if s != "pinload"]:
-            R.run("switch", "flux-sdxl-flux", system, seq, cold=True)
+            R.run("switch", "flux-sdxl-flux", system, seq, cold=True, options={"cache_budget": budget})
     if "memlimit" in scen and "sdxl" in sets:
         frac = a.mem_limit or (0.5 if a.device.startswith("cuda") else 1.25)
-        limit = int(frac * R.out["sets"]["sdxl"]["tensor_bytes"])
-        R.out["mem_limit"] = {"fraction": frac, "bytes": limit}
+        # the interpreter with torch imported, before any load: the limit is that plus
+        # a fraction of the set (the interpreter is not what is measured)
+        b = rp.run_system("safetensors mmap + clone", [], device=a.device, cold=False, env=R.env)
+        base = int(1.1 * (b.get("status_imported", {}).get("VmRSS") or 0))
+        limit = base + int(frac * R.out["sets"]["sdxl"]["tensor_bytes"])
+        R.out["mem_limit"] = {"fraction": frac, "interpreter_bytes": base, "bytes": limit,
+                              "rule": f"1.1 x the RSS of a worker with torch imported + {frac} x the set's tensor bytes"}
+        R.log(f"memlimit: {limit / 1e9:.2f} GB = interpreter {base / 1e9:.2f} GB + {frac} x the set")
         for system in systems:
             opts = {}
             if system == "pinload" and a.device.startswith("cuda"):

@@ -243,20 +243,24 @@ def sys_pinload(ctx):
 
 
 def sys_pinload_cache(ctx):
-    """pinload.ModelCache, where the library has it (feature-detected: added in parallel)."""
+    """pinload.ModelCache, where the library has it (feature-detected: added in parallel).
+    A variant is a cache-wide option there, so a set with a variant (SDXL's fp16) gets a
+    cache of its own; all of them hold their copies in the same pool."""
     import pinload
     if not hasattr(pinload, "ModelCache"):
         raise Skip("this pinload has no ModelCache")
-    cache = ctx.state.get("cache")
+    caches = ctx.state.setdefault("caches", {})
+    cache = caches.get(ctx.variant)
     if cache is None:
-        cache = ctx.state["cache"] = pinload.ModelCache()
-    opts = dict(ctx.options.get("pinload", {}))
-    if ctx.variant:
-        opts["variant"] = ctx.variant
-    for method in ("load", "get", "load_files"):
-        if hasattr(cache, method):
-            return getattr(cache, method)(list(ctx.paths), device=ctx.device, **opts)
-    raise Skip(f"pinload.ModelCache has none of load/get/load_files: {sorted(dir(cache))[:20]}")
+        opts = dict(ctx.options.get("pinload", {}))
+        if ctx.variant:
+            opts["variant"] = ctx.variant
+        pool = ctx.device if ctx.on_device() else "cpu"
+        cache = caches[ctx.variant] = pinload.ModelCache(ctx.options.get("cache_budget", 16 << 30),
+                                                          pool_device=pool, **opts)
+    d = cache.get(list(ctx.paths), device=ctx.device)
+    ctx.state["note"] = f"cache stats {cache.stats()}" if hasattr(cache, "stats") else ""
+    return d
 
 
 def sys_st_mmap_clone(ctx):
