@@ -280,6 +280,9 @@ def section(run, json_path, imgs) -> list[str]:
            + ", ".join(f"{k} {v}" for k, v in run.get("versions", {}).items()) + ".", ""]
     out += ["Sets:", ""]
     for k, s in run["sets"].items():
+        if "missing" in s:
+            out.append(f"- `{k}`: {s['label']}: not run, {s['missing']}")
+            continue
         skipped = "; ".join(f"{f}: {r}" for f, r in s.get("convert_skipped", {}).items())
         out.append(f"- `{k}`: {s['label']}, {len(s['files'])} files, {s['tensor_bytes'] / 1e9:.3f} GB of tensors"
                    + (f" (variant {s['variant']})" if s.get("variant") else "") + (f"; {skipped}" if skipped else ""))

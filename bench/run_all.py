@@ -320,8 +320,15 @@ def main(argv=None):
     R.out["systems"] = systems
     scen = a.scenarios.split(",")
     steps = {}
-    for name, s in sets.items():
-        steps[name], _ = R.prepare_set(name, s)
+    for name, s in list(sets.items()):
+        try:
+            steps[name], _ = R.prepare_set(name, s)
+        except SystemExit as e:  # a set whose files are not there: said, and left out
+            R.log(str(e))
+            R.out["sets"][name] = {"label": s.get("label", name), "paths": s["paths"], "missing": str(e)}
+            del sets[name]
+    if not steps:
+        raise SystemExit("no set has its files: run scripts/gen_checkpoints.py or pass --set")
     R.save()
     if "limits" in scen:
         for name in sets:
