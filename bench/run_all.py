@@ -10,7 +10,7 @@ Scenarios (--scenarios, default all that apply):
            and 32, read(), memcpy); on a GPU also pinned host-to-device copy (torch)
   cold     each system loads each set after the page cache is dropped; /proc/<pid>/io
            read_bytes sampled every 50 ms (the bandwidth-over-time plot)
-  warm     the same with the files read once before
+  warm     the same with the files read once before (SDXL and the FLUX parts)
   switch   FLUX parts -> SDXL -> FLUX parts in one process: pinload with its pool,
            pinload.ModelCache where the library has it; the peers reload each time
   memlimit each system cold on SDXL inside a memory cgroup of --mem-limit x the set's
@@ -237,16 +237,19 @@ def set_bytes(s) -> int:
     return total
 
 
-def estimate(sets_bytes: dict, n_systems: int) -> float:
-    """Seconds for a full run: the peers at about 0.6 GB/s cold and 1 GB/s warm here
-    plus 4 s of process start each; fio and memcpy at 2.5 GB/s, 3 passes."""
+def estimate(sets_bytes: dict, n_systems: int, convert_max: float) -> float:
+    """Seconds for a run, from this machine's figures: the peers at about 0.6 GB/s cold
+    and 1 GB/s warm plus 4 s of process start each; pinload-bench's limits (5 fio
+    variants x 2 rounds at ~2 GB/s, read() cold at 0.5 GB/s); conversions (two
+    formats, read + write at ~0.4 GB/s) of the sets under --convert-max-gb."""
     total = sum(sets_bytes.values())
     cold = n_systems * (total / 0.6e9 + 4 * len(sets_bytes))
-    warm = n_systems * (total / 1.0e9 + 4 * len(sets_bytes))
-    sw = (n_systems + 1) * (2 * sets_bytes.get("flux", 0) + sets_bytes.get("sdxl", 0)) / 0.8e9
+    warm = n_systems * ((total - sets_bytes.get("t5", 0)) / 1.0e9 + 4 * len(sets_bytes))
+    sw = (n_systems + 1) * ((2 * sets_bytes.get("flux", 0) + sets_bytes.get("sdxl", 0)) / 0.8e9 + 4)
     mem = n_systems * (sets_bytes.get("sdxl", 0) / 0.5e9 + 4)
-    lim = 3 * total / 2.5e9 * 2
-    return cold + warm + sw + mem + lim
+    lim = total * (10 / 2e9 + 1 / 0.5e9 + 1 / 5e9)
+    conv = sum(2 * 2 * b / 0.4e9 for b in sets_bytes.values() if b <= convert_max * 1e9)
+    return cold + warm + sw + mem + lim + conv
 
 
 def main(argv=None):
@@ -306,7 +309,7 @@ def main(argv=None):
     if a.estimate:
         b = {k: set_bytes(v) for k, v in sets.items()}
         print(f"{len(systems)} systems on {', '.join(f'{k} {v / 1e9:.1f} GB' for k, v in b.items())}: "
-              f"about {estimate(b, len(systems)) / 60:.0f} minutes")
+              f"about {estimate(b, len(systems), a.convert_max_gb) / 60:.0f} minutes (conversions included)")
         return 0
 
     R = Runner(a, systems)
@@ -336,11 +339,15 @@ def main(argv=None):
         if a.device.startswith("cuda"):
             R.gpu_limit()
         R.save()
-    cold_sets = list(sets) if not a.quick else [s for s in sets if s != "t5"]
+    # T5-XXL (9.5 GB) is the large-file cold case; warm runs on SDXL and the FLUX parts
+    # (and in --quick the small T5 is in the FLUX parts already), to keep the full run
+    # under 25 minutes here
+    phase_sets = {"cold": [s for s in sets if not (a.quick and s == "t5")],
+                  "warm": [s for s in sets if s != "t5"] or list(sets)}
     for phase in ("cold", "warm"):
         if phase not in scen:
             continue
-        for name in cold_sets:
+        for name in phase_sets[phase]:
             for system in systems:
                 st = dict(steps[name], label="load")
                 two = [st]
