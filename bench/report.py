@@ -314,6 +314,8 @@ def main(argv=None):
     ap.add_argument("--doc", default=os.path.join(ROOT, "docs", "benchmarks.md"))
     ap.add_argument("--img", default=os.path.join(ROOT, "docs", "img"))
     ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument("--check", action="store_true",
+                    help="write nothing; exit 1 if the doc's generated section is not what the JSON gives")
     a = ap.parse_args(argv)
     paths = a.json or sorted(glob.glob(os.path.join(HERE, "results", "run_all.*.json")),
                              key=lambda p: (".quick." in p, p))
@@ -330,7 +332,11 @@ def main(argv=None):
     for p in paths:
         with open(p) as f:
             run = json.load(f)
-        imgs = [] if a.no_plots else plots(run, a.img)
+        if a.no_plots or a.check:
+            imgs = [os.path.join(a.img, f"bench-{run['mode']}-{k}.png") for k in ("throughput", "bandwidth")]
+            imgs = [p for p in imgs if os.path.exists(p)]
+        else:
+            imgs = plots(run, a.img)
         body += section(run, p, imgs) + [""]
     body.append(END)
     with open(a.doc) as f:
@@ -340,6 +346,11 @@ def main(argv=None):
         doc = doc[:doc.index(BEGIN)] + text + doc[doc.index(END) + len(END):]
     else:
         doc = doc.rstrip("\n") + "\n\n" + text + "\n"
+    if a.check:
+        with open(a.doc) as f:
+            same = f.read() == doc
+        print("up to date" if same else f"{a.doc} is stale: run bench/report.py", file=sys.stderr)
+        return 0 if same else 1
     with open(a.doc, "w") as f:
         f.write(doc)
     print(f"wrote {os.path.relpath(a.doc, ROOT)} and {len(paths)} run(s) of plots in {os.path.relpath(a.img, ROOT)}",
