@@ -284,7 +284,7 @@ def main(argv=None):
     a.tmp = os.path.join("/tmp", f"pinload-run_all-{os.getpid()}")
     os.makedirs(a.tmp, exist_ok=True)
 
-    if not a.no_setup:
+    if not a.no_setup and not a.estimate:
         setup(a.quick, log=lambda m: print(m, file=sys.stderr))
     if a.setup:
         return 0
