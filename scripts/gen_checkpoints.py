@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """Generate safetensors checkpoints of real architectures, filled with random bytes.
 
-No model weights can be downloaded where pinload is developed and tested, and torch
-is not a dependency. This script hand-codes the published architectures (tensor
-names, shapes, dtypes, module order) and writes them in the diffusers/transformers
+No model weights can be downloaded where pinload is developed and tested. For the
+FLUX components this script hand-codes the published architectures (tensor names,
+shapes, dtypes, module order; numpy only, and `--check` compares them with the real
+classes where those are installed) and writes them in the diffusers/transformers
 folder layout, sharded the way `save_pretrained` shards them:
 
   <out>/flux-dev/model_index.json
