@@ -67,7 +67,9 @@ struct ModelCacheStats {
   std::uint64_t entries = 0;
   std::uint64_t cached_bytes = 0;        // pool bytes of the cached entries
   std::uint64_t budget_bytes = 0;
-  std::uint64_t evicted_live_bytes = 0;  // pool bytes of evicted entries that callers still hold
+  // Pool bytes of entries the cache dropped (evicted, invalidated, cleared)
+  // that callers still hold: they return to the pool with the callers' tensors.
+  std::uint64_t evicted_live_bytes = 0;
 };
 
 class ModelCache {
