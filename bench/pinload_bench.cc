@@ -28,7 +28,9 @@
 //   switch    switching back to a model held in a ModelCache (model_cache.h): the
 //             host-side cost of a hit (re-stat the files, copy the state dict) against
 //             the cold load that filled the cache, and the preads and OS reservations
-//             the hits made (both should be 0). Only when named in --phases.
+//             the hits made (both should be 0); with --device, a hit to the device
+//             (get_on) against a bare upload() of the same bytes. Only when named in
+//             --phases.
 //
 // fio's buffers are malloc'ed 4 KiB pages: a 2 MiB direct read then needs 512
 // scatter-gather segments, more than many virtual disks take in one request
@@ -1086,6 +1088,39 @@ int run(const Args& args) {
               << hits << " hits: median " << fmt(hit_median * 1e6, 1) << " us = " << fmt(*switch_ratio * 100, 4)
               << " % of the cold load, " << results["switch"]["preads_on_hits"].dump() << " preads, "
               << results["switch"]["new_os_reservations_on_hits"].dump() << " new OS reservations\n";
+
+    // With --device: a hit to the device (get_on) against a bare upload() of the same host
+    // copy, alternated; host copies in the device's pinned memory, as a GPU service sets it up.
+    if (!args.device.empty()) {
+      auto device = args.device == "sim" ? pinload::make_sim_device({.poison = false}) : pinload::open_device(args.device);
+      auto pinned = pinload::Pool::create(device->make_pinned_backend());
+      pinload::ModelCache on_device(UINT64_MAX, std::make_shared<const pinload::Loader>(args.load, pinned, &env));
+      const pinload::StateDict host = on_device.get(args.paths);
+      const std::uint64_t preads = env.preads.load();
+      std::vector<double> bare_s, get_on_s;
+      for (int i = 0; i < 2 * args.repeat + 1; ++i) {
+        auto t = Clock::now();
+        const pinload::StateDict bare = pinload::upload(host, *device, args.copy);
+        bare_s.push_back(seconds_since(t));
+        t = Clock::now();
+        const pinload::StateDict hit = on_device.get_on(*device, args.paths, args.copy);
+        get_on_s.push_back(seconds_since(t));
+      }
+      const double bare = median_of(bare_s), hit = median_of(get_on_s);
+      results["switch"]["device"] = {{"device", args.device},
+                                     {"streams", args.copy.streams},
+                                     {"chunk_bytes", args.copy.chunk_bytes},
+                                     {"rounds", bare_s.size()},
+                                     {"upload_median_seconds", bare},
+                                     {"upload_gbps", static_cast<double>(bytes) / bare / 1e9},
+                                     {"get_on_hit_median_seconds", hit},
+                                     {"get_on_hit_gbps", static_cast<double>(bytes) / hit / 1e9},
+                                     {"hit_over_upload", hit / bare},
+                                     {"preads_on_hits", env.preads.load() - preads}};
+      std::cerr << "[switch] to " << args.device << ": get_on hit " << fmt(hit, 4) << " s, bare upload() "
+                << fmt(bare, 4) << " s of the same bytes: " << fmt(hit / bare, 3) << "x, "
+                << results["switch"]["device"]["preads_on_hits"].dump() << " preads\n";
+    }
   }
 
   // ---- pool: a fresh reservation of the checkpoint's blocks, timed alone ----
@@ -1166,6 +1201,11 @@ int run(const Args& args) {
     ratios["switch_hit_over_cold"] = *switch_ratio;
     targets["switch_hit_le_0.01_cold"] = *switch_ratio <= 0.01;
     targets["switch_hit_zero_preads"] = results["switch"]["preads_on_hits"].get<std::uint64_t>() == 0;
+    if (results["switch"].contains("device")) {
+      const json& d = results["switch"]["device"];
+      ratios["switch_device_hit_over_upload"] = d["hit_over_upload"];
+      targets["switch_device_hit_le_1.10_upload"] = d["hit_over_upload"].get<double>() <= 1.10;
+    }
   }
   out["ratios"] = ratios;
   out["targets"] = targets;
