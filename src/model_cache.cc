@@ -68,7 +68,8 @@ std::uint64_t pool_bytes(const StateDict& sd) {
 StateDict host_only(const StateDict& sd) {
   std::vector<Tensor> tensors;
   tensors.reserve(sd.size());
-  for (const Tensor& t : sd) tensors.emplace_back(t.name(), t.dtype(), t.shape(), t.block(), t.block_offset(), t.nbytes());
+  for (const Tensor& t : sd)
+    tensors.emplace_back(t.name(), t.dtype(), t.shape(), t.block(), t.block_offset(), t.nbytes());
   return StateDict(std::move(tensors), sd.metadata());
 }
 

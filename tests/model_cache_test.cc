@@ -10,9 +10,9 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
-#include <optional>
 #include <deque>
 #include <filesystem>
+#include <optional>
 #include <random>
 #include <thread>
 
@@ -34,11 +34,13 @@ using testing::TensorSpec;
 
 // One tensor layout for every model, so that every entry costs the same pool
 // bytes; contents differ by seed. Odd sizes straddle the 4 KiB read blocks.
-const std::vector<TensorSpec> kSpecs = {
-    {"embed.weight", "BF16", {37, 129}}, {"blocks.0.attn.weight", "F32", {61, 67}},
-    {"blocks.0.norm", "F16", {4099}},    {"blocks.1.attn.weight", "U8", {5, 3001}},
-    {"empty", "F32", {0}},               {"scalar", "I64", {}},
-    {"head.weight", "BF16", {257, 31}}};
+const std::vector<TensorSpec> kSpecs = {{"embed.weight", "BF16", {37, 129}},
+                                        {"blocks.0.attn.weight", "F32", {61, 67}},
+                                        {"blocks.0.norm", "F16", {4099}},
+                                        {"blocks.1.attn.weight", "U8", {5, 3001}},
+                                        {"empty", "F32", {0}},
+                                        {"scalar", "I64", {}},
+                                        {"head.weight", "BF16", {257, 31}}};
 
 struct Model {
   std::string path;
@@ -291,7 +293,9 @@ TEST(ModelCache, AModelLargerThanTheBudgetIsReturnedButNotCached) {
   // Two files are twice the budget: loaded, returned, not cached, nothing evicted for them.
   ModelCache small(each, loader_on(nullptr));
   small.get({ms[0].path});
-  EXPECT_THROW(small.get({ms[0].path, ms[1].path}), InvalidFileError);  // duplicate tensor names
+  // A get that fails (two files with the same tensor names) leaves the cache as it was.
+  EXPECT_THROW(small.get({ms[0].path, ms[1].path}), InvalidFileError);
+  EXPECT_TRUE(small.contains({ms[0].path}));
   TempDir other;
   std::mt19937_64 rng(4);
   std::vector<TensorSpec> renamed;
@@ -376,7 +380,7 @@ TEST(ModelCache, GetOnSimCopiesTheCachedModelWithoutReading) {
   ModelCache cache(UINT64_MAX, loader_on(&env, pool));
   const CopyOptions copy{2, 3000, 0};
   expect_model_on(*device, cache.get_on(*device, {ms[0].path}, copy), ms[0]);  // miss: read and copy pipelined
-  expect_model(cache.get({ms[0].path}), ms[0]);  // the host copy was cached
+  expect_model(cache.get({ms[0].path}), ms[0]);                                // the host copy was cached
   expect_model_on(*device, cache.get_on(*device, {ms[1].path}, copy), ms[1]);
   const std::uint64_t reads = env.reads();
   const PoolStats before = pool->stats();

@@ -65,7 +65,7 @@ struct ModelCacheStats {
   std::uint64_t invalidations = 0;  // entries dropped because a file changed
   std::uint64_t too_large = 0;      // loads returned but not cached (larger than the budget)
   std::uint64_t entries = 0;
-  std::uint64_t cached_bytes = 0;        // pool bytes of the cached entries
+  std::uint64_t cached_bytes = 0;  // pool bytes of the cached entries
   std::uint64_t budget_bytes = 0;
   // Pool bytes of entries the cache dropped (evicted, invalidated, cleared)
   // that callers still hold: they return to the pool with the callers' tensors.
@@ -87,10 +87,12 @@ class ModelCache {
   // cache on a hit (no data read), else loaded and cached. Throws what the
   // load throws; a failed load caches nothing.
   StateDict get(const std::vector<std::string>& paths);
-  // The same model on `device`: tensors on the device only. A hit costs the
-  // host-to-device copy alone (upload()); a miss reads and copies in one
-  // pipelined load (kCached, Note [Device loads] in loader.h) and caches the
-  // host copy. Throws DeviceError and OutOfMemoryError besides.
+  // The same model on `device`: tensors on the device only, in device memory
+  // of their own (device copies are not cached: drop the previous model's
+  // before switching). A hit costs the host-to-device copy alone (upload());
+  // a miss reads and copies in one pipelined load (kCached, Note [Device
+  // loads] in loader.h) and caches the host copy. Throws DeviceError and
+  // OutOfMemoryError besides.
   StateDict get_on(Device& device, const std::vector<std::string>& paths, const CopyOptions& copy = {});
 
   // Whether get(paths) would be a hit now: a known alias whose files are
@@ -128,11 +130,11 @@ class ModelCache {
   std::uint64_t budget_bytes_;
   std::uint64_t cached_bytes_ = 0;
   ModelCacheStats counters_;
-  std::list<EntryPtr> lru_;  // most recently used first
-  std::unordered_map<std::string, std::list<EntryPtr>::iterator> entries_;  // identity -> lru_ node
-  std::unordered_map<std::string, std::shared_ptr<const Alias>> aliases_;   // request -> alias
+  std::list<EntryPtr> lru_;                                                   // most recently used first
+  std::unordered_map<std::string, std::list<EntryPtr>::iterator> entries_;    // identity -> lru_ node
+  std::unordered_map<std::string, std::shared_ptr<const Alias>> aliases_;     // request -> alias
   std::unordered_map<std::string, std::shared_future<StateDict>> in_flight_;  // request -> its load
-  std::vector<std::pair<std::weak_ptr<Block>, std::uint64_t>> evicted_;     // blocks callers may hold
+  std::vector<std::pair<std::weak_ptr<Block>, std::uint64_t>> evicted_;       // blocks callers may hold
 };
 
 }  // namespace pinload
