@@ -127,3 +127,20 @@ def test_errors(tmp_path):
     with pytest.raises(ValueError):
         pinload.ModelCache("lots")
     assert "ModelCache" in repr(cache)
+
+
+def test_switch_pipelines_example():
+    """examples/switch_pipelines.py: FLUX -> SDXL -> FLUX, the second FLUX a hit (exit status 0)."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("diffusers")
+    pytest.importorskip("transformers")
+    models = os.environ.get("PINLOAD_MODELS", os.path.expanduser("~/.cache/pinload/models"))
+    if not os.path.exists(os.path.join(models, "flux-dev-small", "model_index.json")):
+        pytest.skip("no flux-dev-small: scripts/gen_checkpoints.py --scale small")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run([sys.executable, os.path.join(root, "examples", "switch_pipelines.py"), "--device", "sim"],
+                          capture_output=True, text=True, timeout=600, env=dict(os.environ))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "switch to FLUX  HIT" in done.stdout
