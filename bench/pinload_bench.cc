@@ -25,6 +25,12 @@
 //             (upload() of the checkpoint already in pinned memory); warm and cold
 //             loads to the device (cached mode) next to host-only loads of the same
 //             round; a cold streaming load within --staging-bytes
+//   switch    switching back to a model held in a ModelCache (model_cache.h): the
+//             host-side cost of a hit (re-stat the files, copy the state dict) against
+//             the cold load that filled the cache, and the preads and OS reservations
+//             the hits made (both should be 0); with --device, a hit to the device
+//             (get_on) against a bare upload() of the same bytes. Only when named in
+//             --phases.
 //
 // fio's buffers are malloc'ed 4 KiB pages: a 2 MiB direct read then needs 512
 // scatter-gather segments, more than many virtual disks take in one request
@@ -42,6 +48,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -65,6 +72,7 @@
 #include "pinload/error.h"
 #include "pinload/host_memory.h"
 #include "pinload/loader.h"
+#include "pinload/model_cache.h"
 #include "pinload/pool.h"
 #include "cli/size_arg.h"
 
@@ -81,8 +89,8 @@ constexpr const char* kUsage =
     "  --repeat N             runs per measurement (default 3)\n"
     "  --huge-pages off|thp|explicit   pool memory (default thp)\n"
     "  --lock on|off          mlock the pool's memory (default on, as the library)\n"
-    "  --phases LIST          comma list of memcpy,fio,buffered,cold,warm,pool,sweep,device\n"
-    "                         (default all but sweep; device only with --device)\n"
+    "  --phases LIST          comma list of memcpy,fio,buffered,cold,warm,pool,sweep,device,switch\n"
+    "                         (default all but sweep and switch; device only with --device)\n"
     "  --device SPEC          also load to cuda:N or sim (the CPU stand-in): adds the device phase\n"
     "  --streams N            copy streams (default 2)\n"
     "  --chunk-size B         bytes per copy (default 8M)\n"
@@ -204,7 +212,7 @@ Args parse_args(int argc, char** argv) {
       a.phases = split(value());
       for (const auto& p : a.phases) {
         if (p != "memcpy" && p != "fio" && p != "buffered" && p != "cold" && p != "warm" && p != "pool" &&
-            p != "sweep" && p != "device") {
+            p != "sweep" && p != "device" && p != "switch") {
           throw UsageError("unknown phase '" + p + "'");
         }
       }
@@ -580,6 +588,17 @@ std::optional<Sample> fio_read(const std::vector<std::string>& files, const std:
   s.extra["command"] = cmd;
   return s;
 }
+
+// Counts the preads that go through it (the switch phase: a cache hit makes none).
+class PreadCountingEnv : public pinload::EnvWrapper {
+ public:
+  PreadCountingEnv() : EnvWrapper(pinload::default_env()) {}
+  std::int64_t pread(int fd, void* buffer, std::size_t bytes, std::uint64_t offset) override {
+    preads.fetch_add(1, std::memory_order_relaxed);
+    return EnvWrapper::pread(fd, buffer, bytes, offset);
+  }
+  std::atomic<std::uint64_t> preads{0};
+};
 
 // One pinload load; the state dict is released (unloaded) after timing.
 Sample pinload_load(const std::vector<std::string>& paths, const pinload::LoadOptions& options,
@@ -1028,6 +1047,95 @@ int run(const Args& args) {
     results["sweep"] = sweep;
     results["sweep_new_os_reservations"] = pool->stats().os_reservations - before.os_reservations;
   }
+  // ---- switch: switching back to a model held in the cache, against a cold load ----
+  std::optional<double> switch_ratio;
+  if (args.has("switch")) {
+    PreadCountingEnv env;
+    pinload::ModelCache cache(UINT64_MAX, std::make_shared<const pinload::Loader>(args.load, pool, &env));
+    const double resident = drop();
+    const auto t0 = Clock::now();
+    const std::uint64_t bytes = cache.get(args.paths).total_bytes();  // a miss: the cold load
+    const double cold_s = seconds_since(t0);
+    const std::uint64_t cold_preads = env.preads.load();
+    const auto before = pool->stats();
+    const int hits = 20 * args.repeat;
+    std::vector<double> hit_s;
+    for (int i = 0; i < hits; ++i) {
+      const auto t = Clock::now();
+      const pinload::StateDict sd = cache.get(args.paths);
+      hit_s.push_back(seconds_since(t));
+    }
+    const auto after = pool->stats();
+    const double hit_median = median_of(hit_s);
+    switch_ratio = hit_median / cold_s;
+    const pinload::ModelCacheStats cs = cache.stats();
+    results["switch"] = {{"bytes", bytes},
+                         {"resident_before_cold", resident},
+                         {"cold_seconds", cold_s},
+                         {"cold_gbps", static_cast<double>(bytes) / cold_s / 1e9},
+                         {"cold_preads", cold_preads},
+                         {"hits", hits},
+                         {"hit_median_seconds", hit_median},
+                         {"hit_best_seconds", *std::min_element(hit_s.begin(), hit_s.end())},
+                         {"hit_over_cold", *switch_ratio},
+                         {"preads_on_hits", env.preads.load() - cold_preads},
+                         {"new_os_reservations_on_hits", after.os_reservations - before.os_reservations},
+                         {"allocations_on_hits", after.allocations - before.allocations},
+                         {"cache_hits", cs.hits},
+                         {"cache_misses", cs.misses},
+                         {"cached_bytes", cs.cached_bytes}};
+    std::cerr << "[switch] cold load " << fmt(cold_s, 3) << " s (" << cold_preads << " preads); switching back, "
+              << hits << " hits: median " << fmt(hit_median * 1e6, 1) << " us = " << fmt(*switch_ratio * 100, 4)
+              << " % of the cold load, " << results["switch"]["preads_on_hits"].dump() << " preads, "
+              << results["switch"]["new_os_reservations_on_hits"].dump() << " new OS reservations\n";
+
+    // With --device: a hit to the device (get_on) against a bare upload() of the same host
+    // copy, alternated; host copies in the device's pinned memory, as a GPU service sets it up.
+    if (!args.device.empty()) {
+      auto device = args.device == "sim" ? pinload::make_sim_device({.poison = false}) : pinload::open_device(args.device);
+      auto pinned = pinload::Pool::create(device->make_pinned_backend());
+      pinload::ModelCache on_device(UINT64_MAX, std::make_shared<const pinload::Loader>(args.load, pinned, &env));
+      const pinload::StateDict host = on_device.get(args.paths);
+      const std::uint64_t preads = env.preads.load();
+      std::vector<double> bare_s, get_on_s;
+      // Each result is freed before the next copy, and the order alternates, so that neither
+      // side always gets the device memory the other has just freed.
+      auto time_upload = [&] {
+        const auto t = Clock::now();
+        const pinload::StateDict bare = pinload::upload(host, *device, args.copy);
+        bare_s.push_back(seconds_since(t));
+      };
+      auto time_get_on = [&] {
+        const auto t = Clock::now();
+        const pinload::StateDict hit = on_device.get_on(*device, args.paths, args.copy);
+        get_on_s.push_back(seconds_since(t));
+      };
+      for (int i = 0; i < 4 * args.repeat + 1; ++i) {
+        if (i % 2 == 0) {
+          time_upload();
+          time_get_on();
+        } else {
+          time_get_on();
+          time_upload();
+        }
+      }
+      const double bare = median_of(bare_s), hit = median_of(get_on_s);
+      results["switch"]["device"] = {{"device", args.device},
+                                     {"streams", args.copy.streams},
+                                     {"chunk_bytes", args.copy.chunk_bytes},
+                                     {"rounds", bare_s.size()},
+                                     {"upload_median_seconds", bare},
+                                     {"upload_gbps", static_cast<double>(bytes) / bare / 1e9},
+                                     {"get_on_hit_median_seconds", hit},
+                                     {"get_on_hit_gbps", static_cast<double>(bytes) / hit / 1e9},
+                                     {"hit_over_upload", hit / bare},
+                                     {"preads_on_hits", env.preads.load() - preads}};
+      std::cerr << "[switch] to " << args.device << ": get_on hit " << fmt(hit, 4) << " s, bare upload() "
+                << fmt(bare, 4) << " s of the same bytes: " << fmt(hit / bare, 3) << "x, "
+                << results["switch"]["device"]["preads_on_hits"].dump() << " preads\n";
+    }
+  }
+
   // ---- pool: a fresh reservation of the checkpoint's blocks, timed alone ----
   if (args.has("pool")) {
     const std::uint64_t main_reserved = pool->stats().reserved_bytes;
@@ -1102,6 +1210,16 @@ int run(const Args& args) {
     ratios.update(device->ratios);
     targets.update(device->targets);
   }
+  if (switch_ratio) {
+    ratios["switch_hit_over_cold"] = *switch_ratio;
+    targets["switch_hit_le_0.01_cold"] = *switch_ratio <= 0.01;
+    targets["switch_hit_zero_preads"] = results["switch"]["preads_on_hits"].get<std::uint64_t>() == 0;
+    if (results["switch"].contains("device")) {
+      const json& d = results["switch"]["device"];
+      ratios["switch_device_hit_over_upload"] = d["hit_over_upload"];
+      targets["switch_device_hit_le_1.10_upload"] = d["hit_over_upload"].get<double>() <= 1.10;
+    }
+  }
   out["ratios"] = ratios;
   out["targets"] = targets;
 
@@ -1153,7 +1271,10 @@ int run(const Args& args) {
               out["host"]["loadavg_at_end"].get<std::string>().c_str());
   if (!ratios.empty()) {
     std::printf("ratios:\n");
-    for (auto& [k, v] : ratios.items()) std::printf("  %-44s %6.2f\n", k.c_str(), v.get<double>());
+    for (auto& [k, v] : ratios.items()) {
+      const double r = v.get<double>();
+      std::printf(r < 0.01 ? "  %-44s %.6f\n" : "  %-44s %6.2f\n", k.c_str(), r);  // the switch ratio is tiny
+    }
   }
   if (first) {
     std::printf("re-load after unload: %d re-load(s), %llu new OS reservations (the first load made %llu)\n", reloads,

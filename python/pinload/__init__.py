@@ -1,8 +1,9 @@
 """pinload: load safetensors checkpoints fast, into a reusable pinned memory pool, zero-copy into PyTorch.
 
 The safetensors-compatible API (``safe_open``, ``pinload.torch.load_file``) and the sharded loaders
-(``load_files``, ``iter_tensors``) live in :mod:`pinload.torch` and are re-exported here; they import
-torch on first use, so ``import pinload`` alone stays light. See docs/python.md.
+(``load_files``, ``iter_tensors``) live in :mod:`pinload.torch` and are re-exported here, as is
+:class:`ModelCache` (:mod:`pinload.cache`, docs/cache.md); they import torch on first use, so
+``import pinload`` alone stays light. See docs/python.md.
 
 Every error pinload raises is a :class:`pinload.Error`:
 
@@ -44,6 +45,7 @@ __all__ = [
     "Error",
     "InvalidFileError",
     "IoError",
+    "ModelCache",
     "NotFoundError",
     "OutOfMemoryError",
     "cuda_available",
@@ -65,10 +67,11 @@ _LAZY = {
     "iter_tensors": "torch",
     "patch_diffusers": "hooks",
     "patch_transformers": "hooks",
+    "ModelCache": "cache",
 }
 
 
-_SUBMODULES = ("torch", "skip_init", "hooks")
+_SUBMODULES = ("torch", "skip_init", "hooks", "cache")
 
 
 def __getattr__(name: str):

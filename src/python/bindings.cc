@@ -48,6 +48,7 @@
 #include "pinload/env.h"
 #include "pinload/error.h"
 #include "pinload/loader.h"
+#include "pinload/model_cache.h"
 #include "pinload/pool.h"
 #include "pinload/state_dict.h"
 
@@ -505,6 +506,85 @@ std::unique_ptr<PyLoadHandle> load_async(const std::vector<std::string>& paths, 
   return std::make_unique<PyLoadHandle>(std::move(handle), std::move(placement));
 }
 
+// A ModelCache (model_cache.h) whose host copies live in the shared pool of
+// `pool_device` ("cpu": locked memory; "cuda:N": that GPU's pinned memory, so
+// that copies to it go at full speed).
+class PyModelCache {
+ public:
+  PyModelCache(std::uint64_t budget_bytes, const std::string& pool_device, unsigned threads, std::size_t block_size,
+               const std::string& direct, std::size_t files_in_flight, const std::string& variant) {
+    if (threads == 0 || threads > 1024) throw InvalidFileError("threads must be 1..1024");
+    if (block_size < 4096 || block_size > (std::size_t{1} << 30)) throw InvalidFileError("block_size must be 4 KiB..1 GiB");
+    if (files_in_flight == 0) throw InvalidFileError("files_in_flight must be > 0");
+    LoadOptions options;
+    options.threads = threads;
+    options.block_size = block_size;
+    options.direct = parse_direct(direct);
+    options.files_in_flight = files_in_flight;
+    options.resolve.variant = variant;
+    py::gil_scoped_release release;
+    cache_ = std::make_unique<ModelCache>(budget_bytes, std::make_shared<const Loader>(options, pool_for(pool_device)));
+  }
+
+  // The model on `device_spec` ("cpu": the cached host copy itself).
+  PyStateDict get(const std::vector<std::string>& paths, const std::string& device_spec, std::size_t streams,
+                  std::size_t chunk_bytes) {
+    if (paths.empty()) throw InvalidFileError("no path given");
+    if (streams == 0 || streams > 64) throw InvalidFileError("streams must be 1..64");
+    if (chunk_bytes == 0) throw InvalidFileError("chunk_bytes must be > 0");
+    Placement placement;
+    StateDict sd;
+    {
+      py::gil_scoped_release release;
+      Device* device = device_for(device_spec, &placement);
+      sd = device ? cache_->get_on(*device, paths, CopyOptions{streams, chunk_bytes, 0}) : cache_->get(paths);
+    }
+    return PyStateDict(std::move(sd), std::move(placement));
+  }
+  bool contains(const std::vector<std::string>& paths) const {
+    py::gil_scoped_release release;
+    return cache_->contains(paths);
+  }
+  bool evict(const std::vector<std::string>& paths) {
+    py::gil_scoped_release release;
+    return cache_->evict(paths);
+  }
+  void clear() {
+    py::gil_scoped_release release;
+    cache_->clear();
+  }
+  void set_budget(std::uint64_t budget_bytes) {
+    py::gil_scoped_release release;
+    cache_->set_budget(budget_bytes);
+  }
+  py::dict stats() const {
+    const ModelCacheStats s = cache_->stats();
+    py::dict d;
+    d["hits"] = s.hits;
+    d["misses"] = s.misses;
+    d["waits"] = s.waits;
+    d["evictions"] = s.evictions;
+    d["invalidations"] = s.invalidations;
+    d["too_large"] = s.too_large;
+    d["entries"] = s.entries;
+    d["cached_bytes"] = s.cached_bytes;
+    d["budget_bytes"] = s.budget_bytes;
+    d["evicted_live_bytes"] = s.evicted_live_bytes;
+    return d;
+  }
+
+  // Dropping the cache releases its blocks: let other threads run meanwhile.
+  ~PyModelCache() {
+    if (PyGILState_Check()) {
+      py::gil_scoped_release release;
+      cache_.reset();
+    }
+  }
+
+ private:
+  std::unique_ptr<ModelCache> cache_;
+};
+
 py::dict read_header(const std::string& path) {
   CheckpointFile file;
   {
@@ -582,6 +662,25 @@ PYBIND11_MODULE(_core, m) {
         py::arg("variant") = "",
         "Starts loading `paths` (bytes: files, indexes, folders) to `device` ('cpu', 'sim', 'cuda', 'cuda:N') "
         "on the device's shared pool; returns a LoadHandle at once.");
+  py::class_<PyModelCache>(m, "ModelCache",
+                           "Host copies of recently used checkpoints in a shared pinned pool, LRU under a budget "
+                           "(include/pinload/model_cache.h).")
+      .def(py::init<std::uint64_t, const std::string&, unsigned, std::size_t, const std::string&, std::size_t,
+                    const std::string&>(),
+           py::arg("budget_bytes"), py::arg("pool_device") = "cpu", py::arg("threads") = kDefaultThreads,
+           py::arg("block_size") = kDefaultBlockSize, py::arg("direct") = "auto", py::arg("files_in_flight") = 2,
+           py::arg("variant") = "")
+      .def("get", &PyModelCache::get, py::arg("paths"), py::arg("device") = "cpu",
+           py::arg("streams") = kDefaultCopyStreams, py::arg("chunk_bytes") = kDefaultCopyChunkBytes,
+           "The StateDict of `paths` on `device`: from the cache on a hit (no read), else loaded and cached.")
+      .def("contains", &PyModelCache::contains, py::arg("paths"))
+      .def("evict", &PyModelCache::evict, py::arg("paths"))
+      .def("clear", &PyModelCache::clear)
+      .def("set_budget", &PyModelCache::set_budget, py::arg("budget_bytes"))
+      .def("stats", &PyModelCache::stats,
+           "dict: hits, misses, waits, evictions, invalidations, too_large, entries, cached_bytes, budget_bytes, "
+           "evicted_live_bytes.");
+
   m.def("read_header", &read_header, py::arg("path"),
         "Reads and validates one file's header: dict with path, tensors [(name, dtype, shape, begin, end)] in "
         "offset order, metadata (dict or None), data_offset, file_size.");

@@ -1,0 +1,100 @@
+"""A model cache for switching: host copies of recently used checkpoints in pinload's pinned pool.
+
+``ModelCache(budget)`` keeps the host copies of the last models it loaded, under a budget of pool
+bytes, and evicts the least recently used. Switching back to a cached model reads nothing from
+storage: for ``device="cpu"`` it returns the cached tensors themselves (zero-copy), for a device
+only the host-to-device copy is made. A file that changed (size, mtime, inode) is a miss. See
+docs/cache.md and include/pinload/model_cache.h for the rules.
+
+Tensors returned for "cpu" alias the cached blocks: do not write to them (the next ``get`` of the
+same model returns the same memory). An evicted model's memory goes back to the pool once the
+caller's tensors over it are gone too.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, Iterable, Union
+
+import torch
+
+from . import _core, _device_key
+from .torch import Device, PathLike, _as_paths, _check_dtypes, _describe, _Options, _resolve_device, _size, _to_torch
+
+__all__ = ["ModelCache"]
+
+
+class ModelCache:
+    """Host copies of recently used checkpoints, LRU under ``budget_bytes`` of pool memory.
+
+    ``budget_bytes``: an int or a size such as "8G"; a model larger than the budget is loaded and
+    returned but not cached. ``pool_device``: the device whose shared pinned pool holds the host
+    copies ("cpu", or "cuda:N" so that copies to that GPU run at full speed). Load options
+    (``threads``, ``block_size``, ``direct``, ``files_in_flight``, ``variant``) as for
+    ``pinload.torch.load_files``. Thread-safe: concurrent gets of one missing model load it once.
+    """
+
+    def __init__(self, budget_bytes: Union[int, str], *, pool_device: Device = "cpu", **options: Any) -> None:
+        opts = _Options(**options)
+        self._streams = opts.streams
+        self._chunk_bytes = opts.chunk_bytes
+        self._core = _core.ModelCache(
+            _size(budget_bytes, "budget_bytes"),
+            _device_key(pool_device),
+            threads=opts.threads,
+            block_size=opts.block_size,
+            direct=opts.direct,
+            files_in_flight=opts.files_in_flight,
+            variant=opts.variant,
+        )
+
+    @staticmethod
+    def _paths(paths: Union[PathLike, Iterable[PathLike]]):
+        return [os.fsencode(p) for p in _as_paths(paths)]
+
+    def get(self, paths: Union[PathLike, Iterable[PathLike]], device: Device = "cpu") -> Dict[str, torch.Tensor]:
+        """name -> tensor of ``paths`` (files, indexes, model or pipeline folders) on ``device``
+        ("cpu", "sim", "cuda", "cuda:N", an int or a torch.device): from the cache on a hit, else
+        loaded (and cached when it fits the budget)."""
+        names = _as_paths(paths)
+        spec, move_to = _resolve_device(device)
+        sd = self._core.get([os.fsencode(p) for p in names], spec, self._streams, self._chunk_bytes)
+        file = _describe(names)
+        _check_dtypes(sd, file)
+        torch_device = sd.torch_device
+        return {
+            name: _to_torch(dtype, shape, capsule, torch_device, move_to, name, file)
+            for name, dtype, shape, capsule in sd.export_all()
+        }
+
+    def contains(self, paths: Union[PathLike, Iterable[PathLike]]) -> bool:
+        """Whether ``get(paths)`` would be served from the cache now (stats the files, reads nothing)."""
+        return self._core.contains(self._paths(paths))
+
+    __contains__ = contains
+
+    def evict(self, paths: Union[PathLike, Iterable[PathLike]]) -> bool:
+        """Drops the entry of ``paths`` (as passed to ``get`` before); False if there is none."""
+        return self._core.evict(self._paths(paths))
+
+    def clear(self) -> None:
+        """Drops every entry; tensors handed out stay valid."""
+        self._core.clear()
+
+    @property
+    def budget_bytes(self) -> int:
+        return self._core.stats()["budget_bytes"]
+
+    @budget_bytes.setter
+    def budget_bytes(self, value: Union[int, str]) -> None:
+        self._core.set_budget(_size(value, "budget_bytes"))
+
+    def stats(self) -> Dict[str, int]:
+        """hits, misses, waits (gets that shared a concurrent load), evictions, invalidations (files
+        changed), too_large, entries, cached_bytes, budget_bytes, evicted_live_bytes (evicted models
+        that callers still hold)."""
+        return self._core.stats()
+
+    def __repr__(self) -> str:
+        s = self.stats()
+        return f"<pinload.ModelCache {s['entries']} models, {s['cached_bytes']}/{s['budget_bytes']} bytes>"
