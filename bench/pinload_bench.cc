@@ -673,12 +673,9 @@ struct DevicePhase {
 
 // The device phase (see the top of the file). Host-only loads of the same
 // rounds go into the same pinned pool, so the ratios compare like with like.
-DevicePhase device_phase(const Args& args, const std::vector<std::string>& files,
+DevicePhase device_phase(const Args& args, pinload::Device* device, const std::vector<std::string>& files,
                          const std::function<double()>& drop, double fio_best) {
   DevicePhase out;
-  // The stand-in without poisoning fresh memory: a GPU's cudaMalloc writes nothing.
-  std::unique_ptr<pinload::Device> device =
-      args.device == "sim" ? pinload::make_sim_device({.poison = false}) : pinload::open_device(args.device);
   std::cerr << "[device] " << device->description() << "\n";
   out.results["device"] = device->description();
   const double limit = pinned_copy_gbps(*device, args.memcpy_bytes, 3);
@@ -692,7 +689,7 @@ DevicePhase device_phase(const Args& args, const std::vector<std::string>& files
   auto pinned = pinload::Pool::create(device->make_pinned_backend());
   pinload::LoadOptions host = args.load;
   pinload::LoadOptions cached = args.load;
-  cached.target = {device.get(), pinload::DeviceMode::kCached, args.copy, args.staging_bytes};
+  cached.target = {device, pinload::DeviceMode::kCached, args.copy, args.staging_bytes};
   pinload::LoadOptions streaming = cached;
   streaming.target.mode = pinload::DeviceMode::kStreaming;
   Series& engine = out.series["engine"];
@@ -768,6 +765,12 @@ DevicePhase device_phase(const Args& args, const std::vector<std::string>& files
 }
 
 int run(const Args& args) {
+  // --device opens first, so that a missing GPU fails before minutes of fio.
+  // The stand-in does not poison fresh memory here: a GPU's cudaMalloc writes nothing.
+  std::unique_ptr<pinload::Device> target_device;
+  if (!args.device.empty()) {
+    target_device = args.device == "sim" ? pinload::make_sim_device({.poison = false}) : pinload::open_device(args.device);
+  }
   pinload::Checkpoint ck = pinload::open_checkpoint(pinload::default_env(), args.paths, args.load.resolve);
   std::vector<std::string> files;
   std::vector<std::uint64_t> sizes;
@@ -1092,7 +1095,7 @@ int run(const Args& args) {
     // With --device: a hit to the device (get_on) against a bare upload() of the same host
     // copy, alternated; host copies in the device's pinned memory, as a GPU service sets it up.
     if (!args.device.empty()) {
-      auto device = args.device == "sim" ? pinload::make_sim_device({.poison = false}) : pinload::open_device(args.device);
+      pinload::Device* device = target_device.get();
       auto pinned = pinload::Pool::create(device->make_pinned_backend());
       pinload::ModelCache on_device(UINT64_MAX, std::make_shared<const pinload::Loader>(args.load, pinned, &env));
       const pinload::StateDict host = on_device.get(args.paths);
@@ -1169,10 +1172,10 @@ int run(const Args& args) {
               << fmt(static_cast<double>(st.reserved_bytes) / total_s / 1e9) << " GB/s\n";
   }
 
-  std::optional<DevicePhase> device;
+  std::optional<DevicePhase> device_results;
   if (args.has("device")) {
-    device = device_phase(args, files, drop, fio_best);
-    results["device"] = device->results;
+    device_results = device_phase(args, target_device.get(), files, drop, fio_best);
+    results["device"] = device_results->results;
   }
 
   out["drop_cache_method"] = drop_method.empty() ? "none" : drop_method;
@@ -1206,9 +1209,9 @@ int run(const Args& args) {
   }
   if (!warm.empty() && buffered_warm > 0) ratios["warm_over_read_1thread_warm"] = warm.best() / buffered_warm;
   if (reloads > 0) targets["reload_zero_new_os_reservations"] = reload_new_reservations == 0;
-  if (device) {
-    ratios.update(device->ratios);
-    targets.update(device->targets);
+  if (device_results) {
+    ratios.update(device_results->ratios);
+    targets.update(device_results->targets);
   }
   if (switch_ratio) {
     ratios["switch_hit_over_cold"] = *switch_ratio;
@@ -1261,9 +1264,10 @@ int run(const Args& args) {
     row("fresh pool: reserve" + std::string(pr["locked"].get<bool>() ? " + mlock" : "") + " + touch, no I/O",
         pr["gbps"].get<double>(), 0, 1);
   }
-  if (device) {
-    row("pinned copy to " + args.device + ", " + size_name(args.memcpy_bytes), device->results["pinned_copy_gbps"].get<double>(), 0, 3);
-    for (const auto& [name, series] : device->rows) row(name, series->best(), series->median(), series->runs.size());
+  if (device_results) {
+    row("pinned copy to " + args.device + ", " + size_name(args.memcpy_bytes),
+        device_results->results["pinned_copy_gbps"].get<double>(), 0, 3);
+    for (const auto& [name, series] : device_results->rows) row(name, series->best(), series->median(), series->runs.size());
   }
   std::printf("GB/s = 1e9 B/s. cache drop: %s. loadavg at start: %s, at end: %s\n",
               drop_method.empty() ? "none" : drop_method.c_str(),
