@@ -13,7 +13,10 @@
 
 #include "log.h"
 #include "pinload/error.h"
+#include "pinload/io_template.h"
+#include "pinload/prefetch.h"
 #include "pinload/read_plan.h"
+#include "read_session.h"
 
 namespace pinload {
 
@@ -63,55 +66,9 @@ class ReadyQueue {
 
 }  // namespace detail
 
-struct Loader::Counters {
-  std::atomic<std::uint64_t> bytes_done{0};
-  std::atomic<std::uint64_t> bytes_total{0};
-  std::atomic<std::uint64_t> files_direct{0};
-  std::atomic<std::uint64_t> files_buffered{0};
-  std::atomic<std::uint64_t> bytes_copied{0};
-  detail::ReadyQueue* ready = nullptr;  // set by load_async
-};
-
 namespace {
 
-constexpr std::uint32_t kFallbackDirectAlign = 4096;
-constexpr int kResidencySamples = 64;
-
-// One file during a load: its descriptors and its block.
-struct OpenFile {
-  std::string path;
-  FileStat stat;
-  ScopedFd direct_fd;
-  ScopedFd buffered_fd;
-  std::atomic<bool> direct{false};
-  std::mutex mu;  // guards opening buffered_fd
-  std::shared_ptr<Block> block;                 // host and kCached loads
-  std::shared_ptr<DeviceBuffer> device_buffer;  // device loads: the data section
-
-  // The descriptor for buffered reads, opened on first use.
-  int buffered(Env* env) {
-    std::lock_guard lock(mu);
-    if (!buffered_fd.valid()) buffered_fd = open_or_throw(env, path);
-    return buffered_fd.get();
-  }
-};
-
-// Keeps the first error of many workers.
-class FirstError {
- public:
-  void set(std::exception_ptr e) {
-    std::lock_guard lock(mu_);
-    if (!error_) error_ = std::move(e);
-  }
-  std::exception_ptr get() const {
-    std::lock_guard lock(mu_);
-    return error_;
-  }
-
- private:
-  mutable std::mutex mu_;
-  std::exception_ptr error_;
-};
+using detail::ReadSession;
 
 // Which tensors of a host load have all their bytes in memory (Note [Ready
 // tensors] in loader.h). Chunks of a file complete out of order; each file
@@ -163,44 +120,6 @@ class Arrivals {
   std::vector<File> files_;
 };
 
-// Opens a file for the load and decides direct or buffered (Note [Direct I/O]).
-void open_for_load(Env* env, const CheckpointFile& cf, const LoadOptions& options, OpenFile* f) {
-  f->path = cf.path;
-  f->buffered_fd = open_or_throw(env, cf.path);
-  f->stat = stat_or_throw(env, f->buffered_fd.get(), cf.path);
-  if (f->stat.size != cf.stat.size) {
-    throw IoError("file changed size from " + std::to_string(cf.stat.size) + " to " +
-                  std::to_string(f->stat.size) + " bytes after its header was read",
-                  ErrorContext{cf.path});
-  }
-  if (options.direct == DirectIo::kOff) return;
-  if (options.direct == DirectIo::kAuto) {
-    const double resident = env->resident_fraction(f->buffered_fd.get(), f->stat.size, kResidencySamples);
-    if (resident >= options.resident_threshold) {
-      log::debug("{}: {:.0f}% in page cache, reading buffered", cf.path, resident * 100);
-      return;
-    }
-  }
-  // Reads land at page-aligned places in pool blocks (Note [Direct I/O]).
-  if (f->stat.dio_mem_align > kFallbackDirectAlign) {
-    const std::string why = "O_DIRECT needs " + std::to_string(f->stat.dio_mem_align) +
-                            "-byte aligned memory here; pool blocks are aligned to " +
-                            std::to_string(kFallbackDirectAlign);
-    if (options.direct == DirectIo::kOn) throw IoError(why, ErrorContext{cf.path});
-    log::debug("{}: {}, reading buffered", cf.path, why);
-    return;
-  }
-  const int fd = env->open_read(cf.path, O_DIRECT);
-  if (fd >= 0) {
-    f->direct_fd = ScopedFd(env, fd);
-    f->direct = true;
-  } else if (options.direct == DirectIo::kOn) {
-    throw_os_error("O_DIRECT open refused", -fd, ErrorContext{cf.path});
-  } else {
-    log::debug("{}: O_DIRECT refused at open ({}), reading buffered", cf.path, -fd);
-  }
-}
-
 // Note [NUMA placement] (numa.h). Under kNumaAuto, a sysfs it cannot read
 // turns placement off rather than failing the load.
 NumaPlacement choose_numa_placement(const LoadOptions& options) {
@@ -221,43 +140,6 @@ NumaPlacement choose_numa_placement(const LoadOptions& options) {
     if (requested != kNumaAuto) throw;
     log::warn("NUMA placement off: {}", e.what());
     return {};
-  }
-}
-
-[[noreturn]] void throw_read_error(const OpenFile& f, std::int64_t rc, std::uint64_t at, std::uint64_t end) {
-  throw_os_error("read failed", static_cast<int>(-rc), ErrorContext{f.path, {}, at, end});
-}
-
-// Executes one chunk: reads [offset, offset + valid) of the file to `dest`.
-void read_chunk(Env* env, OpenFile& f, const FileRead& plan, const ReadChunk& c, DirectIo mode,
-                Loader::Counters* counters, std::byte* dest) {
-  std::uint64_t done = 0;
-  bool direct = f.direct.load(std::memory_order_relaxed);
-  while (done < c.valid) {
-    const std::uint64_t at = c.offset + done;
-    const int fd = direct ? f.direct_fd.get() : f.buffered(env);
-    // Direct reads ask for the whole aligned length; buffered for what is left.
-    const std::uint64_t want = direct ? c.length - done : c.valid - done;
-    const std::int64_t n = env->pread(fd, dest + done, want, at);
-    if (n == -EINTR || n == -EAGAIN) continue;
-    if (n == -EINVAL && direct && mode != DirectIo::kOn) {
-      if (f.direct.exchange(false)) {
-        log::debug("{}: O_DIRECT read refused, reading buffered", f.path);
-        counters->files_direct--;
-        counters->files_buffered++;
-      }
-      direct = false;
-      continue;
-    }
-    if (n < 0) throw_read_error(f, n, at, c.offset + c.valid);
-    if (n == 0) {
-      throw IoError("file ended at byte " + std::to_string(at) + " but was " + std::to_string(plan.file_size) +
-                    " bytes when its header was read (truncated while loading?)",
-                    ErrorContext{f.path, {}, at, c.offset + c.valid});
-    }
-    done += static_cast<std::uint64_t>(n);
-    // A short direct read leaves an unaligned position: finish buffered.
-    if (direct && done < c.valid && done % plan.alignment != 0) direct = false;
   }
 }
 
@@ -299,52 +181,74 @@ StateDict Loader::load(const std::vector<std::string>& paths) const {
 
 StateDict Loader::load(const Checkpoint& checkpoint, std::stop_token stop) const {
   Counters counters;
-  return run(checkpoint, std::move(stop), &counters);
+  return run(checkpoint, LoadRequest{std::move(stop)}, &counters);
 }
 
-StateDict Loader::run(const Checkpoint& checkpoint, std::stop_token stop, Counters* counters) const {
-  const std::size_t n = checkpoint.files.size();
-  std::vector<std::unique_ptr<OpenFile>> files;
-  std::vector<FileRead> reads;
-  files.reserve(n);
-  reads.reserve(n);
-  for (const CheckpointFile& cf : checkpoint.files) {
-    auto f = std::make_unique<OpenFile>();
-    open_for_load(env_, cf, options_, f.get());
-    FileRead r;
-    r.path = cf.path;
-    r.file_size = cf.stat.size;
-    r.data_offset = cf.header.data_offset();
-    r.direct = f->direct;
-    // Buffered reads use the same aligned ranges, so a file takes the same
-    // block (size class) whether it was read direct or through the cache.
-    r.alignment = std::max(f->stat.dio_offset_align, kFallbackDirectAlign);
-    (f->direct ? counters->files_direct : counters->files_buffered)++;
-    reads.push_back(std::move(r));
-    files.push_back(std::move(f));
+StateDict Loader::load(const std::vector<std::string>& paths, const LoadRequest& request) const {
+  Counters counters;
+  // A prefetch of the same paths has read the headers already.
+  if (request.adopt != nullptr && request.adopt->paths() == paths && request.adopt->resolves_like(options_.resolve)) {
+    if (std::optional<Checkpoint> checkpoint = request.adopt->checkpoint()) return run(*checkpoint, request, &counters);
   }
-  const ReadPlan plan = make_read_plan(std::move(reads), PlanOptions{options_.block_size, options_.files_in_flight});
-  counters->bytes_total = plan.total_bytes;
-  // A load holds its blocks until it ends, so one that cannot fit the budget
-  // fails now instead of waiting for memory only it could free.
+  return run(open_checkpoint(env_, paths, options_.resolve), request, &counters);
+}
+
+StateDict Loader::load(const Checkpoint& checkpoint, const LoadRequest& request) const {
+  Counters counters;
+  return run(checkpoint, request, &counters);
+}
+
+StateDict Loader::load(Prefetch& prefetch, LoadRequest request) const {
+  Counters counters;
+  return adopt(prefetch, std::move(request), &counters);
+}
+
+StateDict Loader::adopt(Prefetch& prefetch, LoadRequest request, Counters* counters) const {
+  request.adopt = &prefetch;
+  std::optional<Checkpoint> checkpoint = prefetch.checkpoint();
+  if (!checkpoint) {
+    if (!prefetch.state_ || prefetch.paths().empty()) {
+      throw InvalidFileError("load(Prefetch&) of an empty prefetch, or one whose headers could not be read");
+    }
+    checkpoint = open_checkpoint(env_, prefetch.paths(), options_.resolve);
+  }
+  return run(*checkpoint, request, counters);
+}
+
+std::string Loader::destination() const {
+  return options_.target.device != nullptr ? options_.target.device->name() : std::string(kHostDestination);
+}
+
+StateDict Loader::run(const Checkpoint& checkpoint, const LoadRequest& request, Counters* counters) const {
+  const std::stop_token& stop = request.stop;
   const bool streaming = staging_pool_ != nullptr;
   Device* device = options_.target.device;
-  if (const std::uint64_t capacity = pool_->options().capacity_bytes; capacity != 0 && !streaming) {
-    std::uint64_t need = 0;
-    for (const FileRead& r : plan.files) need += Pool::size_class(std::max<std::uint64_t>(r.block_bytes(), 1));
-    if (need > capacity) {
-      throw OutOfMemoryError("checkpoint needs " + std::to_string(need) + " bytes of pool memory; the pool budget is " +
-                             std::to_string(capacity) + " bytes");
+  // Note [Prefetch and adoption]: take what a prefetch of the same files read.
+  std::unique_ptr<ReadSession> session;
+  if (request.adopt != nullptr) {
+    session = request.adopt->take();
+    if (session && (session->streaming != streaming || !detail::same_files(session->checkpoint, checkpoint))) {
+      log::debug("dropping a prefetch of other files or another destination mode");
+      session.reset();
     }
   }
-  if (!streaming) {
-    for (std::size_t i = 0; i < n; ++i) files[i]->block = pool_->allocate(plan.files[i].block_bytes(), stop);
+  if (session) {
+    counters->files_direct = 0;
+    counters->files_buffered = 0;
+    for (const auto& f : session->files) (f->direct ? counters->files_direct : counters->files_buffered)++;
+    counters->bytes_total = session->plan.total_bytes;
+    counters->bytes_done = session->bytes_done();
+  } else {
+    session = detail::open_session(env_, options_, checkpoint, staging_pool_, nullptr, counters);
   }
+  ReadSession& s = *session;
+  const std::size_t n = s.files.size();
+  detail::allocate_blocks(s, *pool_, stop);
   std::optional<CopyEngine> engine;
   if (device != nullptr) {
     engine.emplace(*device, options_.target.copy);
     for (std::size_t i = 0; i < n; ++i) {
-      files[i]->device_buffer = device->allocate(std::max<std::uint64_t>(checkpoint.files[i].header.data_size(), 1));
+      s.files[i]->device_buffer = device->allocate(std::max<std::uint64_t>(checkpoint.files[i].header.data_size(), 1));
     }
   }
 
@@ -353,15 +257,15 @@ StateDict Loader::run(const Checkpoint& checkpoint, std::stop_token stop, Counte
   std::vector<std::pair<std::string, std::string>> metadata;
   for (std::size_t i = 0; i < n; ++i) {
     const CheckpointFile& cf = checkpoint.files[i];
-    const std::uint64_t base = plan.files[i].data_in_block();
+    const std::uint64_t base = s.plan.files[i].data_in_block();
     for (const TensorInfo& t : cf.header.tensors) {
       if (streaming) {
-        tensors.emplace_back(cf.name_prefix + t.name, t.dtype, t.shape, files[i]->device_buffer, t.begin, t.nbytes());
+        tensors.emplace_back(cf.name_prefix + t.name, t.dtype, t.shape, s.files[i]->device_buffer, t.begin, t.nbytes());
         continue;
       }
       Tensor& tensor =
-          tensors.emplace_back(cf.name_prefix + t.name, t.dtype, t.shape, files[i]->block, base + t.begin, t.nbytes());
-      if (device != nullptr) tensor.set_device(files[i]->device_buffer, t.begin);
+          tensors.emplace_back(cf.name_prefix + t.name, t.dtype, t.shape, s.files[i]->block, base + t.begin, t.nbytes());
+      if (device != nullptr) tensor.set_device(s.files[i]->device_buffer, t.begin);
     }
     for (const auto& kv : cf.header.metadata) {
       if (std::none_of(metadata.begin(), metadata.end(), [&](const auto& m) { return m.first == kv.first; })) {
@@ -371,81 +275,70 @@ StateDict Loader::run(const Checkpoint& checkpoint, std::stop_token stop, Counte
   }
   // Host loads hand tensors out as they arrive; device loads once copied.
   std::optional<Arrivals> arrivals;
-  if (counters->ready != nullptr && device == nullptr) arrivals.emplace(plan, checkpoint);
+  if (counters->ready != nullptr && device == nullptr) arrivals.emplace(s.plan, checkpoint);
   auto hand_out = [&](const std::vector<std::size_t>& ready) {
     std::vector<Tensor> out;
     out.reserve(ready.size());
     for (std::size_t i : ready) out.push_back(tensors[i]);
     counters->ready->push(std::move(out));
   };
-
-  std::atomic<std::size_t> next{0};
-  std::stop_source abort;  // the first error, or the caller's stop, ends every worker
-  std::stop_callback forward_stop(stop, [&] { abort.request_stop(); });
-  FirstError first_error;
-  auto worker = [&] {
-    try {
-      const ThreadAffinityScope near_pool(env_, numa_.cpus);  // Note [NUMA placement]
-      for (;;) {
-        if (abort.stop_requested()) return;
-        const std::size_t i = next.fetch_add(1, std::memory_order_relaxed);
-        if (i >= plan.chunks.size()) return;
-        const ReadChunk& c = plan.chunks[i];
-        const FileRead& r = plan.files[c.file];
-        OpenFile& f = *files[c.file];
-        // kStreaming reads into a staging block that its copy's ticket gives
-        // back once the copy completes; the others into the file's block.
-        std::shared_ptr<Block> staging = streaming ? staging_pool_->allocate(c.length, abort.get_token()) : nullptr;
-        std::shared_ptr<Block> dest = streaming ? std::move(staging) : f.block;
-        const std::size_t dest_offset = streaming ? 0 : c.offset - r.read_begin;
-        read_chunk(env_, f, r, c, options_.direct, counters, dest->data() + dest_offset);
-        counters->bytes_done.fetch_add(c.valid, std::memory_order_relaxed);
-        if (arrivals) {
-          std::vector<std::size_t> ready;
-          arrivals->arrived(c, &ready);
-          if (!ready.empty()) hand_out(ready);
-        }
-        if (engine) {
-          // Only the data section goes to the device: clip the header bytes
-          // that an aligned read brings along.
-          const std::uint64_t begin = std::max(c.offset, r.data_offset);
-          const std::uint64_t end = c.offset + c.valid;
-          if (end > begin) {
-            engine->submit(std::move(dest), dest_offset + (begin - c.offset), f.device_buffer, begin - r.data_offset,
-                           end - begin);
-          }
-        }
-      }
-    } catch (...) {
-      first_error.set(std::current_exception());
-      abort.request_stop();
+  // After each chunk: its tensors that became ready, and its copy to the
+  // device. Only the data section goes to the device: clip the header bytes
+  // that an aligned read brings along. In kStreaming the ticket holds the
+  // staging block until its copy completes, then the pool has it back.
+  auto on_read = [&](std::size_t i, std::shared_ptr<Block> block, std::size_t block_offset) {
+    const ReadChunk& c = s.plan.chunks[i];
+    if (arrivals) {
+      std::vector<std::size_t> ready;
+      arrivals->arrived(c, &ready);
+      if (!ready.empty()) hand_out(ready);
+    }
+    if (!engine) return;
+    const FileRead& r = s.plan.files[c.file];
+    const std::uint64_t begin = std::max(c.offset, r.data_offset);
+    const std::uint64_t end = c.offset + c.valid;
+    if (end > begin) {
+      engine->submit(std::move(block), block_offset + (begin - c.offset), s.files[c.file]->device_buffer,
+                     begin - r.data_offset, end - begin);
     }
   };
-  const std::size_t thread_count = std::min<std::size_t>(options_.threads, std::max<std::size_t>(plan.chunks.size(), 1));
-  {
-    std::vector<std::jthread> threads;
-    threads.reserve(thread_count);
-    try {
-      for (std::size_t t = 1; t < thread_count; ++t) threads.emplace_back(worker);
-    } catch (const std::system_error& e) {
-      abort.request_stop();  // joins the ones that started, then reports
-      first_error.set(std::make_exception_ptr(IoError(std::string("cannot start reader thread: ") + e.what())));
+
+  std::exception_ptr error;
+  try {
+    // What a prefetch read goes first, in plan order; staging blocks are
+    // handed to their copies and burnt as the copies complete.
+    for (std::size_t i = 0; i < s.plan.chunks.size(); ++i) {
+      if (!s.chunk_done(i)) continue;
+      const ReadChunk& c = s.plan.chunks[i];
+      if (s.streaming) {
+        on_read(i, std::move(s.staged[i]), 0);
+      } else {
+        on_read(i, s.files[c.file]->block, c.offset - s.plan.files[c.file].read_begin);
+      }
     }
-    worker();  // the calling thread works too
+    detail::execute(s, s.pending(), options_.threads, stop, counters, numa_.cpus, on_read);
+  } catch (...) {
+    error = std::current_exception();
   }
   if (engine) {
     // Copies already queued finish before anything is released, error or not.
     try {
       engine->wait_all();
     } catch (...) {
-      first_error.set(std::current_exception());
+      if (!error) error = std::current_exception();
     }
     counters->bytes_copied = engine->stats().bytes_completed;
   }
-  if (auto e = first_error.get()) std::rethrow_exception(e);
+  if (error) std::rethrow_exception(error);
   if (stop.stop_requested()) throw CancelledError("load cancelled");
+  if (request.record != nullptr) {
+    IoTemplate recorded = template_files_of(checkpoint);
+    if (recorded.files == request.record->files) recorded.destinations = std::move(request.record->destinations);
+    recorded.set(s.completed_reads(destination()));
+    *request.record = std::move(recorded);
+  }
   if (counters->ready != nullptr) {
-    if (!arrivals) arrivals.emplace(plan, checkpoint);
+    if (!arrivals) arrivals.emplace(s.plan, checkpoint);
     std::vector<std::size_t> rest;
     arrivals->rest(&rest);
     hand_out(rest);
@@ -479,7 +372,22 @@ LoadHandle Loader::load_async(std::vector<std::string> paths) const {
     try {
       Checkpoint checkpoint = open_checkpoint(loader.env_, paths, loader.options_.resolve);
       if (s->stop.stop_requested()) throw CancelledError("load cancelled");
-      s->result = loader.run(checkpoint, s->stop.get_token(), &s->counters);
+      s->result = loader.run(checkpoint, LoadRequest{s->stop.get_token()}, &s->counters);
+    } catch (...) {
+      s->error = std::current_exception();
+    }
+    s->ready.close(s->error != nullptr);
+    s->finished = true;
+  });
+  return LoadHandle(std::move(state));
+}
+
+LoadHandle Loader::load_async(Prefetch prefetch) const {
+  auto state = std::make_shared<LoadHandle::State>();
+  state->counters.ready = &state->ready;
+  state->thread = std::jthread([loader = *this, p = std::move(prefetch), s = state.get()]() mutable {
+    try {
+      s->result = loader.adopt(p, LoadRequest{s->stop.get_token()}, &s->counters);
     } catch (...) {
       s->error = std::current_exception();
     }

@@ -116,6 +116,19 @@ struct LoadProgress {
 };
 
 class LoadHandle;
+class Prefetch;
+struct IoTemplate;
+
+// The optional parts of one load.
+struct LoadRequest {
+  std::stop_token stop;          // once requested, the load throws CancelledError
+  Prefetch* adopt = nullptr;     // take over what it read (prefetch.h); may be empty
+  // Receives the files of the load and, for its destination ("host" or the
+  // device's name), the reads done, in the order they completed (including
+  // those of an adopted prefetch). Other destinations already in *record are
+  // kept when its files are the same. See io_template.h.
+  IoTemplate* record = nullptr;
+};
 
 class Loader {
  public:
@@ -131,8 +144,17 @@ class Loader {
   // Loads an already resolved checkpoint; stops with CancelledError once
   // `stop` is requested.
   StateDict load(const Checkpoint& checkpoint, std::stop_token stop = {}) const;
+  // The same with a request: adopting a prefetch of the same files and
+  // recording an I/O template (Note [Prefetch and adoption] in prefetch.h).
+  StateDict load(const std::vector<std::string>& paths, const LoadRequest& request) const;
+  StateDict load(const Checkpoint& checkpoint, const LoadRequest& request) const;
+  // Loads what `prefetch` was started for, adopting what it read; its
+  // headers are not read again. An empty prefetch throws InvalidFileError.
+  StateDict load(Prefetch& prefetch, LoadRequest request = {}) const;
   // Starts a load on a thread of its own and returns at once.
   LoadHandle load_async(std::vector<std::string> paths) const;
+  // load(prefetch) on a thread of its own, which owns the prefetch.
+  LoadHandle load_async(Prefetch prefetch) const;
 
   const std::shared_ptr<Pool>& pool() const noexcept { return pool_; }
   // kStreaming's staging pool (null for other loads).
@@ -141,11 +163,15 @@ class Loader {
   Env* env() const noexcept { return env_; }
   // The NUMA node and CPUs this loader uses; inactive on one-node machines.
   const NumaPlacement& numa_placement() const noexcept { return numa_; }
+  // The name of this loader's reads in an I/O template: "host", or the
+  // target device's name.
+  std::string destination() const;
 
   struct Counters;  // internal: a load's live progress counters
 
  private:
-  StateDict run(const Checkpoint& checkpoint, std::stop_token stop, Counters* counters) const;
+  StateDict run(const Checkpoint& checkpoint, const LoadRequest& request, Counters* counters) const;
+  StateDict adopt(Prefetch& prefetch, LoadRequest request, Counters* counters) const;
 
   LoadOptions options_;
   std::shared_ptr<Pool> pool_;

@@ -1,0 +1,107 @@
+// pinload/io_template.h: the reads of a load, recorded once and replayed as
+// the prefetch plan of later starts.
+//
+// An IoTemplate is plain data: the files a load read, with the identity they
+// had (path, size, mtime, inode, device), and per destination ("host" or a
+// device name such as "cuda:0") the reads it did, in the order they completed.
+// A load records one (LoadRequest::record in loader.h); prefetch() replays one
+// (prefetch.h). A template is never trusted: load_template() checks the file
+// byte by byte and every file's identity, and returns nothing on any doubt.
+//
+// Byte layout of a template file (little-endian; version 1):
+//   magic     8 bytes  "PLTMPL\0\1"
+//   version   u32      kTemplateVersion
+//   payload   u64      byte count of what follows, up to the checksum
+//   files     u32 n, then n times:
+//               u32 path length, path bytes, u32 prefix length, prefix bytes,
+//               u64 size, i64 mtime_ns, u64 inode, u64 device
+//   dests     u32 m, then m times:
+//               u32 name length, name bytes, u64 k, then k times:
+//                 u32 file, u64 offset, u64 length
+//   checksum  u64      FNV-1a 64 of every byte before it
+// Every count is checked against the bytes left before anything is
+// allocated; a file is at most kTemplateMaxFileSize bytes; a read must start
+// inside its file and end at most kTemplateMaxAlign past its end (direct
+// reads round up).
+//
+// Note [Template keys]
+// A template file is named after the paths a service loads (template_path),
+// not after the files' identity: when a file changes, the old template is
+// found, its recorded identity disagrees, and it is ignored with a warning
+// and overwritten by the next recording, instead of piling up stale files.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "pinload/env.h"
+
+namespace pinload {
+
+struct Checkpoint;
+
+inline constexpr std::uint32_t kTemplateVersion = 1;
+inline constexpr std::uint64_t kTemplateMaxAlign = 64u << 10;
+inline constexpr std::uint64_t kTemplateMaxFileSize = 1ull << 62;
+inline constexpr std::string_view kHostDestination = "host";
+
+struct TemplateFile {
+  std::string path;
+  std::string name_prefix;  // "" or "<component>/" (checkpoint.h)
+  std::uint64_t size = 0;
+  std::int64_t mtime_ns = 0;
+  std::uint64_t inode = 0;
+  std::uint64_t device = 0;
+  bool operator==(const TemplateFile&) const = default;
+};
+
+struct TemplateRead {
+  std::uint32_t file = 0;  // index into IoTemplate::files
+  std::uint64_t offset = 0;
+  std::uint64_t length = 0;
+  bool operator==(const TemplateRead&) const = default;
+};
+
+struct TemplateReads {
+  std::string destination;  // "host" or a device name
+  std::vector<TemplateRead> reads;  // in the order they completed
+};
+
+struct IoTemplate {
+  std::vector<TemplateFile> files;
+  std::vector<TemplateReads> destinations;
+
+  // The reads recorded for `destination`, or nullptr.
+  const TemplateReads* find(std::string_view destination) const;
+  // Adds (or replaces) the reads of reads.destination.
+  void set(TemplateReads reads);
+};
+
+// The files of `checkpoint` with their identity, and no reads.
+IoTemplate template_files_of(const Checkpoint& checkpoint);
+
+// The bytes of the layout above.
+std::vector<std::uint8_t> serialize_template(const IoTemplate& t);
+// Parses those bytes. Never throws: nothing, with the reason in *why, for
+// anything but a well-formed template of this version.
+std::optional<IoTemplate> parse_template(std::span<const std::uint8_t> bytes, std::string* why = nullptr);
+
+// $PINLOAD_CACHE_DIR/templates, else $HOME/.cache/pinload/templates.
+std::string default_template_dir();
+// Where the template for loading `paths` lives (Note [Template keys]): `dir`
+// ("" = default_template_dir()) / a hash of the absolute paths ".pltemplate".
+std::string template_path(const std::vector<std::string>& paths, const std::string& dir = "");
+
+// Writes `t` to `file` (creating its folder) through a temporary file and a
+// rename, so readers never see half a template. Throws IoError.
+void save_template(const IoTemplate& t, const std::string& file);
+// The template in `file`, or nothing when there is none (debug log), or when
+// it is corrupt, truncated, of another version, or any of its files changed
+// or vanished (a warning saying why). Never throws. `env` null: the POSIX env.
+std::optional<IoTemplate> load_template(const std::string& file, Env* env = nullptr);
+
+}  // namespace pinload

@@ -1,0 +1,195 @@
+#include "pinload/prefetch.h"
+
+#include <mutex>
+#include <thread>
+#include <unordered_set>
+
+#include "log.h"
+#include "pinload/error.h"
+#include "read_session.h"
+
+namespace pinload {
+
+struct Prefetch::State {
+  explicit State(const Loader& l) : loader(l) {}
+  Loader loader;  // a copy: shares the pools
+  std::vector<std::string> paths;
+  std::optional<IoTemplate> plan;
+  Loader::Counters counters;
+  std::stop_source stop;
+  std::atomic<bool> finished{false};
+  std::atomic<bool> adopted{false};
+  std::mutex mu;  // guards joining `thread`, and `session` once it has joined
+  std::jthread thread;
+  // Written by `thread`; read by others only after it has joined.
+  std::optional<Checkpoint> checkpoint;
+  std::unique_ptr<detail::ReadSession> session;
+
+  ~State() {
+    stop.request_stop();
+    if (thread.joinable()) thread.join();
+  }
+
+  // Requests the stop and joins the readers. Call with `mu` held.
+  void stop_and_join() {
+    stop.request_stop();
+    if (thread.joinable()) thread.join();
+  }
+  void run() noexcept;
+};
+
+namespace {
+
+// The checkpoint a template names, its identity checked again.
+Checkpoint checkpoint_of_template(Env* env, const IoTemplate& plan) {
+  Checkpoint checkpoint;
+  std::unordered_set<std::string> names;
+  for (const TemplateFile& tf : plan.files) {
+    CheckpointFile f = read_checkpoint_file(env, tf.path);
+    if (f.stat.size != tf.size || f.stat.mtime_ns != tf.mtime_ns || f.stat.inode != tf.inode) {
+      throw IoError("file changed since its I/O template was recorded", ErrorContext{tf.path});
+    }
+    f.name_prefix = tf.name_prefix;
+    for (const TensorInfo& t : f.header.tensors) {
+      if (!names.insert(f.name_prefix + t.name).second) {
+        throw InvalidFileError("tensor in two files of an I/O template", ErrorContext{tf.path, t.name});
+      }
+    }
+    checkpoint.files.push_back(std::move(f));
+  }
+  return checkpoint;
+}
+
+// Whether `plan` was recorded for exactly these files.
+bool template_matches(const IoTemplate& plan, const Checkpoint& checkpoint) {
+  return plan.files == template_files_of(checkpoint).files;
+}
+
+}  // namespace
+
+void Prefetch::State::run() noexcept {
+  try {
+    Env* env = loader.env();
+    Checkpoint cp = paths.empty() ? checkpoint_of_template(env, *plan) : open_checkpoint(env, paths, loader.options().resolve);
+    const TemplateReads* replay = nullptr;
+    if (plan) {
+      if (template_matches(*plan, cp)) {
+        replay = plan->find(loader.destination());
+        if (replay == nullptr) log::debug("the I/O template has no reads for {}", loader.destination());
+      } else {
+        log::warn("ignoring an I/O template recorded for other files than {}", paths.empty() ? "its own" : paths[0]);
+      }
+    }
+    checkpoint = cp;
+    if (stop.stop_requested()) {
+      finished = true;
+      return;
+    }
+    session = detail::open_session(env, loader.options(), std::move(cp), loader.staging_pool(), replay, &counters);
+    detail::ReadSession& s = *session;
+    detail::allocate_blocks(s, *loader.pool(), stop.get_token());
+    // Streaming: keep each staging block until the load hands it to a copy.
+    detail::ChunkSink keep;
+    if (s.streaming) keep = [&s](std::size_t i, std::shared_ptr<Block> block, std::size_t) { s.staged[i] = std::move(block); };
+    detail::execute(s, s.pending(), loader.options().threads, stop.get_token(), &counters,
+                    loader.numa_placement().cpus, keep);
+  } catch (const CancelledError&) {
+  } catch (const std::exception& e) {
+    // The adopting load reads what is missing and reports its own error.
+    log::debug("prefetch stopped early: {}", e.what());
+  }
+  finished = true;
+}
+
+Prefetch prefetch(const Loader& loader, std::vector<std::string> paths, const IoTemplate* plan) {
+  auto state = std::make_shared<Prefetch::State>(loader);
+  state->paths = std::move(paths);
+  if (plan != nullptr) state->plan = *plan;
+  try {
+    state->thread = std::jthread([s = state.get()] { s->run(); });
+  } catch (const std::system_error& e) {
+    log::warn("cannot start a prefetch thread: {}", e.what());
+    state->finished = true;
+  }
+  return Prefetch(std::move(state));
+}
+
+Prefetch prefetch(const Loader& loader, const IoTemplate& plan) {
+  auto state = std::make_shared<Prefetch::State>(loader);
+  state->plan = plan;
+  try {
+    state->thread = std::jthread([s = state.get()] { s->run(); });
+  } catch (const std::system_error& e) {
+    log::warn("cannot start a prefetch thread: {}", e.what());
+    state->finished = true;
+  }
+  return Prefetch(std::move(state));
+}
+
+Prefetch::~Prefetch() = default;  // State's destructor stops and joins
+
+void Prefetch::cancel() noexcept {
+  if (!state_) return;
+  state_->stop.request_stop();
+  std::lock_guard lock(state_->mu);
+  state_->stop_and_join();
+  detail::ReadSession* s = state_->session.get();
+  if (s == nullptr || s->streaming) return;
+  // A file's block that no chunk was read into is not needed.
+  std::vector<bool> used(s->files.size(), false);
+  for (std::size_t i = 0; i < s->plan.chunks.size(); ++i) {
+    if (s->chunk_done(i)) used[s->plan.chunks[i].file] = true;
+  }
+  for (std::size_t f = 0; f < s->files.size(); ++f) {
+    if (!used[f]) s->files[f]->block.reset();
+  }
+}
+
+void Prefetch::wait() noexcept {
+  if (!state_) return;
+  std::lock_guard lock(state_->mu);
+  if (state_->thread.joinable()) state_->thread.join();
+}
+
+bool Prefetch::done() const noexcept { return !state_ || state_->finished.load(); }
+
+bool Prefetch::adopted() const noexcept { return state_ && state_->adopted.load(); }
+
+LoadProgress Prefetch::progress() const noexcept {
+  LoadProgress p;
+  if (!state_) return p;
+  p.bytes_done = state_->counters.bytes_done.load(std::memory_order_relaxed);
+  p.bytes_total = state_->counters.bytes_total.load(std::memory_order_relaxed);
+  p.files_direct = state_->counters.files_direct.load(std::memory_order_relaxed);
+  p.files_buffered = state_->counters.files_buffered.load(std::memory_order_relaxed);
+  return p;
+}
+
+const std::vector<std::string>& Prefetch::paths() const noexcept {
+  static const std::vector<std::string> none;
+  return state_ ? state_->paths : none;
+}
+
+std::unique_ptr<detail::ReadSession> Prefetch::take() {
+  if (!state_) return nullptr;
+  state_->stop.request_stop();
+  std::lock_guard lock(state_->mu);
+  state_->stop_and_join();
+  state_->adopted = true;
+  return std::move(state_->session);
+}
+
+bool Prefetch::resolves_like(const ResolveOptions& options) const {
+  return state_ && state_->loader.options().resolve.variant == options.variant;
+}
+
+std::optional<Checkpoint> Prefetch::checkpoint() {
+  if (!state_) return std::nullopt;
+  state_->stop.request_stop();
+  std::lock_guard lock(state_->mu);
+  state_->stop_and_join();
+  if (state_->session) return state_->session->checkpoint;
+  return state_->checkpoint;
+}
+
+}  // namespace pinload

@@ -1,0 +1,321 @@
+#include "read_session.h"
+
+#include <fcntl.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <exception>
+#include <optional>
+#include <thread>
+
+#include "log.h"
+#include "pinload/error.h"
+#include "pinload/numa.h"
+
+namespace pinload::detail {
+
+namespace {
+
+constexpr std::uint32_t kFallbackDirectAlign = 4096;
+constexpr int kResidencySamples = 64;
+
+// Keeps the first error of many workers.
+class FirstError {
+ public:
+  void set(std::exception_ptr e) {
+    std::lock_guard lock(mu_);
+    if (!error_) error_ = std::move(e);
+  }
+  std::exception_ptr get() const {
+    std::lock_guard lock(mu_);
+    return error_;
+  }
+
+ private:
+  mutable std::mutex mu_;
+  std::exception_ptr error_;
+};
+
+// Opens a file for the load and decides direct or buffered (Note [Direct I/O]).
+void open_for_load(Env* env, const CheckpointFile& cf, const LoadOptions& options, OpenFile* f) {
+  f->path = cf.path;
+  f->buffered_fd = open_or_throw(env, cf.path);
+  f->stat = stat_or_throw(env, f->buffered_fd.get(), cf.path);
+  if (f->stat.size != cf.stat.size) {
+    throw IoError("file changed size from " + std::to_string(cf.stat.size) + " to " +
+                  std::to_string(f->stat.size) + " bytes after its header was read",
+                  ErrorContext{cf.path});
+  }
+  if (options.direct == DirectIo::kOff) return;
+  if (options.direct == DirectIo::kAuto) {
+    const double resident = env->resident_fraction(f->buffered_fd.get(), f->stat.size, kResidencySamples);
+    if (resident >= options.resident_threshold) {
+      log::debug("{}: {:.0f}% in page cache, reading buffered", cf.path, resident * 100);
+      return;
+    }
+  }
+  // Reads land at page-aligned places in pool blocks (Note [Direct I/O]).
+  if (f->stat.dio_mem_align > kFallbackDirectAlign) {
+    const std::string why = "O_DIRECT needs " + std::to_string(f->stat.dio_mem_align) +
+                            "-byte aligned memory here; pool blocks are aligned to " +
+                            std::to_string(kFallbackDirectAlign);
+    if (options.direct == DirectIo::kOn) throw IoError(why, ErrorContext{cf.path});
+    log::debug("{}: {}, reading buffered", cf.path, why);
+    return;
+  }
+  const int fd = env->open_read(cf.path, O_DIRECT);
+  if (fd >= 0) {
+    f->direct_fd = ScopedFd(env, fd);
+    f->direct = true;
+  } else if (options.direct == DirectIo::kOn) {
+    throw_os_error("O_DIRECT open refused", -fd, ErrorContext{cf.path});
+  } else {
+    log::debug("{}: O_DIRECT refused at open ({}), reading buffered", cf.path, -fd);
+  }
+}
+
+[[noreturn]] void throw_read_error(const OpenFile& f, std::int64_t rc, std::uint64_t at, std::uint64_t end) {
+  throw_os_error("read failed", static_cast<int>(-rc), ErrorContext{f.path, {}, at, end});
+}
+
+// Executes one chunk: reads [offset, offset + valid) of the file to `dest`.
+void read_chunk(Env* env, OpenFile& f, const FileRead& plan, const ReadChunk& c, DirectIo mode,
+                Loader::Counters* counters, std::byte* dest) {
+  std::uint64_t done = 0;
+  bool direct = f.direct.load(std::memory_order_relaxed);
+  while (done < c.valid) {
+    const std::uint64_t at = c.offset + done;
+    const int fd = direct ? f.direct_fd.get() : f.buffered(env);
+    // Direct reads ask for the whole aligned length; buffered for what is left.
+    const std::uint64_t want = direct ? c.length - done : c.valid - done;
+    const std::int64_t n = env->pread(fd, dest + done, want, at);
+    if (n == -EINTR || n == -EAGAIN) continue;
+    if (n == -EINVAL && direct && mode != DirectIo::kOn) {
+      if (f.direct.exchange(false)) {
+        log::debug("{}: O_DIRECT read refused, reading buffered", f.path);
+        counters->files_direct--;
+        counters->files_buffered++;
+      }
+      direct = false;
+      continue;
+    }
+    if (n < 0) throw_read_error(f, n, at, c.offset + c.valid);
+    if (n == 0) {
+      throw IoError("file ended at byte " + std::to_string(at) + " but was " + std::to_string(plan.file_size) +
+                    " bytes when its header was read (truncated while loading?)",
+                    ErrorContext{f.path, {}, at, c.offset + c.valid});
+    }
+    done += static_cast<std::uint64_t>(n);
+    // A short direct read leaves an unaligned position: finish buffered.
+    if (direct && done < c.valid && done % plan.alignment != 0) direct = false;
+  }
+}
+
+// The chunks of `replay` when they tile every file's aligned range exactly
+// (each byte once, aligned), else nothing: a template is never trusted.
+// Sets ReadChunk::index (the position in its file's sweep) and returns the
+// chunk count per file.
+std::optional<std::vector<ReadChunk>> replay_chunks(const ReadPlan& plan, const TemplateReads& replay,
+                                                    std::vector<std::uint32_t>* chunk_counts) {
+  std::vector<std::vector<std::pair<std::uint64_t, std::uint64_t>>> spans(plan.files.size());
+  std::vector<ReadChunk> chunks;
+  chunks.reserve(replay.reads.size());
+  for (const TemplateRead& r : replay.reads) {
+    if (r.file >= plan.files.size()) return std::nullopt;
+    const FileRead& f = plan.files[r.file];
+    const std::uint64_t align = std::max<std::uint32_t>(f.alignment, 1);
+    if (r.length == 0 || r.offset < f.read_begin || r.offset >= f.file_size || r.offset % align != 0 ||
+        r.length > f.read_end - r.offset || (r.offset + r.length) % align != 0) {
+      return std::nullopt;
+    }
+    spans[r.file].emplace_back(r.offset, r.offset + r.length);
+    ReadChunk c;
+    c.file = r.file;
+    c.offset = r.offset;
+    c.length = r.length;
+    c.valid = std::min(r.offset + r.length, f.file_size) - r.offset;
+    chunks.push_back(c);
+  }
+  for (std::size_t i = 0; i < spans.size(); ++i) {
+    std::sort(spans[i].begin(), spans[i].end());
+    const FileRead& f = plan.files[i];
+    std::uint64_t at = f.read_begin;
+    for (const auto& [begin, end] : spans[i]) {
+      if (begin != at) return std::nullopt;
+      at = end;
+    }
+    const std::uint64_t expected_end = f.file_size > f.read_begin ? f.read_end : f.read_begin;
+    if (at != expected_end) return std::nullopt;
+  }
+  // Tiled: a chunk's index is the rank of its offset in its file.
+  chunk_counts->assign(spans.size(), 0);
+  for (ReadChunk& c : chunks) {
+    const auto& sp = spans[c.file];
+    c.index = static_cast<std::uint32_t>(
+        std::lower_bound(sp.begin(), sp.end(), std::make_pair(c.offset, std::uint64_t{0})) - sp.begin());
+    ++(*chunk_counts)[c.file];
+  }
+  return chunks;
+}
+
+}  // namespace
+
+int OpenFile::buffered(Env* env) {
+  std::lock_guard lock(mu);
+  if (!buffered_fd.valid()) buffered_fd = open_or_throw(env, path);
+  return buffered_fd.get();
+}
+
+std::uint64_t ReadSession::bytes_done() const {
+  std::uint64_t n = 0;
+  for (std::size_t i = 0; i < plan.chunks.size(); ++i) {
+    if (chunk_done(i)) n += plan.chunks[i].valid;
+  }
+  return n;
+}
+
+std::vector<std::size_t> ReadSession::pending() const {
+  std::vector<std::size_t> out;
+  for (std::size_t i = 0; i < plan.chunks.size(); ++i) {
+    if (!chunk_done(i)) out.push_back(i);
+  }
+  return out;
+}
+
+TemplateReads ReadSession::completed_reads(std::string destination) {
+  TemplateReads out{std::move(destination), {}};
+  std::lock_guard lock(completed_mu);
+  out.reads.reserve(completed.size());
+  for (std::uint32_t i : completed) {
+    const ReadChunk& c = plan.chunks[i];
+    out.reads.push_back(TemplateRead{c.file, c.offset, c.length});
+  }
+  return out;
+}
+
+std::unique_ptr<ReadSession> open_session(Env* env, const LoadOptions& options, Checkpoint checkpoint,
+                                          std::shared_ptr<Pool> staging_pool, const TemplateReads* replay,
+                                          Loader::Counters* counters) {
+  auto s = std::make_unique<ReadSession>();
+  s->env = env;
+  s->direct_mode = options.direct;
+  s->checkpoint = std::move(checkpoint);
+  s->streaming = staging_pool != nullptr;
+  s->staging_pool = std::move(staging_pool);
+  const std::size_t n = s->checkpoint.files.size();
+  std::vector<FileRead> reads;
+  s->files.reserve(n);
+  reads.reserve(n);
+  for (const CheckpointFile& cf : s->checkpoint.files) {
+    auto f = std::make_unique<OpenFile>();
+    open_for_load(env, cf, options, f.get());
+    FileRead r;
+    r.path = cf.path;
+    r.file_size = cf.stat.size;
+    r.data_offset = cf.header.data_offset();
+    r.direct = f->direct;
+    // Buffered reads use the same aligned ranges, so a file takes the same
+    // block (size class) whether it was read direct or through the cache.
+    r.alignment = std::max(f->stat.dio_offset_align, kFallbackDirectAlign);
+    (f->direct ? counters->files_direct : counters->files_buffered)++;
+    reads.push_back(std::move(r));
+    s->files.push_back(std::move(f));
+  }
+  s->plan = make_read_plan(std::move(reads), PlanOptions{options.block_size, options.files_in_flight});
+  if (replay != nullptr) {
+    std::vector<std::uint32_t> counts;
+    if (auto chunks = replay_chunks(s->plan, *replay, &counts)) {
+      s->plan.chunks = std::move(*chunks);
+      for (std::size_t i = 0; i < counts.size(); ++i) s->plan.files[i].chunk_count = counts[i];
+    } else {
+      log::warn("the I/O template's reads for \"{}\" do not tile the checkpoint's files; using the default plan",
+                replay->destination);
+    }
+  }
+  counters->bytes_total = s->plan.total_bytes;
+  s->done = std::make_unique<std::atomic<bool>[]>(s->plan.chunks.size());
+  if (s->streaming) s->staged.resize(s->plan.chunks.size());
+  return s;
+}
+
+void allocate_blocks(ReadSession& s, Pool& pool, std::stop_token stop) {
+  if (s.streaming) return;
+  // A load holds its blocks until it ends, so one that cannot fit the budget
+  // fails now instead of waiting for memory only it could free.
+  if (const std::uint64_t capacity = pool.options().capacity_bytes; capacity != 0) {
+    std::uint64_t need = 0;
+    for (const FileRead& r : s.plan.files) need += Pool::size_class(std::max<std::uint64_t>(r.block_bytes(), 1));
+    if (need > capacity) {
+      throw OutOfMemoryError("checkpoint needs " + std::to_string(need) + " bytes of pool memory; the pool budget is " +
+                             std::to_string(capacity) + " bytes");
+    }
+  }
+  for (std::size_t i = 0; i < s.files.size(); ++i) {
+    if (!s.files[i]->block) s.files[i]->block = pool.allocate(s.plan.files[i].block_bytes(), stop);
+  }
+}
+
+void execute(ReadSession& s, const std::vector<std::size_t>& todo, unsigned threads, std::stop_token stop,
+             Loader::Counters* counters, const std::vector<int>& cpus, const ChunkSink& sink) {
+  std::atomic<std::size_t> next{0};
+  std::stop_source abort;  // the first error, or the caller's stop, ends every worker
+  std::stop_callback forward_stop(stop, [&] { abort.request_stop(); });
+  FirstError first_error;
+  auto worker = [&] {
+    try {
+      const ThreadAffinityScope near_pool(s.env, cpus);  // Note [NUMA placement]
+      for (;;) {
+        if (abort.stop_requested()) return;
+        const std::size_t k = next.fetch_add(1, std::memory_order_relaxed);
+        if (k >= todo.size()) return;
+        const std::size_t i = todo[k];
+        const ReadChunk& c = s.plan.chunks[i];
+        const FileRead& r = s.plan.files[c.file];
+        OpenFile& f = *s.files[c.file];
+        // Streaming reads into a staging block of the chunk's own; the
+        // others into the file's block.
+        std::shared_ptr<Block> dest = s.streaming ? s.staging_pool->allocate(c.length, abort.get_token()) : f.block;
+        const std::size_t dest_offset = s.streaming ? 0 : c.offset - r.read_begin;
+        read_chunk(s.env, f, r, c, s.direct_mode, counters, dest->data() + dest_offset);
+        counters->bytes_done.fetch_add(c.valid, std::memory_order_relaxed);
+        {
+          std::lock_guard lock(s.completed_mu);
+          s.completed.push_back(static_cast<std::uint32_t>(i));
+        }
+        s.done[i].store(true, std::memory_order_release);
+        if (sink) sink(i, std::move(dest), dest_offset);
+      }
+    } catch (...) {
+      first_error.set(std::current_exception());
+      abort.request_stop();
+    }
+  };
+  const std::size_t thread_count = std::min<std::size_t>(std::max(threads, 1u), std::max<std::size_t>(todo.size(), 1));
+  {
+    std::vector<std::jthread> workers;
+    workers.reserve(thread_count);
+    try {
+      for (std::size_t t = 1; t < thread_count; ++t) workers.emplace_back(worker);
+    } catch (const std::system_error& e) {
+      abort.request_stop();  // joins the ones that started, then reports
+      first_error.set(std::make_exception_ptr(IoError(std::string("cannot start reader thread: ") + e.what())));
+    }
+    worker();  // the calling thread works too
+  }
+  if (auto e = first_error.get()) std::rethrow_exception(e);
+}
+
+bool same_files(const Checkpoint& a, const Checkpoint& b) {
+  if (a.files.size() != b.files.size()) return false;
+  for (std::size_t i = 0; i < a.files.size(); ++i) {
+    const CheckpointFile& x = a.files[i];
+    const CheckpointFile& y = b.files[i];
+    if (x.path != y.path || x.name_prefix != y.name_prefix || x.stat.size != y.stat.size ||
+        x.stat.mtime_ns != y.stat.mtime_ns || x.stat.inode != y.stat.inode) {
+      return false;
+    }
+  }
+  return true;
+}
+
+}  // namespace pinload::detail

@@ -1,0 +1,117 @@
+// Internal: one checkpoint being read, shared by a prefetch and the load that
+// adopts it (Note [Prefetch and adoption] in prefetch.h).
+//
+// A session holds the open files, the plan, the destination memory (one block
+// per file, or in streaming mode one staging block per chunk) and which chunks
+// are done. execute() is the one chunk executor: Loader::load and prefetch()
+// both run it, so there is a single reader.
+//
+// Thread safety: execute() may run on one session from one caller at a time;
+// its workers share the session through atomics. Everything else is called
+// with no execute() running.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <stop_token>
+#include <string>
+#include <vector>
+
+#include "pinload/checkpoint.h"
+#include "pinload/io_template.h"
+#include "pinload/loader.h"
+#include "pinload/pool.h"
+#include "pinload/read_plan.h"
+
+namespace pinload {
+
+namespace detail {
+class ReadyQueue;  // loader.cc: tensors handed out as they arrive (Note [Ready tensors])
+}
+
+struct Loader::Counters {
+  std::atomic<std::uint64_t> bytes_done{0};
+  std::atomic<std::uint64_t> bytes_total{0};
+  std::atomic<std::uint64_t> files_direct{0};
+  std::atomic<std::uint64_t> files_buffered{0};
+  std::atomic<std::uint64_t> bytes_copied{0};
+  detail::ReadyQueue* ready = nullptr;  // set by load_async
+};
+
+namespace detail {
+
+// One file during a load: its descriptors and its block.
+struct OpenFile {
+  std::string path;
+  FileStat stat;
+  ScopedFd direct_fd;
+  ScopedFd buffered_fd;
+  std::atomic<bool> direct{false};
+  std::mutex mu;  // guards opening buffered_fd
+  std::shared_ptr<Block> block;                 // host and kCached loads
+  std::shared_ptr<DeviceBuffer> device_buffer;  // device loads: the data section
+
+  // The descriptor for buffered reads, opened on first use.
+  int buffered(Env* env);
+};
+
+struct ReadSession {
+  Env* env = nullptr;
+  DirectIo direct_mode = DirectIo::kAuto;
+  Checkpoint checkpoint;
+  std::vector<std::unique_ptr<OpenFile>> files;
+  ReadPlan plan;
+  bool streaming = false;  // each chunk into a staging block instead of its file's block
+  std::shared_ptr<Pool> staging_pool;
+  // Streaming only: chunks read but not yet handed to a copy (prefetched).
+  std::vector<std::shared_ptr<Block>> staged;
+  std::unique_ptr<std::atomic<bool>[]> done;  // per chunk
+
+  // Chunk indices in the order their reads completed (for IoTemplate).
+  std::mutex completed_mu;
+  std::vector<std::uint32_t> completed;
+
+  bool chunk_done(std::size_t i) const { return done[i].load(std::memory_order_acquire); }
+  // Bytes of the chunks done.
+  std::uint64_t bytes_done() const;
+  // The chunks not done, in plan order.
+  std::vector<std::size_t> pending() const;
+  // The reads that completed, in order, as a template destination.
+  TemplateReads completed_reads(std::string destination);
+};
+
+// Opens every file of `checkpoint`, plans its reads (replaying `replay` when
+// it tiles the files exactly, else make_read_plan) and counts direct and
+// buffered files in *counters. No memory is allocated. Throws pinload::Error.
+std::unique_ptr<ReadSession> open_session(Env* env, const LoadOptions& options, Checkpoint checkpoint,
+                                          std::shared_ptr<Pool> staging_pool, const TemplateReads* replay,
+                                          Loader::Counters* counters);
+
+// Gives every file without one its block from `pool` (not in streaming
+// mode). A session whose blocks cannot fit the pool's budget together fails
+// at once with OutOfMemoryError.
+void allocate_blocks(ReadSession& s, Pool& pool, std::stop_token stop);
+
+// Called after each chunk is read: (chunk index, the block holding it, the
+// chunk's offset in that block). In streaming mode the block is the chunk's
+// own staging block, which the callee takes.
+using ChunkSink = std::function<void(std::size_t, std::shared_ptr<Block>, std::size_t)>;
+
+// Reads the chunks `todo` (indices into s.plan.chunks, in claim order) with
+// `threads` workers, the calling thread being one of them. Each chunk is
+// marked done and recorded, then handed to `sink`. Workers run on `cpus`
+// (Note [NUMA placement] in numa.h; empty: anywhere). Once `stop` is requested
+// no new chunk starts; reads in flight finish. Returns after every worker
+// has joined; throws the first error (a CancelledError when the stop ended a
+// wait for staging memory).
+void execute(ReadSession& s, const std::vector<std::size_t>& todo, unsigned threads, std::stop_token stop,
+             Loader::Counters* counters, const std::vector<int>& cpus, const ChunkSink& sink);
+
+// Whether `checkpoint` names the same files as the session, in the same order.
+bool same_files(const Checkpoint& a, const Checkpoint& b);
+
+}  // namespace detail
+}  // namespace pinload
