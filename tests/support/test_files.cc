@@ -94,14 +94,14 @@ std::vector<std::uint8_t> read_file(const std::string& path) {
 }
 
 FileImage write_random_checkpoint(const std::string& path, std::mt19937_64& rng, int count,
-                                  std::uint64_t max_elements) {
+                                  std::uint64_t max_elements, const std::string& name_prefix) {
   static const char* kDtypes[] = {"BOOL", "U8", "I8", "I16", "U16", "I32", "U32", "I64", "U64", "F16", "BF16",
                                   "F32", "F64", "C64", "F8_E4M3", "F8_E5M2", "F8_E8M0", "F8_E4M3FNUZ",
                                   "F8_E5M2FNUZ", "F4", "F6_E2M3", "F6_E3M2"};
   std::vector<TensorSpec> specs;
   for (int i = 0; i < count; ++i) {
     TensorSpec t;
-    t.name = "layer." + std::to_string(i) + ".weight";
+    t.name = name_prefix + std::to_string(i) + ".weight";
     t.dtype = kDtypes[rng() % std::size(kDtypes)];
     const int rank = static_cast<int>(rng() % 4);
     std::uint64_t numel = 1;

@@ -55,9 +55,9 @@ void write_file(const std::string& path, const std::vector<std::uint8_t>& bytes)
 std::vector<std::uint8_t> read_file(const std::string& path);
 
 // A random checkpoint of `count` tensors with random dtypes and shapes,
-// written to `path`; returns its image.
+// written to `path`; returns its image. Names are name_prefix + "<i>.weight".
 FileImage write_random_checkpoint(const std::string& path, std::mt19937_64& rng, int count,
-                                  std::uint64_t max_elements = 4096);
+                                  std::uint64_t max_elements = 4096, const std::string& name_prefix = "layer.");
 
 // Number of open file descriptors of this process (/proc/self/fd).
 int open_fd_count();
