@@ -55,6 +55,7 @@ __all__ = [
     "patch_diffusers",
     "patch_transformers",
     "pool_stats",
+    "prefetch",
     "safe_open",
     "trim_pool",
 ]
@@ -117,6 +118,40 @@ def pool_stats(device="cpu") -> dict:
 def trim_pool(device="cpu") -> None:
     """Returns the idle memory of ``device``'s pool to the OS (blocks in use stay)."""
     _core.trim_pool(_device_key(device))
+
+
+def prefetch(paths, device="cpu", **options) -> "_core.Prefetch":
+    """Starts reading ``paths`` (files, indexes, folders, as ``load_files`` takes them) in the
+    background and returns at once, before torch or the framework is even imported.
+
+    A later ``pinload.torch.load_file``/``load_files``/``iter_tensors`` of the same paths and device
+    with ``prefetch=handle`` adopts it: what was read is not read again, and blocks are handed over.
+    The handle has ``done()``, ``wait(timeout)``, ``cancel()`` (stops promptly; what was read stays
+    adoptable), ``progress()`` and ``adopted``. Dropping it stops it and frees its memory. Options as
+    for the loads (``threads``, ``block_size``, ``direct``, ``staging_bytes``, ...).
+    """
+    import os
+
+    from ._options import _Options
+
+    if isinstance(paths, (str, bytes, os.PathLike)):
+        paths = [paths]
+    names = [os.fsdecode(os.fspath(p)) for p in paths]
+    if not names:
+        raise ValueError("no path given")
+    o = _Options(**options)
+    return _core.prefetch(
+        [os.fsencode(p) for p in names],
+        _device_key(device),
+        threads=o.threads,
+        block_size=o.block_size,
+        direct=o.direct,
+        files_in_flight=o.files_in_flight,
+        streams=o.streams,
+        chunk_bytes=o.chunk_bytes,
+        staging_bytes=o.staging_bytes,
+        variant=o.variant,
+    )
 
 
 def cuda_available() -> tuple[bool, str]:

@@ -60,6 +60,20 @@ class LoadHandle:
     @property
     def device(self) -> str: ...
 
+class Prefetch:
+    """Reads started before the load that adopts them; dropping it stops it and frees its memory."""
+
+    def done(self) -> bool: ...
+    def cancel(self) -> None: ...
+    def progress(self) -> Dict[str, int]: ...
+    def wait(self, timeout: Optional[float] = None) -> bool: ...
+    @property
+    def adopted(self) -> bool: ...
+    @property
+    def device(self) -> str: ...
+    @property
+    def paths(self) -> List[str]: ...
+
 def load_async(
     paths: Sequence[Union[bytes, str]],
     device: str = "cpu",
@@ -71,7 +85,20 @@ def load_async(
     chunk_bytes: int = ...,
     staging_bytes: Optional[int] = None,
     variant: str = "",
+    prefetch: Optional[Prefetch] = None,
 ) -> LoadHandle: ...
+def prefetch(
+    paths: Sequence[Union[bytes, str]],
+    device: str = "cpu",
+    threads: int = ...,
+    block_size: int = ...,
+    direct: str = "auto",
+    files_in_flight: int = 2,
+    streams: int = ...,
+    chunk_bytes: int = ...,
+    staging_bytes: Optional[int] = None,
+    variant: str = "",
+) -> Prefetch: ...
 class ModelCache:
     """Host copies of recently used checkpoints in the shared pool of `pool_device`, LRU under
     `budget_bytes` (include/pinload/model_cache.h)."""

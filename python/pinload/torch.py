@@ -14,7 +14,9 @@ Options accepted by every load (keyword-only):
 - ``files_in_flight`` (2): shards read at once; ``variant``: "fp16" loads ``*.fp16.safetensors``;
 - ``streams`` (2), ``chunk_bytes`` (8 MiB): host-to-device copy streams and chunk size;
 - ``staging_bytes``: streaming mode for device loads (host memory capped at this many bytes);
-- ``progress`` (False): a progress bar on stderr when the load takes over a second on a terminal.
+- ``progress`` (False): a progress bar on stderr when the load takes over a second on a terminal;
+- ``prefetch``: a ``pinload.prefetch(...)`` handle of the same paths and device, adopted: what it
+  has read is not read again (the prefetch's own options then apply).
 """
 
 from __future__ import annotations
@@ -102,67 +104,7 @@ def _torch_dtype(dtype: str, tensor: str, file: Optional[str]) -> torch.dtype:
 
 # ---- options ----
 
-_SIZE_UNITS = {"": 1, "K": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MIB": 1 << 20, "G": 1 << 30, "GIB": 1 << 30}
-
-
-def _size(value: Union[int, str], what: str) -> int:
-    if isinstance(value, bool):
-        raise TypeError(f"{what} must be an int or a size such as '2M', not {value!r}")
-    if isinstance(value, int):
-        if value < 0:
-            raise ValueError(f"{what} must be >= 0, not {value}")
-        return value
-    if isinstance(value, str):
-        text = value.strip()
-        digits = len(text) - len(text.lstrip("0123456789"))
-        unit = text[digits:].strip().upper()
-        if digits and unit in _SIZE_UNITS:
-            return int(text[:digits]) * _SIZE_UNITS[unit]
-        raise ValueError(f"{what}: not a size: {value!r} (use bytes or K, M, G)")
-    raise TypeError(f"{what} must be an int or a size such as '2M', not {type(value).__name__}")
-
-
-class _Options:
-    """Load options, checked once."""
-
-    __slots__ = ("threads", "block_size", "direct", "files_in_flight", "streams", "chunk_bytes",
-                 "staging_bytes", "variant", "progress")
-
-    def __init__(
-        self,
-        threads: int = _core.DEFAULT_THREADS,
-        block_size: Union[int, str] = _core.DEFAULT_BLOCK_SIZE,
-        direct: str = "auto",
-        files_in_flight: int = 2,
-        streams: int = _core.DEFAULT_STREAMS,
-        chunk_bytes: Union[int, str] = _core.DEFAULT_CHUNK_BYTES,
-        staging_bytes: Union[int, str, None] = None,
-        variant: Optional[str] = None,
-        progress: bool = False,
-    ):
-        if not isinstance(threads, int) or not 1 <= threads <= 1024:
-            raise ValueError(f"threads must be 1..1024, not {threads!r}")
-        self.threads = threads
-        self.block_size = _size(block_size, "block_size")
-        if not (4096 <= self.block_size <= 1 << 30):
-            raise ValueError(f"block_size must be 4 KiB..1 GiB, not {block_size!r}")
-        if direct is True or direct is False:
-            direct = "on" if direct else "off"
-        if direct not in ("auto", "on", "off"):
-            raise ValueError(f"direct must be 'auto', 'on' or 'off', not {direct!r}")
-        self.direct = direct
-        if not isinstance(files_in_flight, int) or files_in_flight < 1:
-            raise ValueError(f"files_in_flight must be >= 1, not {files_in_flight!r}")
-        self.files_in_flight = files_in_flight
-        if not isinstance(streams, int) or not 1 <= streams <= 64:
-            raise ValueError(f"streams must be 1..64, not {streams!r}")
-        self.streams = streams
-        self.chunk_bytes = _size(chunk_bytes, "chunk_bytes")
-        if self.chunk_bytes == 0:
-            raise ValueError("chunk_bytes must be > 0")
-        self.staging_bytes = None if staging_bytes is None else _size(staging_bytes, "staging_bytes")
-        self.variant = variant or ""
-        self.progress = bool(progress)
+from ._options import _SIZE_UNITS, _Options, _size  # noqa: E402,F401  (hooks import _Options from here)
 
 
 # ---- devices ----
@@ -311,6 +253,7 @@ def _start(paths: List[str], spec: str, options: _Options) -> "_core.LoadHandle"
         chunk_bytes=options.chunk_bytes,
         staging_bytes=options.staging_bytes,
         variant=options.variant,
+        prefetch=options.prefetch,
     )
 
 

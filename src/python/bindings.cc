@@ -49,6 +49,7 @@
 #include "pinload/error.h"
 #include "pinload/loader.h"
 #include "pinload/model_cache.h"
+#include "pinload/prefetch.h"
 #include "pinload/pool.h"
 #include "pinload/state_dict.h"
 
@@ -471,10 +472,83 @@ DirectIo parse_direct(const std::string& direct) {
   throw InvalidFileError("direct must be 'auto', 'on' or 'off', not '" + direct + "'");
 }
 
-std::unique_ptr<PyLoadHandle> load_async(const std::vector<std::string>& paths, const std::string& device_spec, unsigned threads,
-                         std::size_t block_size, const std::string& direct, std::size_t files_in_flight,
-                         std::size_t streams, std::size_t chunk_bytes, std::optional<std::uint64_t> staging_bytes,
-                         const std::string& variant) {
+// A prefetch in flight (pinload.prefetch). Dropping it stops it and frees what it read.
+class PyPrefetch {
+ public:
+  PyPrefetch(Prefetch prefetch, Loader loader, Placement placement, std::vector<std::string> paths)
+      : prefetch_(std::make_unique<Prefetch>(std::move(prefetch))), loader_(std::move(loader)),
+        placement_(std::move(placement)), paths_(std::move(paths)) {}
+  PyPrefetch(const PyPrefetch&) = delete;
+  PyPrefetch& operator=(const PyPrefetch&) = delete;
+  // Stopping joins reader threads that never need the GIL.
+  ~PyPrefetch() {
+#if PY_VERSION_HEX >= 0x030D0000
+    const bool finalizing = Py_IsFinalizing();
+#else
+    const bool finalizing = _Py_IsFinalizing();
+#endif
+    if (!finalizing && PyGILState_Check()) {
+      py::gil_scoped_release release;
+      prefetch_.reset();
+    } else {
+      prefetch_.reset();
+    }
+  }
+
+  bool done() const { return !prefetch_ || prefetch_->done(); }
+  bool adopted() const { return !prefetch_; }
+  void cancel() {
+    if (!prefetch_) return;
+    py::gil_scoped_release release;
+    prefetch_->cancel();
+  }
+  py::dict progress() const {
+    const LoadProgress p = prefetch_ ? prefetch_->progress() : last_;
+    py::dict d;
+    d["bytes_done"] = p.bytes_done;
+    d["bytes_total"] = p.bytes_total;
+    d["files_direct"] = p.files_direct;
+    d["files_buffered"] = p.files_buffered;
+    return d;
+  }
+  // Waits up to `timeout` seconds (None: until done) without the GIL.
+  bool wait(std::optional<double> timeout) {
+    if (!prefetch_) return true;
+    py::gil_scoped_release release;
+    const auto end = std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                                           std::chrono::duration<double>(timeout.value_or(0)));
+    while (!prefetch_->done()) {
+      if (timeout && std::chrono::steady_clock::now() >= end) return false;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    return true;
+  }
+  // Whether a load of `paths` to `placement` can adopt this prefetch.
+  bool matches(const std::vector<std::string>& paths, const Placement& placement) const {
+    return prefetch_ && paths == paths_ && placement.device == placement_.device;
+  }
+  // Starts the load that adopts it; the prefetch is consumed.
+  LoadHandle adopt() {
+    last_ = prefetch_->progress();
+    std::unique_ptr<Prefetch> p = std::move(prefetch_);
+    return loader_.load_async(std::move(*p));
+  }
+  const Placement& placement() const { return placement_; }
+  const std::vector<std::string>& paths() const { return paths_; }
+
+ private:
+  std::unique_ptr<Prefetch> prefetch_;
+  Loader loader_;
+  Placement placement_;
+  std::vector<std::string> paths_;
+  LoadProgress last_;
+};
+
+// The loader of a load or prefetch with these options, on the device's shared pool.
+Loader make_loader(const std::vector<std::string>& paths, const std::string& device_spec, unsigned threads,
+                   std::size_t block_size, const std::string& direct, std::size_t files_in_flight, std::size_t streams,
+                   std::size_t chunk_bytes, std::optional<std::uint64_t> staging_bytes, const std::string& variant,
+                   Placement* placement) {
   if (paths.empty()) throw InvalidFileError("no path given");
   if (threads == 0 || threads > 1024) throw InvalidFileError("threads must be 1..1024");
   if (block_size < 4096 || block_size > (std::size_t{1} << 30)) throw InvalidFileError("block_size must be 4 KiB..1 GiB");
@@ -487,20 +561,29 @@ std::unique_ptr<PyLoadHandle> load_async(const std::vector<std::string>& paths, 
   options.direct = parse_direct(direct);
   options.files_in_flight = files_in_flight;
   options.resolve.variant = variant;
+  Device* device = device_for(device_spec, placement);
+  if (staging_bytes && device == nullptr) throw InvalidFileError("staging_bytes (streaming mode) needs a device");
+  options.target.device = device;
+  options.target.copy.streams = streams;
+  options.target.copy.chunk_bytes = chunk_bytes;
+  if (staging_bytes) {
+    options.target.mode = DeviceMode::kStreaming;
+    options.target.staging_bytes = *staging_bytes;
+  }
+  return Loader(options, pool_for(device_spec));
+}
+
+std::unique_ptr<PyLoadHandle> load_async(const std::vector<std::string>& paths, const std::string& device_spec, unsigned threads,
+                         std::size_t block_size, const std::string& direct, std::size_t files_in_flight,
+                         std::size_t streams, std::size_t chunk_bytes, std::optional<std::uint64_t> staging_bytes,
+                         const std::string& variant, PyPrefetch* prefetch) {
   Placement placement;
-  std::shared_ptr<Pool> pool;
   LoadHandle handle = [&] {
     py::gil_scoped_release release;
-    Device* device = device_for(device_spec, &placement);
-    if (staging_bytes && device == nullptr) throw InvalidFileError("staging_bytes (streaming mode) needs a device");
-    options.target.device = device;
-    options.target.copy.streams = streams;
-    options.target.copy.chunk_bytes = chunk_bytes;
-    if (staging_bytes) {
-      options.target.mode = DeviceMode::kStreaming;
-      options.target.staging_bytes = *staging_bytes;
-    }
-    Loader loader(options, pool_for(device_spec));
+    Loader loader = make_loader(paths, device_spec, threads, block_size, direct, files_in_flight, streams, chunk_bytes,
+                                staging_bytes, variant, &placement);
+    // The prefetch's own loader, so that its blocks and budget are the ones adopted.
+    if (prefetch != nullptr && prefetch->matches(paths, placement)) return prefetch->adopt();
     return loader.load_async(paths);  // the load's thread holds what it needs
   }();
   return std::make_unique<PyLoadHandle>(std::move(handle), std::move(placement));
@@ -584,6 +667,17 @@ class PyModelCache {
  private:
   std::unique_ptr<ModelCache> cache_;
 };
+std::unique_ptr<PyPrefetch> start_prefetch(const std::vector<std::string>& paths, const std::string& device_spec,
+                                           unsigned threads, std::size_t block_size, const std::string& direct,
+                                           std::size_t files_in_flight, std::size_t streams, std::size_t chunk_bytes,
+                                           std::optional<std::uint64_t> staging_bytes, const std::string& variant) {
+  Placement placement;
+  py::gil_scoped_release release;
+  Loader loader = make_loader(paths, device_spec, threads, block_size, direct, files_in_flight, streams, chunk_bytes,
+                              staging_bytes, variant, &placement);
+  Prefetch p = prefetch(loader, paths);
+  return std::make_unique<PyPrefetch>(std::move(p), std::move(loader), std::move(placement), paths);
+}
 
 py::dict read_header(const std::string& path) {
   CheckpointFile file;
@@ -655,13 +749,36 @@ PYBIND11_MODULE(_core, m) {
            "None once every tensor has been handed out. Raises the load's error.")
       .def_property_readonly("device", [](const PyLoadHandle& h) { return h.placement().device; });
 
+  py::class_<PyPrefetch>(m, "Prefetch",
+                         "Reads started before the load that adopts them. Dropping it stops it and frees its memory.")
+      .def("done", &PyPrefetch::done, "True once the readers have finished (all read, cancelled, failed or adopted).")
+      .def("cancel", &PyPrefetch::cancel,
+           "Stops the readers promptly and waits for them; what was read stays for a load to adopt.")
+      .def("progress", &PyPrefetch::progress, "dict: bytes_done, bytes_total, files_direct, files_buffered.")
+      .def("wait", &PyPrefetch::wait, py::arg("timeout") = py::none(),
+           "Waits up to timeout seconds (None: until done), without the GIL; True once done.")
+      .def_property_readonly("adopted", &PyPrefetch::adopted, "True once a load has taken it over.")
+      .def_property_readonly("device", [](const PyPrefetch& p) { return p.placement().device; })
+      .def_property_readonly("paths", [](const PyPrefetch& p) {
+        py::list out;
+        for (const std::string& path : p.paths()) out.append(decode(path));
+        return out;
+      });
+
   m.def("load_async", &load_async, py::arg("paths"), py::arg("device") = "cpu",
         py::arg("threads") = kDefaultThreads, py::arg("block_size") = kDefaultBlockSize, py::arg("direct") = "auto",
         py::arg("files_in_flight") = 2, py::arg("streams") = kDefaultCopyStreams,
         py::arg("chunk_bytes") = kDefaultCopyChunkBytes, py::arg("staging_bytes") = py::none(),
-        py::arg("variant") = "",
+        py::arg("variant") = "", py::arg("prefetch") = nullptr,
         "Starts loading `paths` (bytes: files, indexes, folders) to `device` ('cpu', 'sim', 'cuda', 'cuda:N') "
-        "on the device's shared pool; returns a LoadHandle at once.");
+        "on the device's shared pool; returns a LoadHandle at once. A `prefetch` of the same paths and device "
+        "is adopted: what it read is not read again (its own options then apply).");
+  m.def("prefetch", &start_prefetch, py::arg("paths"), py::arg("device") = "cpu",
+        py::arg("threads") = kDefaultThreads, py::arg("block_size") = kDefaultBlockSize, py::arg("direct") = "auto",
+        py::arg("files_in_flight") = 2, py::arg("streams") = kDefaultCopyStreams,
+        py::arg("chunk_bytes") = kDefaultCopyChunkBytes, py::arg("staging_bytes") = py::none(),
+        py::arg("variant") = "",
+        "Starts reading `paths` for a later load to `device` in the background; returns a Prefetch at once.");
   py::class_<PyModelCache>(m, "ModelCache",
                            "Host copies of recently used checkpoints in a shared pinned pool, LRU under a budget "
                            "(include/pinload/model_cache.h).")
