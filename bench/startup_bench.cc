@@ -6,9 +6,9 @@
 //   template     load_template + prefetch(template), init, load adopting it
 // plus the cold load alone (T = 0): plain, through a prefetch of the paths
 // (load_prefetched), and through a prefetch of the template. Every run
-// starts with the page cache dropped (--cold, needs root) and a fresh pool,
-// as a new process would. Each scenario runs --repeat times, interleaved;
-// best and median are printed.
+// starts with the page cache dropped (unless --no-cold; needs root) and a fresh
+// pool, as a new process would. Each scenario runs --repeat times, interleaved
+// and rotated; best and median are printed.
 //
 //   startup-bench [--init 1.0] [--busy] [--repeat 3] [--threads 8] [--no-cold]
 //                 [--template-dir DIR] PATH...
@@ -139,7 +139,10 @@ int main(int argc, char** argv) {
                                                 "sequential", "prefetch", "template"};
     std::map<std::string, std::vector<double>> times;
     for (int r = 0; r < a.repeat; ++r) {
-      for (const std::string& name : scenarios) {
+      // Rotated each round, so that no scenario always runs first.
+      std::vector<std::string> order = scenarios;
+      std::rotate(order.begin(), order.begin() + r % order.size(), order.end());
+      for (const std::string& name : order) {
         if (a.cold) drop_page_cache();
         const bool init = name == "sequential" || name == "prefetch" || name == "template";
         const bool with_template = name == "load_template" || name == "template";
