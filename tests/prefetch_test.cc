@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstring>
 #include <chrono>
+#include <condition_variable>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -54,6 +55,14 @@ class CountingEnv : public EnvWrapper {
     return EnvWrapper::close(fd);
   }
   std::int64_t pread(int fd, void* buffer, std::size_t bytes, std::uint64_t offset) override {
+    {
+      std::unique_lock lock(gate_mu_);
+      if (!gate_open_ && started_++ >= gate_after_) {
+        ++gated_;
+        gate_cv_.notify_all();
+        gate_cv_.wait_for(lock, kGateTimeout, [&] { return gate_open_; });
+      }
+    }
     const std::int64_t n = EnvWrapper::pread(fd, buffer, bytes, offset);
     if (n > 0) {
       std::lock_guard lock(mu_);
@@ -72,7 +81,34 @@ class CountingEnv : public EnvWrapper {
     return reads_.size();
   }
 
+  // Reads after the first `n` wait at a gate until open_gate(), or for
+  // kGateTimeout each. A prefetch stopped meanwhile finishes the reads it has
+  // in flight and starts no more, so it stays partial however the threads
+  // are scheduled.
+  void close_gate_after(std::uint64_t n) {
+    std::lock_guard lock(gate_mu_);
+    gate_after_ = n;
+    gate_open_ = false;
+  }
+  void open_gate() {
+    std::lock_guard lock(gate_mu_);
+    gate_open_ = true;
+    gate_cv_.notify_all();
+  }
+  // Waits until a read has reached the closed gate; false after 10 s.
+  bool wait_gated() {
+    std::unique_lock lock(gate_mu_);
+    return gate_cv_.wait_for(lock, std::chrono::seconds(10), [&] { return gated_ > 0; });
+  }
+
  private:
+  static constexpr std::chrono::milliseconds kGateTimeout{20};
+  std::mutex gate_mu_;
+  std::condition_variable gate_cv_;
+  bool gate_open_ = true;
+  std::uint64_t gate_after_ = 0;
+  std::uint64_t started_ = 0;
+  std::uint64_t gated_ = 0;
   mutable std::mutex mu_;
   std::map<int, std::string> paths_;
   std::vector<Read> reads_;
@@ -191,10 +227,18 @@ TEST_F(PrefetchTest, FullPrefetchThenLoadReadsNothingAndHandsBlocksOver) {
   EXPECT_EQ(rig.env.sorted_reads(), plain_load_reads());
 }
 
+// Two header reads per file come first.
+constexpr std::uint64_t kHeaderReads = 4;
+
 TEST_F(PrefetchTest, AdoptAfterAPartialPrefetchReadsEachByteOnce) {
-  Rig rig(Faults{.read_delay_us = 300});
+  Rig rig;
+  rig.env.close_gate_after(kHeaderReads + 10);
   Prefetch p = prefetch(rig.loader, models().paths());
-  wait_for_bytes(p, 100 * KiB);
+  ASSERT_TRUE(rig.env.wait_gated());
+  std::jthread opener([&] {  // once the load has taken the prefetch over
+    while (!p.adopted()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    rig.env.open_gate();
+  });
   const StateDict sd = rig.loader.load(p);
   EXPECT_GT(p.progress().bytes_done, 0u);
   EXPECT_LT(p.progress().bytes_done, p.progress().bytes_total) << "the prefetch should have been partial";
@@ -204,11 +248,15 @@ TEST_F(PrefetchTest, AdoptAfterAPartialPrefetchReadsEachByteOnce) {
 }
 
 TEST_F(PrefetchTest, AdoptAfterCancel) {
-  Rig rig(Faults{.read_delay_us = 300});
+  Rig rig;
+  rig.env.close_gate_after(kHeaderReads + 10);
   Prefetch p = prefetch(rig.loader, models().paths());
-  wait_for_bytes(p, 50 * KiB);
+  ASSERT_TRUE(rig.env.wait_gated());
   p.cancel();
+  rig.env.open_gate();
   EXPECT_TRUE(p.done());
+  EXPECT_GT(p.progress().bytes_done, 0u);
+  EXPECT_LT(p.progress().bytes_done, p.progress().bytes_total);
   expect_threads_at_baseline();
   const std::uint64_t read_before = p.progress().bytes_done;
   std::this_thread::sleep_for(std::chrono::milliseconds(20));
@@ -234,13 +282,13 @@ TEST_F(PrefetchTest, AsynchronousLoadOwnsAndAdoptsThePrefetch) {
 }
 
 TEST_F(PrefetchTest, CancelReleasesBlocksNothingWasReadIntoAndDestroyReleasesAll) {
-  Rig rig(Faults{.read_delay_us = 2000});
+  Rig rig;
+  rig.env.close_gate_after(kHeaderReads + 1);
   {
     Prefetch p = prefetch(rig.loader, models().paths());
-    wait_for_bytes(p, 1);
-    const auto start = std::chrono::steady_clock::now();
+    ASSERT_TRUE(rig.env.wait_gated());
     p.cancel();
-    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(2));
+    rig.env.open_gate();
     expect_threads_at_baseline();
     ASSERT_LT(p.progress().bytes_done, models().files[0].size()) << "cancelled inside the first file";
     EXPECT_EQ(rig.pool->stats().live_blocks, 1u) << "the second file's block holds nothing and must go";
