@@ -428,16 +428,7 @@ void LoadHandle::cancel() noexcept {
 
 bool LoadHandle::done() const noexcept { return state_ && state_->finished.load(); }
 
-LoadProgress LoadHandle::progress() const noexcept {
-  LoadProgress p;
-  if (!state_) return p;
-  p.bytes_done = state_->counters.bytes_done.load(std::memory_order_relaxed);
-  p.bytes_total = state_->counters.bytes_total.load(std::memory_order_relaxed);
-  p.files_direct = state_->counters.files_direct.load(std::memory_order_relaxed);
-  p.files_buffered = state_->counters.files_buffered.load(std::memory_order_relaxed);
-  p.bytes_copied = state_->counters.bytes_copied.load(std::memory_order_relaxed);
-  return p;
-}
+LoadProgress LoadHandle::progress() const noexcept { return state_ ? state_->counters.snapshot() : LoadProgress{}; }
 
 StateDict upload(const StateDict& host, Device& device, const CopyOptions& options) {
   // One device allocation per host block, spanning the tensors that use it.

@@ -155,15 +155,7 @@ bool Prefetch::done() const noexcept { return !state_ || state_->finished.load()
 
 bool Prefetch::adopted() const noexcept { return state_ && state_->adopted.load(); }
 
-LoadProgress Prefetch::progress() const noexcept {
-  LoadProgress p;
-  if (!state_) return p;
-  p.bytes_done = state_->counters.bytes_done.load(std::memory_order_relaxed);
-  p.bytes_total = state_->counters.bytes_total.load(std::memory_order_relaxed);
-  p.files_direct = state_->counters.files_direct.load(std::memory_order_relaxed);
-  p.files_buffered = state_->counters.files_buffered.load(std::memory_order_relaxed);
-  return p;
-}
+LoadProgress Prefetch::progress() const noexcept { return state_ ? state_->counters.snapshot() : LoadProgress{}; }
 
 const std::vector<std::string>& Prefetch::paths() const noexcept {
   static const std::vector<std::string> none;

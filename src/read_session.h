@@ -39,6 +39,16 @@ struct Loader::Counters {
   std::atomic<std::uint64_t> files_buffered{0};
   std::atomic<std::uint64_t> bytes_copied{0};
   detail::ReadyQueue* ready = nullptr;  // set by load_async
+
+  LoadProgress snapshot() const noexcept {
+    LoadProgress p;
+    p.bytes_done = bytes_done.load(std::memory_order_relaxed);
+    p.bytes_total = bytes_total.load(std::memory_order_relaxed);
+    p.files_direct = files_direct.load(std::memory_order_relaxed);
+    p.files_buffered = files_buffered.load(std::memory_order_relaxed);
+    p.bytes_copied = bytes_copied.load(std::memory_order_relaxed);
+    return p;
+  }
 };
 
 namespace detail {

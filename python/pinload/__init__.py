@@ -140,18 +140,7 @@ def prefetch(paths, device="cpu", **options) -> "_core.Prefetch":
     if not names:
         raise ValueError("no path given")
     o = _Options(**options)
-    return _core.prefetch(
-        [os.fsencode(p) for p in names],
-        _device_key(device),
-        threads=o.threads,
-        block_size=o.block_size,
-        direct=o.direct,
-        files_in_flight=o.files_in_flight,
-        streams=o.streams,
-        chunk_bytes=o.chunk_bytes,
-        staging_bytes=o.staging_bytes,
-        variant=o.variant,
-    )
+    return _core.prefetch([os.fsencode(p) for p in names], _device_key(device), **o.load_kwargs())
 
 
 def cuda_available() -> tuple[bool, str]:

@@ -71,3 +71,13 @@ class _Options:
         if prefetch is not None and not isinstance(prefetch, _core.Prefetch):
             raise TypeError(f"prefetch must be a pinload.prefetch(...) handle, not {type(prefetch).__name__}")
         self.prefetch = prefetch
+
+    def reader_kwargs(self) -> dict:
+        """The keyword arguments of the reader that every _core entry point takes."""
+        return dict(threads=self.threads, block_size=self.block_size, direct=self.direct,
+                    files_in_flight=self.files_in_flight, variant=self.variant)
+
+    def load_kwargs(self) -> dict:
+        """reader_kwargs() plus the device copy options: what _core.load_async and prefetch take."""
+        return dict(self.reader_kwargs(), streams=self.streams, chunk_bytes=self.chunk_bytes,
+                    staging_bytes=self.staging_bytes)

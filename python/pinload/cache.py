@@ -38,15 +38,8 @@ class ModelCache:
         opts = _Options(**options)
         self._streams = opts.streams
         self._chunk_bytes = opts.chunk_bytes
-        self._core = _core.ModelCache(
-            _size(budget_bytes, "budget_bytes"),
-            _device_key(pool_device),
-            threads=opts.threads,
-            block_size=opts.block_size,
-            direct=opts.direct,
-            files_in_flight=opts.files_in_flight,
-            variant=opts.variant,
-        )
+        self._core = _core.ModelCache(_size(budget_bytes, "budget_bytes"), _device_key(pool_device),
+                                      **opts.reader_kwargs())
 
     @staticmethod
     def _paths(paths: Union[PathLike, Iterable[PathLike]]):

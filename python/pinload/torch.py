@@ -245,14 +245,7 @@ def _start(paths: List[str], spec: str, options: _Options) -> "_core.LoadHandle"
     return _core.load_async(
         [os.fsencode(p) for p in paths],
         spec,
-        threads=options.threads,
-        block_size=options.block_size,
-        direct=options.direct,
-        files_in_flight=options.files_in_flight,
-        streams=options.streams,
-        chunk_bytes=options.chunk_bytes,
-        staging_bytes=options.staging_bytes,
-        variant=options.variant,
+        **options.load_kwargs(),
         prefetch=options.prefetch,
     )
 

@@ -362,6 +362,24 @@ class PyStateDict {
   Placement placement_;
 };
 
+// Destroys *owned with the GIL released where that is allowed (not while the
+// interpreter shuts down): its destructor joins threads that never need the
+// GIL, and other Python threads may run meanwhile.
+template <typename T>
+void reset_without_gil(std::unique_ptr<T>& owned) {
+#if PY_VERSION_HEX >= 0x030D0000
+  const bool finalizing = Py_IsFinalizing();
+#else
+  const bool finalizing = _Py_IsFinalizing();
+#endif
+  if (!finalizing && PyGILState_Check()) {
+    py::gil_scoped_release release;
+    owned.reset();
+  } else {
+    owned.reset();
+  }
+}
+
 class PyLoadHandle {
  public:
   PyLoadHandle(LoadHandle handle, Placement placement)
@@ -373,17 +391,7 @@ class PyLoadHandle {
   ~PyLoadHandle() {
     if (!handle_) return;
     handle_->cancel();
-#if PY_VERSION_HEX >= 0x030D0000
-    const bool finalizing = Py_IsFinalizing();
-#else
-    const bool finalizing = _Py_IsFinalizing();
-#endif
-    if (!finalizing && PyGILState_Check()) {
-      py::gil_scoped_release release;
-      handle_.reset();
-    } else {
-      handle_.reset();
-    }
+    reset_without_gil(handle_);
   }
 
   bool done() const { return !handle_ || handle_->done(); }
@@ -481,19 +489,7 @@ class PyPrefetch {
   PyPrefetch(const PyPrefetch&) = delete;
   PyPrefetch& operator=(const PyPrefetch&) = delete;
   // Stopping joins reader threads that never need the GIL.
-  ~PyPrefetch() {
-#if PY_VERSION_HEX >= 0x030D0000
-    const bool finalizing = Py_IsFinalizing();
-#else
-    const bool finalizing = _Py_IsFinalizing();
-#endif
-    if (!finalizing && PyGILState_Check()) {
-      py::gil_scoped_release release;
-      prefetch_.reset();
-    } else {
-      prefetch_.reset();
-    }
-  }
+  ~PyPrefetch() { reset_without_gil(prefetch_); }
 
   bool done() const { return !prefetch_ || prefetch_->done(); }
   bool adopted() const { return !prefetch_; }
