@@ -158,18 +158,26 @@ def targets_table(run) -> list[str]:
             pin = systems.get("pinload", {})
             if not ok(pin):
                 continue
-            g = pin["steps"][0]["gbps"]
-            lim = lim_fn(run, set_name)
-            if lim:
-                row(f"{scen}: pinload >= {lim_target} x {lim_name}", set_name, f"{g / lim:.2f}", g / lim >= lim_target)
-            if scen == "cold" and ok(systems.get("safetensors mmap + clone", {})):
-                st = systems["safetensors mmap + clone"]["steps"][0]["gbps"]
-                row("cold: pinload >= 3 x safetensors.torch.load_file (mmap + clone)", set_name, f"{g / st:.2f}x",
-                    g / st >= 3)
-            peers = [(n, r["steps"][0]["gbps"]) for n, r in systems.items() if not n.startswith("pinload") and ok(r)]
-            if peers:
-                n, best = max(peers, key=lambda x: x[1])
-                row(f"{scen}: pinload ahead of every peer (best: {n})", set_name, f"{g / best:.2f}x", g > best)
+            # The first load of a fresh process also creates the pool (its memory is new to the
+            # process, as every peer's is); a service re-loads into the pool it keeps.
+            for step, how in ((0, "first load, fresh process"), (1, "re-load, pool kept")):
+                if step >= len(pin["steps"]):
+                    continue
+                g = pin["steps"][step]["gbps"]
+                lim = lim_fn(run, set_name)
+                if lim:
+                    row(f"{scen}: pinload ({how}) >= {lim_target} x {lim_name}", set_name, f"{g / lim:.2f}",
+                        g / lim >= lim_target)
+                if scen == "cold" and ok(systems.get("safetensors mmap + clone", {})):
+                    st = systems["safetensors mmap + clone"]["steps"][0]["gbps"]
+                    row(f"cold: pinload ({how}) >= 3 x safetensors.torch.load_file (mmap + clone)", set_name,
+                        f"{g / st:.2f}x", g / st >= 3)
+                peers = [(n, r["steps"][0]["gbps"]) for n, r in systems.items()
+                         if not n.startswith("pinload") and ok(r)]
+                if peers:
+                    n, best = max(peers, key=lambda x: x[1])
+                    row(f"{scen}: pinload ({how}) ahead of every peer (best: {n})", set_name, f"{g / best:.2f}x",
+                        g > best)
     for _, systems in run.get("scenarios", {}).get("switch", {}).items():
         for n in ("pinload ModelCache", "pinload"):
             r = systems.get(n, {})

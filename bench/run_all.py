@@ -347,8 +347,12 @@ def main(argv=None):
     for phase in ("cold", "warm"):
         if phase not in scen:
             continue
-        for name in phase_sets[phase]:
-            for system in systems:
+        for k, name in enumerate(phase_sets[phase]):
+            # Each set starts at another system: the first worker after a phase change (a
+            # fio run, huge pages reserved and freed) finds colder memory, and no system
+            # should always be the one that pays for it.
+            first = (k + 1) % len(systems)
+            for system in systems[first:] + systems[:first]:
                 st = dict(steps[name], label="load")
                 two = [st]
                 if system == "pinload":  # the same process loads again: the pool is kept
