@@ -24,7 +24,8 @@
 #   bench_device.json      pinload-bench --device cuda:0 on a generated 4.9 GB
 #                          checkpoint (CLIP-L, VAE, a T5-XXL shard): the pinned
 #                          cudaMemcpy limit, the copy engine alone, warm and cold
-#                          loads to the GPU next to host-only loads, fio if present
+#                          loads to the GPU next to host-only loads, and the host
+#                          cold/warm targets against fio (if present) and memcpy
 #   bench.log              its progress
 #   run_all.quick.json     bench/run_all.py --quick on cuda:0 (pinload and the peers on the
 #                          small checkpoints), when at least 90 s of the budget are left
@@ -256,7 +257,7 @@ if (($(remaining) > 200)) && run_step build_bench 120 "$OUT/build.log" cmake --b
       python3 scripts/gen_checkpoints.py --only clip-l,vae,t5-xxl --shards 2; then
     M=$MODELS/flux-dev
     run_step bench_device 150 "$OUT/bench.log" "$BUILD/bench/pinload-bench" --device cuda:0 --repeat 3 \
-      --phases memcpy,fio,buffered,device --memcpy-bytes 1G --json "$OUT/bench_device.json" \
+      --phases memcpy,fio,buffered,cold,warm,device --memcpy-bytes 1G --json "$OUT/bench_device.json" \
       "$M/text_encoder" "$M/vae" "$M/text_encoder_2/model-00002-of-00002.safetensors"
   fi
 fi
