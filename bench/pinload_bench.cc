@@ -88,7 +88,7 @@ constexpr const char* kUsage =
     "  --direct auto|on|off   O_DIRECT policy (default auto)\n"
     "  --repeat N             runs per measurement (default 3)\n"
     "  --huge-pages off|thp|explicit   pool memory (default thp)\n"
-    "  --lock on|off          mlock the pool's memory (default on, as the library)\n"
+    "  --lock on|off          mlock the pool's memory (default off, as the library's host pools)\n"
     "  --phases LIST          comma list of memcpy,fio,buffered,cold,warm,pool,sweep,device,switch\n"
     "                         (default all but sweep and switch; device only with --device)\n"
     "  --device SPEC          also load to cuda:N or sim (the CPU stand-in): adds the device phase\n"
@@ -148,7 +148,7 @@ struct Args {
   int fio_runtime = 0;
   std::string hugetlb = "off";
   int pool_settle = 10;
-  bool lock = true;  // LockedMemoryOptions::lock  // seconds the freed memory stays idle before the pool phase  // off | auto | N explicit huge pages to reserve for the run
+  bool lock = pinload::kHostPoolMemory.lock;  // LockedMemoryOptions::lock
   std::size_t memcpy_bytes = 512u << 20;
   std::string label;
   std::string json_out;

@@ -52,7 +52,7 @@ class LockedMemoryBackend final : public HostMemoryBackend {
   std::size_t alignment() const noexcept override {
     return options_.huge_pages == HugePages::kOff ? static_cast<std::size_t>(::sysconf(_SC_PAGESIZE)) : kHugePage;
   }
-  std::string_view name() const noexcept override { return "locked-host"; }
+  std::string_view name() const noexcept override { return options_.lock ? "locked-host" : "host"; }
 
  private:
   void bind_to_node(void* data, std::size_t bytes) {

@@ -154,8 +154,10 @@ Loader::Loader(LoadOptions options, std::shared_ptr<Pool> pool, Env* env)
   if (options_.block_size < 4096) options_.block_size = 4096;
   Device* device = options_.target.device;
   if (!pool_) {
+    LockedMemoryOptions host = kHostPoolMemory;  // Note [Locking host pools]
+    host.numa_node = numa_.node;
     pool_ = device ? Pool::create(device->make_pinned_backend(PinnedMemoryOptions{.env = env_, .numa_node = numa_.node}))
-                   : Pool::create(make_locked_memory_backend(env_, LockedMemoryOptions{.numa_node = numa_.node}));
+                   : Pool::create(make_locked_memory_backend(env_, host));
   }
   if (device && options_.target.mode == DeviceMode::kStreaming) {
     // Small budgets use plain pages: a 2 MiB huge-page granule would not fit.

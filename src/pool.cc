@@ -146,7 +146,7 @@ std::shared_ptr<Pool> Pool::create(std::unique_ptr<HostMemoryBackend> backend, P
 }
 
 std::shared_ptr<Pool> Pool::create_default(PoolOptions options) {
-  return create(make_locked_memory_backend(default_env()), options);
+  return create(make_locked_memory_backend(default_env(), kHostPoolMemory), options);
 }
 
 Pool::Pool(std::shared_ptr<State> state) : state_(std::move(state)) {}

@@ -349,6 +349,17 @@ TEST_F(LoaderTest, MemoryAlignmentAbovePageSizeReadsBuffered) {
   }
 }
 
+// Note [Locking host pools]: host-only pools are THP-backed and not locked.
+TEST_F(LoaderTest, HostOnlyPoolsAreNotLocked) {
+  Loader loader(load_options(2, 64 * KiB, Mode::kOff), nullptr, &env_);
+  const StateDict sd = loader.load({odd_model().path});
+  expect_matches_file(sd, odd_model().path, odd_model().image);
+  EXPECT_EQ(loader.pool()->backend_name(), "host");
+  for (const Tensor& t : sd) EXPECT_FALSE(t.block()->locked()) << t.name();
+  EXPECT_EQ(Pool::create_default()->backend_name(), "host");
+  EXPECT_EQ(Pool::create(make_locked_memory_backend(&env_))->backend_name(), "locked-host");
+}
+
 TEST_F(LoaderTest, FileWithoutTensors) {
   const std::string path = dir_.file("empty.safetensors");
   std::mt19937_64 rng(1);

@@ -51,4 +51,14 @@ struct LockedMemoryOptions {
 // mmap-backed memory, mlock'ed where the limit allows. `env` must outlive it.
 std::unique_ptr<HostMemoryBackend> make_locked_memory_backend(Env* env, LockedMemoryOptions options = {});
 
+// Note [Locking host pools]
+// Pools for host-only loads (the Loader's own pool without a device,
+// Pool::create_default, the Python "cpu" pool) are THP-backed and not locked:
+// nothing DMAs from them through a device (torch copies them as pageable
+// memory), and locking THP memory as it is faulted in made the first load of a
+// fresh process 1.6-1.8x slower (docs/tuning.md, "Locking and the first
+// load"). Pools for a device are pinned by the device's own backend. A host
+// pool that must stay in RAM whatever swap does takes LockedMemoryOptions{}.
+inline constexpr LockedMemoryOptions kHostPoolMemory{.lock = false};
+
 }  // namespace pinload

@@ -86,7 +86,8 @@ class Pool {
  public:
   // The pool owns `backend`.
   static std::shared_ptr<Pool> create(std::unique_ptr<HostMemoryBackend> backend, PoolOptions options = {});
-  // A pool on locked host memory from default_env().
+  // A pool for host-only loads, on default_env(): THP-backed, not locked
+  // (Note [Locking host pools] in host_memory.h).
   static std::shared_ptr<Pool> create_default(PoolOptions options = {});
   ~Pool();
   Pool(const Pool&) = delete;
