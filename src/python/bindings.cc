@@ -362,6 +362,17 @@ class PyStateDict {
   Placement placement_;
 };
 
+// A load's or a prefetch's counters for Python; a prefetch copies nothing.
+py::dict progress_dict(const LoadProgress& p, bool with_copies) {
+  py::dict d;
+  d["bytes_done"] = p.bytes_done;
+  d["bytes_total"] = p.bytes_total;
+  d["files_direct"] = p.files_direct;
+  d["files_buffered"] = p.files_buffered;
+  if (with_copies) d["bytes_copied"] = p.bytes_copied;
+  return d;
+}
+
 // Destroys *owned with the GIL released where that is allowed (not while the
 // interpreter shuts down): its destructor joins threads that never need the
 // GIL, and other Python threads may run meanwhile.
@@ -398,16 +409,7 @@ class PyLoadHandle {
   void cancel() {
     if (handle_) handle_->cancel();
   }
-  py::dict progress() const {
-    const LoadProgress p = handle_ ? handle_->progress() : last_;
-    py::dict d;
-    d["bytes_done"] = p.bytes_done;
-    d["bytes_total"] = p.bytes_total;
-    d["files_direct"] = p.files_direct;
-    d["files_buffered"] = p.files_buffered;
-    d["bytes_copied"] = p.bytes_copied;
-    return d;
-  }
+  py::dict progress() const { return progress_dict(handle_ ? handle_->progress() : last_, true); }
   // Waits up to `timeout` seconds (None: until done) with the GIL released;
   // true once the load has finished.
   bool wait(std::optional<double> timeout) {
@@ -498,15 +500,7 @@ class PyPrefetch {
     py::gil_scoped_release release;
     prefetch_->cancel();
   }
-  py::dict progress() const {
-    const LoadProgress p = prefetch_ ? prefetch_->progress() : last_;
-    py::dict d;
-    d["bytes_done"] = p.bytes_done;
-    d["bytes_total"] = p.bytes_total;
-    d["files_direct"] = p.files_direct;
-    d["files_buffered"] = p.files_buffered;
-    return d;
-  }
+  py::dict progress() const { return progress_dict(prefetch_ ? prefetch_->progress() : last_, false); }
   // Waits up to `timeout` seconds (None: until done) without the GIL.
   bool wait(std::optional<double> timeout) {
     if (!prefetch_) return true;
