@@ -164,12 +164,7 @@ def drop_caches(files: list[str]) -> str:
             return "drop_caches"
         except OSError:
             pass
-    for p in files:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+    evict(files)
     return "fadvise_dontneed"
 
 

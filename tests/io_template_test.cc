@@ -15,6 +15,7 @@
 #include <sstream>
 #include <thread>
 
+#include "fault_env.h"
 #include "file_check.h"
 #include "log.h"
 #include "pinload/checkpoint.h"
@@ -51,26 +52,13 @@ class LogCapture {
 };
 
 // Records the offsets of every pread, in order, per path.
-class RecordingEnv : public EnvWrapper {
+class RecordingEnv : public testing::PathTrackingEnv {
  public:
-  RecordingEnv() : EnvWrapper(default_env()) {}
-  int open_read(const std::string& path, int flags) override {
-    const int fd = EnvWrapper::open_read(path, flags);
-    std::lock_guard lock(mu_);
-    if (fd >= 0) paths_[fd] = path;
-    return fd;
-  }
-  int close(int fd) override {
-    {
-      std::lock_guard lock(mu_);
-      paths_.erase(fd);
-    }
-    return EnvWrapper::close(fd);
-  }
+  RecordingEnv() : PathTrackingEnv(default_env()) {}
   std::int64_t pread(int fd, void* buffer, std::size_t bytes, std::uint64_t offset) override {
-    const std::int64_t n = EnvWrapper::pread(fd, buffer, bytes, offset);
+    const std::int64_t n = PathTrackingEnv::pread(fd, buffer, bytes, offset);
     std::lock_guard lock(mu_);
-    offsets_.emplace_back(paths_[fd], offset);
+    offsets_.emplace_back(path_of(fd), offset);
     return n;
   }
   std::vector<std::pair<std::string, std::uint64_t>> offsets() const {
@@ -80,7 +68,6 @@ class RecordingEnv : public EnvWrapper {
 
  private:
   mutable std::mutex mu_;
-  std::map<int, std::string> paths_;
   std::vector<std::pair<std::string, std::uint64_t>> offsets_;
 };
 

@@ -37,23 +37,10 @@ using testing::expect_matches_file;
 constexpr std::size_t KiB = 1024;
 
 // Counts every pread that returned bytes, as (path, offset, bytes).
-class CountingEnv : public EnvWrapper {
+class CountingEnv : public testing::PathTrackingEnv {
  public:
   using Read = std::tuple<std::string, std::uint64_t, std::uint64_t>;
-  explicit CountingEnv(Env* target) : EnvWrapper(target) {}
-  int open_read(const std::string& path, int flags) override {
-    const int fd = EnvWrapper::open_read(path, flags);
-    std::lock_guard lock(mu_);
-    if (fd >= 0) paths_[fd] = path;
-    return fd;
-  }
-  int close(int fd) override {
-    {
-      std::lock_guard lock(mu_);
-      paths_.erase(fd);
-    }
-    return EnvWrapper::close(fd);
-  }
+  explicit CountingEnv(Env* target) : PathTrackingEnv(target) {}
   std::int64_t pread(int fd, void* buffer, std::size_t bytes, std::uint64_t offset) override {
     {
       std::unique_lock lock(gate_mu_);
@@ -63,10 +50,11 @@ class CountingEnv : public EnvWrapper {
         gate_cv_.wait_for(lock, kGateTimeout, [&] { return gate_open_; });
       }
     }
-    const std::int64_t n = EnvWrapper::pread(fd, buffer, bytes, offset);
+    const std::int64_t n = PathTrackingEnv::pread(fd, buffer, bytes, offset);
     if (n > 0) {
+      const std::string path = path_of(fd);
       std::lock_guard lock(mu_);
-      reads_.emplace_back(paths_.at(fd), offset, static_cast<std::uint64_t>(n));
+      reads_.emplace_back(path, offset, static_cast<std::uint64_t>(n));
     }
     return n;
   }
@@ -110,7 +98,6 @@ class CountingEnv : public EnvWrapper {
   std::uint64_t started_ = 0;
   std::uint64_t gated_ = 0;
   mutable std::mutex mu_;
-  std::map<int, std::string> paths_;
   std::vector<Read> reads_;
 };
 

@@ -482,6 +482,21 @@ DirectIo parse_direct(const std::string& direct) {
   throw InvalidFileError("direct must be 'auto', 'on' or 'off', not '" + direct + "'");
 }
 
+// The reader's options as Python passes them, checked.
+LoadOptions reader_options(unsigned threads, std::size_t block_size, const std::string& direct,
+                           std::size_t files_in_flight, const std::string& variant) {
+  if (threads == 0 || threads > 1024) throw InvalidFileError("threads must be 1..1024");
+  if (block_size < 4096 || block_size > (std::size_t{1} << 30)) throw InvalidFileError("block_size must be 4 KiB..1 GiB");
+  if (files_in_flight == 0) throw InvalidFileError("files_in_flight must be > 0");
+  LoadOptions options;
+  options.threads = threads;
+  options.block_size = block_size;
+  options.direct = parse_direct(direct);
+  options.files_in_flight = files_in_flight;
+  options.resolve.variant = variant;
+  return options;
+}
+
 // A prefetch in flight (pinload.prefetch). Dropping it stops it and frees what it read.
 class PyPrefetch {
  public:
@@ -540,17 +555,9 @@ Loader make_loader(const std::vector<std::string>& paths, const std::string& dev
                    std::size_t chunk_bytes, std::optional<std::uint64_t> staging_bytes, const std::string& variant,
                    Placement* placement) {
   if (paths.empty()) throw InvalidFileError("no path given");
-  if (threads == 0 || threads > 1024) throw InvalidFileError("threads must be 1..1024");
-  if (block_size < 4096 || block_size > (std::size_t{1} << 30)) throw InvalidFileError("block_size must be 4 KiB..1 GiB");
   if (streams == 0 || streams > 64) throw InvalidFileError("streams must be 1..64");
   if (chunk_bytes == 0) throw InvalidFileError("chunk_bytes must be > 0");
-  if (files_in_flight == 0) throw InvalidFileError("files_in_flight must be > 0");
-  LoadOptions options;
-  options.threads = threads;
-  options.block_size = block_size;
-  options.direct = parse_direct(direct);
-  options.files_in_flight = files_in_flight;
-  options.resolve.variant = variant;
+  LoadOptions options = reader_options(threads, block_size, direct, files_in_flight, variant);
   Device* device = device_for(device_spec, placement);
   if (staging_bytes && device == nullptr) throw InvalidFileError("staging_bytes (streaming mode) needs a device");
   options.target.device = device;
@@ -580,21 +587,13 @@ std::unique_ptr<PyLoadHandle> load_async(const std::vector<std::string>& paths, 
 }
 
 // A ModelCache (model_cache.h) whose host copies live in the shared pool of
-// `pool_device` ("cpu": locked memory; "cuda:N": that GPU's pinned memory, so
+// `pool_device` ("cpu": host memory; "cuda:N": that GPU's pinned memory, so
 // that copies to it go at full speed).
 class PyModelCache {
  public:
   PyModelCache(std::uint64_t budget_bytes, const std::string& pool_device, unsigned threads, std::size_t block_size,
                const std::string& direct, std::size_t files_in_flight, const std::string& variant) {
-    if (threads == 0 || threads > 1024) throw InvalidFileError("threads must be 1..1024");
-    if (block_size < 4096 || block_size > (std::size_t{1} << 30)) throw InvalidFileError("block_size must be 4 KiB..1 GiB");
-    if (files_in_flight == 0) throw InvalidFileError("files_in_flight must be > 0");
-    LoadOptions options;
-    options.threads = threads;
-    options.block_size = block_size;
-    options.direct = parse_direct(direct);
-    options.files_in_flight = files_in_flight;
-    options.resolve.variant = variant;
+    const LoadOptions options = reader_options(threads, block_size, direct, files_in_flight, variant);
     py::gil_scoped_release release;
     cache_ = std::make_unique<ModelCache>(budget_bytes, std::make_shared<const Loader>(options, pool_for(pool_device)));
   }

@@ -3,6 +3,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <map>
 #include <mutex>
 #include <set>
 #include <string>
@@ -62,6 +63,36 @@ class FaultEnv : public EnvWrapper {
   std::set<int> open_;
   std::set<int> direct_;
   std::set<int> direct_read_once_;
+};
+
+// Forwards everything and remembers which path each open descriptor reads,
+// for envs that record reads by (path, offset).
+class PathTrackingEnv : public EnvWrapper {
+ public:
+  explicit PathTrackingEnv(Env* target) : EnvWrapper(target) {}
+  int open_read(const std::string& path, int extra_flags) override {
+    const int fd = EnvWrapper::open_read(path, extra_flags);
+    std::lock_guard lock(paths_mu_);
+    if (fd >= 0) paths_[fd] = path;
+    return fd;
+  }
+  int close(int fd) override {
+    {
+      std::lock_guard lock(paths_mu_);
+      paths_.erase(fd);
+    }
+    return EnvWrapper::close(fd);
+  }
+  // The path `fd` was opened with; empty when unknown.
+  std::string path_of(int fd) const {
+    std::lock_guard lock(paths_mu_);
+    const auto it = paths_.find(fd);
+    return it == paths_.end() ? std::string() : it->second;
+  }
+
+ private:
+  mutable std::mutex paths_mu_;
+  std::map<int, std::string> paths_;
 };
 
 }  // namespace pinload::testing
