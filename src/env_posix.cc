@@ -16,6 +16,13 @@
 namespace pinload {
 namespace {
 
+// Linux 5.14; older headers lack the name, older kernels answer EINVAL.
+#ifdef MADV_POPULATE_READ
+constexpr int kMadvPopulateRead = MADV_POPULATE_READ;
+#else
+constexpr int kMadvPopulateRead = 22;
+#endif
+
 // Far above any real machine's node or CPU ids; bounds the masks built here.
 constexpr int kMaxNumaNode = 4095;
 constexpr int kMaxCpu = 1 << 20;
@@ -120,6 +127,20 @@ class PosixEnv final : public Env {
     }
     ::munmap(map, size);
     return static_cast<double>(resident) / static_cast<double>(probes);
+  }
+
+  const void* map_file(int fd, std::size_t bytes, int* err) override {
+    void* p = ::mmap(nullptr, bytes, PROT_READ, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED) {
+      *err = errno;
+      return nullptr;
+    }
+    return p;
+  }
+
+  int populate_read(const void* address, std::size_t bytes) override {
+    // The start must be page-aligned; the kernel rounds the length up.
+    return ::madvise(const_cast<void*>(address), bytes, kMadvPopulateRead) == 0 ? 0 : -errno;
   }
 
   void* map_anonymous(std::size_t bytes, int extra_flags, int* err) override {

@@ -1,14 +1,17 @@
 #include "read_session.h"
 
 #include <fcntl.h>
+#include <sys/mman.h>
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <exception>
 #include <optional>
 #include <thread>
 
 #include "log.h"
+#include "mapped_copy.h"
 #include "pinload/error.h"
 #include "pinload/numa.h"
 
@@ -16,7 +19,13 @@ namespace pinload::detail {
 
 namespace {
 
+using Clock = std::chrono::steady_clock;
+
 constexpr std::uint32_t kFallbackDirectAlign = 4096;
+
+std::uint64_t nanoseconds_since(Clock::time_point start) {
+  return static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count());
+}
 constexpr int kResidencySamples = 64;
 
 // Keeps the first error of many workers.
@@ -36,6 +45,43 @@ class FirstError {
   std::exception_ptr error_;
 };
 
+// Maps a file in the page cache for copying (Note [Mapped reads]); where the
+// mapping is refused, the file is pread.
+void map_for_load(Env* env, OpenFile* f) {
+  if (f->stat.size == 0) return;
+  int err = 0;
+  const void* data = env->map_file(f->buffered_fd.get(), f->stat.size, &err);
+  if (data == nullptr) {
+    log::debug("{}: cannot map ({}), reading with pread", f->path, err);
+    return;
+  }
+  f->mapping = FileMapping(env, static_cast<const std::byte*>(data), f->stat.size);
+}
+
+// Copies [c.offset, +c.valid) from the file's mapping (Note [Mapped reads]).
+// False where the mapping cannot serve it: the caller preads the chunk.
+bool copy_mapped_chunk(Env* env, const OpenFile& f, const ReadChunk& c, std::byte* dest) {
+  const std::byte* src = f.mapping.data() + c.offset;
+  int rc;
+  do {
+    rc = env->populate_read(src, c.valid);
+  } while (rc == -EINTR);
+  // -EINVAL: a kernel before MADV_POPULATE_READ; the copy faults pages in.
+  if (rc != 0 && rc != -EINVAL && rc != -ENOSYS) {
+    log::debug("{}: populating [{}, {}) failed ({}), reading with pread", f.path, c.offset, c.offset + c.valid, -rc);
+    return false;
+  }
+  const bool copied = copy_from_mapping(dest, src, c.valid);
+  // Drop the chunk's page-table entries now, in this worker, rather than all
+  // at once when the file is unmapped (the page cache keeps its pages).
+  env->advise(const_cast<std::byte*>(src), c.valid, MADV_DONTNEED);
+  if (!copied) {
+    log::debug("{}: SIGBUS copying [{}, {}) from the mapping, reading with pread", f.path, c.offset,
+               c.offset + c.valid);
+  }
+  return copied;
+}
+
 // Opens a file for the load and decides direct or buffered (Note [Direct I/O]).
 void open_for_load(Env* env, const CheckpointFile& cf, const LoadOptions& options, OpenFile* f) {
   f->path = cf.path;
@@ -46,11 +92,14 @@ void open_for_load(Env* env, const CheckpointFile& cf, const LoadOptions& option
                   std::to_string(f->stat.size) + " bytes after its header was read",
                   ErrorContext{cf.path});
   }
-  if (options.direct == DirectIo::kOff) return;
-  if (options.direct == DirectIo::kAuto) {
+  if (options.direct != DirectIo::kOn) {
     const double resident = env->resident_fraction(f->buffered_fd.get(), f->stat.size, kResidencySamples);
-    if (resident >= options.resident_threshold) {
-      log::debug("{}: {:.0f}% in page cache, reading buffered", cf.path, resident * 100);
+    const bool cached = resident >= options.resident_threshold;
+    if (cached && options.cached_read != CachedRead::kPread) map_for_load(env, f);
+    if (options.direct == DirectIo::kOff) return;
+    if (cached) {
+      log::debug("{}: {:.0f}% in page cache, reading buffered{}", cf.path, resident * 100,
+                 f->mapping.valid() ? " from a mapping" : "");
       return;
     }
   }
@@ -78,11 +127,11 @@ void open_for_load(Env* env, const CheckpointFile& cf, const LoadOptions& option
   throw_os_error("read failed", static_cast<int>(-rc), ErrorContext{f.path, {}, at, end});
 }
 
-// Executes one chunk: reads [offset, offset + valid) of the file to `dest`.
-void read_chunk(Env* env, OpenFile& f, const FileRead& plan, const ReadChunk& c, DirectIo mode,
-                Loader::Counters* counters, std::byte* dest) {
+// Reads [offset, offset + valid) of the file to `dest` with pread, direct
+// or buffered.
+void read_with_pread(Env* env, OpenFile& f, const FileRead& plan, const ReadChunk& c, DirectIo mode,
+                     Loader::Counters* counters, std::byte* dest, bool direct) {
   std::uint64_t done = 0;
-  bool direct = f.direct.load(std::memory_order_relaxed);
   while (done < c.valid) {
     const std::uint64_t at = c.offset + done;
     const int fd = direct ? f.direct_fd.get() : f.buffered(env);
@@ -109,6 +158,28 @@ void read_chunk(Env* env, OpenFile& f, const FileRead& plan, const ReadChunk& c,
     // A short direct read leaves an unaligned position: finish buffered.
     if (direct && done < c.valid && done % plan.alignment != 0) direct = false;
   }
+}
+
+// Executes one chunk: reads [offset, offset + valid) of the file to `dest`.
+void read_chunk(Env* env, OpenFile& f, const FileRead& plan, const ReadChunk& c, DirectIo mode,
+                CachedReadChooser* chooser, Loader::Counters* counters, std::byte* dest) {
+  bool direct = f.direct.load(std::memory_order_relaxed);
+  // Files in the page cache: Note [Mapped reads]. `chooser` null: always map.
+  std::optional<CachedReadChooser::Method> method;
+  Clock::time_point start{};
+  if (!direct && f.mapping.valid()) {
+    method = chooser != nullptr ? chooser->next() : CachedReadChooser::kMap;
+    start = Clock::now();
+    if (*method == CachedReadChooser::kMap) {
+      if (copy_mapped_chunk(env, f, c, dest)) {
+        if (chooser != nullptr) chooser->record(*method, c.valid, nanoseconds_since(start));
+        return;
+      }
+      method.reset();  // fell back: this pread says nothing about either method
+    }
+  }
+  read_with_pread(env, f, plan, c, mode, counters, dest, direct);
+  if (method && chooser != nullptr) chooser->record(*method, c.valid, nanoseconds_since(start));
 }
 
 // The chunks of `replay` when they tile every file's aligned range exactly
@@ -199,6 +270,7 @@ std::unique_ptr<ReadSession> open_session(Env* env, const LoadOptions& options, 
   auto s = std::make_unique<ReadSession>();
   s->env = env;
   s->direct_mode = options.direct;
+  s->cached_read = options.cached_read;
   s->checkpoint = std::move(checkpoint);
   s->streaming = staging_pool != nullptr;
   s->staging_pool = std::move(staging_pool);
@@ -218,6 +290,7 @@ std::unique_ptr<ReadSession> open_session(Env* env, const LoadOptions& options, 
     // block (size class) whether it was read direct or through the cache.
     r.alignment = std::max(f->stat.dio_offset_align, kFallbackDirectAlign);
     (f->direct ? counters->files_direct : counters->files_buffered)++;
+    if (!f->direct && f->mapping.valid()) counters->files_mapped++;
     reads.push_back(std::move(r));
     s->files.push_back(std::move(f));
   }
@@ -276,7 +349,8 @@ void execute(ReadSession& s, const std::vector<std::size_t>& todo, unsigned thre
         // others into the file's block.
         std::shared_ptr<Block> dest = s.streaming ? s.staging_pool->allocate(c.length, abort.get_token()) : f.block;
         const std::size_t dest_offset = s.streaming ? 0 : c.offset - r.read_begin;
-        read_chunk(s.env, f, r, c, s.direct_mode, counters, dest->data() + dest_offset);
+        read_chunk(s.env, f, r, c, s.direct_mode, s.cached_read == CachedRead::kAuto ? &s.chooser : nullptr,
+                   counters, dest->data() + dest_offset);
         counters->bytes_done.fetch_add(c.valid, std::memory_order_relaxed);
         {
           std::lock_guard lock(s.completed_mu);
@@ -301,6 +375,12 @@ void execute(ReadSession& s, const std::vector<std::size_t>& todo, unsigned thre
       first_error.set(std::make_exception_ptr(IoError(std::string("cannot start reader thread: ") + e.what())));
     }
     worker();  // the calling thread works too
+  }
+  if (s.chooser.chunks() > 0) {
+    log::debug("cached files: {} chunks; per chunk and thread, map {:.2f} GB/s, pread {:.2f} GB/s; faster: {}",
+               s.chooser.chunks(), s.chooser.bytes_per_second(CachedReadChooser::kMap) / 1e9,
+               s.chooser.bytes_per_second(CachedReadChooser::kPread) / 1e9,
+               s.chooser.faster() == CachedReadChooser::kMap ? "map" : "pread");
   }
   if (auto e = first_error.get()) std::rethrow_exception(e);
 }

@@ -18,8 +18,10 @@
 #include <mutex>
 #include <stop_token>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "cached_read_chooser.h"
 #include "pinload/checkpoint.h"
 #include "pinload/io_template.h"
 #include "pinload/loader.h"
@@ -37,6 +39,7 @@ struct Loader::Counters {
   std::atomic<std::uint64_t> bytes_total{0};
   std::atomic<std::uint64_t> files_direct{0};
   std::atomic<std::uint64_t> files_buffered{0};
+  std::atomic<std::uint64_t> files_mapped{0};
   std::atomic<std::uint64_t> bytes_copied{0};
   detail::ReadyQueue* ready = nullptr;  // set by load_async
 
@@ -46,6 +49,7 @@ struct Loader::Counters {
     p.bytes_total = bytes_total.load(std::memory_order_relaxed);
     p.files_direct = files_direct.load(std::memory_order_relaxed);
     p.files_buffered = files_buffered.load(std::memory_order_relaxed);
+    p.files_mapped = files_mapped.load(std::memory_order_relaxed);
     p.bytes_copied = bytes_copied.load(std::memory_order_relaxed);
     return p;
   }
@@ -53,12 +57,47 @@ struct Loader::Counters {
 
 namespace detail {
 
-// One file during a load: its descriptors and its block.
+// A read-only mapping of a whole file (Note [Mapped reads] in loader.h).
+// Owns the mapping; move-only.
+class FileMapping {
+ public:
+  FileMapping() = default;
+  FileMapping(Env* env, const std::byte* data, std::size_t bytes) : env_(env), data_(data), bytes_(bytes) {}
+  FileMapping(FileMapping&& other) noexcept
+      : env_(other.env_), data_(std::exchange(other.data_, nullptr)), bytes_(other.bytes_) {}
+  FileMapping& operator=(FileMapping&& other) noexcept {
+    if (this != &other) {
+      reset();
+      env_ = other.env_;
+      data_ = std::exchange(other.data_, nullptr);
+      bytes_ = other.bytes_;
+    }
+    return *this;
+  }
+  FileMapping(const FileMapping&) = delete;
+  FileMapping& operator=(const FileMapping&) = delete;
+  ~FileMapping() { reset(); }
+
+  const std::byte* data() const { return data_; }
+  bool valid() const { return data_ != nullptr; }
+  void reset() {
+    if (data_ != nullptr) env_->unmap(const_cast<std::byte*>(data_), bytes_);
+    data_ = nullptr;
+  }
+
+ private:
+  Env* env_ = nullptr;
+  const std::byte* data_ = nullptr;
+  std::size_t bytes_ = 0;
+};
+
+// One file during a load: its descriptors, its mapping and its block.
 struct OpenFile {
   std::string path;
   FileStat stat;
   ScopedFd direct_fd;
   ScopedFd buffered_fd;
+  FileMapping mapping;  // buffered files in the page cache, under CachedRead::kMap
   std::atomic<bool> direct{false};
   std::mutex mu;  // guards opening buffered_fd
   std::shared_ptr<Block> block;                 // host and kCached loads
@@ -71,6 +110,8 @@ struct OpenFile {
 struct ReadSession {
   Env* env = nullptr;
   DirectIo direct_mode = DirectIo::kAuto;
+  CachedRead cached_read = CachedRead::kAuto;
+  CachedReadChooser chooser;  // kAuto: map or pread, chunk by chunk
   Checkpoint checkpoint;
   std::vector<std::unique_ptr<OpenFile>> files;
   ReadPlan plan;

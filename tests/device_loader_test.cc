@@ -178,6 +178,7 @@ TEST_P(DeviceLoadFaultTest, ReadErrorMidLoadReleasesEverything) {
   options.threads = 4;
   options.block_size = 4096;
   options.direct = DirectIo::kOff;
+  options.cached_read = CachedRead::kPread;  // the fault is on the 20th pread
   options.target = {device.get(), GetParam(), CopyOptions{2, 2048, 0}, 4 * 4096};
   Loader loader(options, nullptr, &env);
   try {

@@ -3,7 +3,11 @@
 // behind: no pool block in use, no open descriptor, no extra thread.
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/mman.h>
 #include <unistd.h>
+
+#include <atomic>
+#include <csignal>
 
 #include <chrono>
 #include <cstdlib>
@@ -294,6 +298,144 @@ TEST_F(FaultTest, TruncatedAfterHeaderParseIsIoError) {
     }
     expect_released(rig);
   }
+}
+
+// ---- copies from a mapping (Note [Mapped reads]) ----
+
+// Buffered, with the file found in the page cache: copied from a mapping.
+LoadOptions mapped_options(unsigned threads = 4) {
+  LoadOptions o = load_options(Mode::kOff, threads);
+  o.resident_threshold = 0.0;  // any file counts as cached
+  o.cached_read = CachedRead::kMap;  // every chunk, not as CachedRead::kAuto measures
+  return o;
+}
+
+void expect_mapping_released(const FaultEnv& env) { EXPECT_EQ(env.file_mapped_bytes(), 0); }
+
+TEST_F(FaultTest, MappedLoadCopiesFromTheMappingAndUnmapsIt) {
+  Rig rig(Faults{}, mapped_options());
+  {
+    LoadHandle handle = rig.loader.load_async({path_});
+    expect_matches_file(handle.wait(), path_, image_);
+    EXPECT_EQ(handle.progress().files_mapped, 1u);
+  }
+  EXPECT_GT(rig.env.populates(), 0u);
+  EXPECT_EQ(rig.env.reads(), 2u) << "only the header is pread";
+  expect_mapping_released(rig.env);
+  expect_released(rig);
+}
+
+TEST_F(FaultTest, RefusedMappingFallsBackToPread) {
+  Rig rig(Faults{.refuse_map_file = true}, mapped_options());
+  {
+    LoadHandle handle = rig.loader.load_async({path_});
+    expect_matches_file(handle.wait(), path_, image_);
+    EXPECT_EQ(handle.progress().files_mapped, 0u);
+  }
+  EXPECT_EQ(rig.env.populates(), 0u);
+  EXPECT_GT(rig.env.reads(), 2u);
+  expect_released(rig);
+}
+
+TEST_F(FaultTest, FailedPopulateRereadsTheChunkWithPread) {
+  for (const int err : {ENOMEM, EIO, EHWPOISON}) {
+    SCOPED_TRACE(std::strerror(err));
+    Rig rig(Faults{.populate_errno = err}, mapped_options());
+    expect_matches_file(rig.loader.load({path_}), path_, image_);
+    EXPECT_GT(rig.env.populates(), 0u);
+    EXPECT_EQ(rig.env.reads() - 2, rig.env.populates()) << "each chunk pread once";
+    expect_mapping_released(rig.env);
+    expect_released(rig);
+  }
+}
+
+TEST_F(FaultTest, InterruptedPopulateIsRetried) {
+  Rig rig(Faults{.eintr_every_other = true}, mapped_options());
+  expect_matches_file(rig.loader.load({path_}), path_, image_);
+  EXPECT_GT(rig.env.populates(), 0u);
+  expect_released(rig);
+}
+
+TEST_F(FaultTest, MappedFileTruncatedAfterHeaderParseIsIoError) {
+  // populate_read fails with EFAULT past the cut, and the pread fallback
+  // finds the end of the file.
+  const std::uint64_t cut = data_offset() + 300'001;
+  Rig rig(Faults{.truncate_to = cut}, mapped_options());
+  try {
+    rig.loader.load({path_});
+    FAIL() << "expected IoError";
+  } catch (const IoError& e) {
+    expect_names_file(e, path_);
+    ASSERT_TRUE(e.context().begin.has_value());
+    EXPECT_GE(*e.context().begin, cut);
+    EXPECT_NE(e.message().find("ended"), std::string::npos) << e.what();
+  }
+  EXPECT_GT(rig.env.populates(), 0u);
+  expect_mapping_released(rig.env);
+  expect_released(rig);
+}
+
+// Cuts the real file after the Nth populate_read has filled its pages: the
+// copy that follows touches pages the kernel has just unmapped, and the
+// mapping raises a real SIGBUS.
+class TruncateAfterPopulateEnv : public EnvWrapper {
+ public:
+  TruncateAfterPopulateEnv(Env* target, std::string path, std::uint64_t cut_to, std::uint64_t nth)
+      : EnvWrapper(target), path_(std::move(path)), cut_to_(cut_to), nth_(nth) {}
+  int populate_read(const void* address, std::size_t bytes) override {
+    const int rc = EnvWrapper::populate_read(address, bytes);
+    if (++calls_ == nth_) std::filesystem::resize_file(path_, cut_to_);
+    return rc;
+  }
+  std::uint64_t calls() const { return calls_; }
+
+ private:
+  std::string path_;
+  std::uint64_t cut_to_;
+  std::uint64_t nth_;
+  std::atomic<std::uint64_t> calls_{0};
+};
+
+TEST_F(FaultTest, SigbusWhileCopyingFromATruncatedMappingIsIoError) {
+  const std::string path = dir_.file("cut-while-copying.safetensors");
+  std::filesystem::copy_file(path_, path);
+  FaultEnv counting;
+  // The 3rd chunk of 64 KiB is cut away under its copy, after its populate.
+  TruncateAfterPopulateEnv cutting(&counting, path, data_offset() + 100, 3);
+  auto pool = Pool::create(make_locked_memory_backend(&counting));
+  Loader loader(mapped_options(1), pool, &cutting);
+  try {
+    loader.load({path});
+    FAIL() << "expected IoError";
+  } catch (const IoError& e) {
+    expect_names_file(e, path);
+    ASSERT_TRUE(e.context().begin.has_value());
+    EXPECT_NE(e.message().find("ended"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(cutting.calls(), 3u) << "the load stops at the chunk that was cut";
+  EXPECT_EQ(pool->stats().live_blocks, 0u);
+  EXPECT_EQ(counting.open_fds(), 0);
+  expect_mapping_released(counting);
+}
+
+// pinload's SIGBUS handler only takes faults of its own copies: a SIGBUS
+// elsewhere (here, a truncated mapping of the test's own) still kills.
+TEST_F(FaultTest, SigbusOutsidePinloadsCopiesStillKills) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  {
+    Rig rig(Faults{}, mapped_options());  // installs the handler
+    expect_matches_file(rig.loader.load({path_}), path_, image_);
+  }
+  const std::string path = dir_.file("mine.bin");
+  testing::write_file(path, std::vector<std::uint8_t>(3 * 4096, 1));
+  EXPECT_EXIT(
+      {
+        const int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
+        auto* p = static_cast<volatile const char*>(::mmap(nullptr, 3 * 4096, PROT_READ, MAP_SHARED, fd, 0));
+        if (::ftruncate(fd, 0) != 0) std::_Exit(3);
+        std::_Exit(p[2 * 4096] == 1 ? 1 : 2);  // SIGBUS here
+      },
+      ::testing::KilledBySignal(SIGBUS), "");
 }
 
 TEST_F(FaultTest, FileThatShrankSinceItsHeaderWasReadIsIoError) {

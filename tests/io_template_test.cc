@@ -76,6 +76,7 @@ LoadOptions small_blocks(unsigned threads = 4) {
   o.threads = threads;
   o.block_size = 16 * KiB;
   o.direct = DirectIo::kOff;
+  o.cached_read = CachedRead::kPread;  // reads are recorded at the Env's pread
   return o;
 }
 

@@ -99,12 +99,15 @@ bool direct_io_works(const std::string& path) {
 
 // kAuto reads a freshly written (cached) file buffered; kAutoCold makes it try
 // O_DIRECT as it would on a cold file.
-enum class Mode { kOn, kOff, kAuto, kAutoCold };
+// kOff copies cached files from a mapping (Note [Mapped reads]); kOffPread
+// preads them.
+enum class Mode { kOn, kOff, kOffPread, kAuto, kAutoCold };
 
 const char* mode_name(Mode m) {
   switch (m) {
     case Mode::kOn: return "On";
     case Mode::kOff: return "Off";
+    case Mode::kOffPread: return "OffPread";
     case Mode::kAuto: return "Auto";
     case Mode::kAutoCold: return "AutoCold";
   }
@@ -116,7 +119,10 @@ LoadOptions load_options(unsigned threads, std::size_t block_size, Mode mode, st
   o.threads = threads;
   o.block_size = block_size;
   o.files_in_flight = files_in_flight;
-  o.direct = mode == Mode::kOn ? DirectIo::kOn : mode == Mode::kOff ? DirectIo::kOff : DirectIo::kAuto;
+  o.direct = mode == Mode::kOn                                ? DirectIo::kOn
+             : mode == Mode::kOff || mode == Mode::kOffPread ? DirectIo::kOff
+                                                             : DirectIo::kAuto;
+  if (mode == Mode::kOffPread) o.cached_read = CachedRead::kPread;
   if (mode == Mode::kAutoCold) o.resident_threshold = 2.0;
   return o;
 }
@@ -162,9 +168,13 @@ TEST_P(LoaderMatrixTest, TensorsMatchTheFileByteForByte) {
   EXPECT_EQ(sd.at("scalar").shape().size(), 0u);
   EXPECT_EQ(sd.at("f").shape(), (std::vector<std::uint64_t>{3, 5, 7}));
   EXPECT_EQ(sd.at("c").dtype(), DType::kF32);
-  if (mode == Mode::kOff || mode == Mode::kAuto) {
+  if (mode == Mode::kOff || mode == Mode::kOffPread || mode == Mode::kAuto) {
     EXPECT_EQ(env_.direct_opens(), 0u);
   }
+  // The file was just written, so it is in the page cache: copied from a
+  // mapping unless told to pread.
+  EXPECT_EQ(env_.populates() > 0, mode == Mode::kOff || mode == Mode::kAuto) << mode_name(mode);
+  EXPECT_EQ(env_.file_mapped_bytes(), 0);
   if (wants_direct(mode) && direct_ok) {
     EXPECT_EQ(env_.direct_opens(), 1u);
   }
@@ -173,7 +183,7 @@ TEST_P(LoaderMatrixTest, TensorsMatchTheFileByteForByte) {
 INSTANTIATE_TEST_SUITE_P(
     All, LoaderMatrixTest,
     ::testing::Combine(::testing::Values(1u, 2u, 8u), ::testing::Values(4 * KiB, 12 * KiB, 64 * KiB, 2 * MiB),
-                       ::testing::Values(Mode::kOn, Mode::kOff, Mode::kAuto, Mode::kAutoCold)),
+                       ::testing::Values(Mode::kOn, Mode::kOff, Mode::kOffPread, Mode::kAuto, Mode::kAutoCold)),
     [](const ::testing::TestParamInfo<MatrixParam>& p) {
       return "t" + std::to_string(std::get<0>(p.param)) + "_b" + std::to_string(std::get<1>(p.param) / KiB) +
              "k_" + mode_name(std::get<2>(p.param));
@@ -184,7 +194,7 @@ TEST_F(LoaderTest, RandomCheckpointsOfEveryDtype) {
     const std::string path = dir_.file("random" + std::to_string(seed) + ".safetensors");
     std::mt19937_64 rng(seed);
     const FileImage image = testing::write_random_checkpoint(path, rng, 40);
-    const Mode mode = seed % 2 ? Mode::kAutoCold : Mode::kOff;
+    const Mode mode = seed % 3 == 0 ? Mode::kAutoCold : seed % 3 == 1 ? Mode::kOff : Mode::kOffPread;
     Loader loader(load_options(8, 4 * KiB, mode), make_pool(), &env_);
     const StateDict sd = loader.load({path});
     EXPECT_EQ(sd.size(), 40u);
@@ -207,6 +217,7 @@ TEST_F(LoaderTest, AsyncLoadReportsProgress) {
     EXPECT_GE(p.bytes_total, image.data.size());
     EXPECT_EQ(p.files_direct, mode == Mode::kOn ? 1u : 0u);
     EXPECT_EQ(p.files_buffered, mode == Mode::kOn ? 0u : 1u);
+    EXPECT_EQ(p.files_mapped, mode == Mode::kOn ? 0u : 1u);  // written just now: in the page cache
   }
 }
 
@@ -260,7 +271,7 @@ TEST_F(LoaderTest, TensorsAreHandedOutBeforeTheLoadEnds) {
   const FileImage& image = odd_model().image;
   const std::vector<char> file = slurp(path);
   HoldLastChunkEnv hold(&env_, file.size());
-  Loader loader(load_options(1, 4 * KiB, Mode::kOff), make_pool(), &hold);
+  Loader loader(load_options(1, 4 * KiB, Mode::kOffPread), make_pool(), &hold);  // held at its pread
   LoadHandle handle = loader.load_async({path});
   // The last chunk is held back, so these tensors arrived while the load ran.
   const std::vector<Tensor> first = handle.next_ready();
@@ -306,7 +317,7 @@ TEST_F(LoaderTest, EveryTensorOfEveryShardIsHandedOutOnce) {
 TEST_F(LoaderTest, FailedLoadStopsHandingOutAndThrows) {
   const std::string& path = odd_model().path;
   FaultEnv failing(testing::Faults{.fail_read_at = 40}, &env_);
-  Loader loader(load_options(2, 4 * KiB, Mode::kOff), make_pool(), &failing);
+  Loader loader(load_options(2, 4 * KiB, Mode::kOffPread), make_pool(), &failing);
   LoadHandle handle = loader.load_async({path});
   std::size_t handed_out = 0;
   try {

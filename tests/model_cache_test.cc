@@ -88,6 +88,7 @@ LoadOptions small_reads() {
   o.threads = 3;
   o.block_size = 4096;
   o.direct = DirectIo::kOff;
+  o.cached_read = CachedRead::kPread;  // faults and counts are at the Env's pread
   return o;
 }
 

@@ -65,7 +65,8 @@ class FakeSysfs {
 // set_thread_memory_node are recorded and not forwarded (a fake node may not
 // exist here). Affinity calls are forwarded unless `fake_affinity` is set, in
 // which case get returns it and set only records. Each pread records the CPUs
-// its thread was pinned to (empty: never pinned) and the CPU it ran on.
+// its thread was pinned to (empty: never pinned) and the CPU it ran on; so
+// does each populate_read (a chunk copied from a mapping).
 class NumaCountingEnv : public EnvWrapper {
  public:
   struct Bind {
@@ -118,12 +119,19 @@ class NumaCountingEnv : public EnvWrapper {
     return EnvWrapper::lock(address, bytes);
   }
   std::int64_t pread(int fd, void* buffer, std::size_t bytes, std::uint64_t offset) override {
-    {
-      std::lock_guard lock(mu_);
-      auto it = pinned_.find(std::this_thread::get_id());
-      reads_.push_back({it == pinned_.end() ? std::vector<int>{} : it->second, ::sched_getcpu()});
-    }
+    record_read();
     return EnvWrapper::pread(fd, buffer, bytes, offset);
+  }
+  // A chunk copied from a mapping (Note [Mapped reads]) is a read too.
+  int populate_read(const void* address, std::size_t bytes) override {
+    record_read();
+    return EnvWrapper::populate_read(address, bytes);
+  }
+
+  void record_read() {
+    std::lock_guard lock(mu_);
+    auto it = pinned_.find(std::this_thread::get_id());
+    reads_.push_back({it == pinned_.end() ? std::vector<int>{} : it->second, ::sched_getcpu()});
   }
 
   // Every NUMA call so far; 0 means the load left placement to the OS.

@@ -158,6 +158,7 @@ LoadOptions options(unsigned threads = 3) {
   o.threads = threads;
   o.block_size = 8 * KiB;
   o.direct = DirectIo::kOff;
+  o.cached_read = CachedRead::kPread;  // reads are counted at the Env's pread
   o.files_in_flight = 1;
   return o;
 }

@@ -1,7 +1,7 @@
 // pinload/env.h: the one seam between pinload and the operating system.
 //
 // Everything the loader asks of the OS (files, reads, stat, page-cache probes,
-// anonymous memory and locking) goes through an Env. Calls mirror the system
+// file mappings, anonymous memory and locking) goes through an Env. Calls mirror the system
 // calls they wrap and report failure as a negative errno, never by throwing,
 // so that the code above them owns retries (EINTR, short reads) and fallbacks
 // (O_DIRECT refused). Tests wrap an Env (EnvWrapper) to inject faults.
@@ -47,6 +47,23 @@ class Env {
   // Fraction in [0, 1] of the file's pages resident in the page cache,
   // estimated from `samples` probes spread over the file; -1 when unknown.
   virtual double resident_fraction(int fd, std::uint64_t size, int samples) = 0;
+
+  // A read-only shared mapping of the first `bytes` (> 0) of an open file, as
+  // mmap(2) PROT_READ, MAP_SHARED: the address, or nullptr with *err set.
+  // Released with unmap(). Note [Mapped reads] in loader.h.
+  virtual const void* map_file(int fd, std::size_t bytes, int* err) {
+    (void)fd, (void)bytes;
+    *err = ENOSYS;
+    return nullptr;
+  }
+  // Fills the page tables of [address, +bytes) of a file mapping, reading
+  // from the file what the page cache lacks: madvise(2) MADV_POPULATE_READ.
+  // 0 or -errno: -EFAULT where the file no longer has those bytes (it never
+  // raises SIGBUS), -EINVAL where the kernel lacks it, -EINTR to retry.
+  virtual int populate_read(const void* address, std::size_t bytes) {
+    (void)address, (void)bytes;
+    return -ENOSYS;
+  }
 
   // Anonymous, page-aligned, zero-filled memory, as mmap(2) with
   // `extra_flags` (MAP_HUGETLB, say): the address, or nullptr with *err set.
@@ -112,6 +129,10 @@ class EnvWrapper : public Env {
   }
   double resident_fraction(int fd, std::uint64_t size, int samples) override {
     return target_->resident_fraction(fd, size, samples);
+  }
+  const void* map_file(int fd, std::size_t bytes, int* err) override { return target_->map_file(fd, bytes, err); }
+  int populate_read(const void* address, std::size_t bytes) override {
+    return target_->populate_read(address, bytes);
   }
   void* map_anonymous(std::size_t bytes, int extra_flags, int* err) override {
     return target_->map_anonymous(bytes, extra_flags, err);

@@ -16,6 +16,23 @@
 // at open() or at the first read (EINVAL: tmpfs, some FUSE mounts), the file
 // falls back to buffered reads. kOn makes a refusal an error.
 //
+// Note [Mapped reads]
+// A file read buffered whose pages are in the page cache need not be pread:
+// it is mapped (Env::map_file), and a chunk can be populated
+// (MADV_POPULATE_READ) and copied into its block with non-temporal stores.
+// Where the page cache holds large folios that copy runs at memcpy's rate,
+// about 1.4x pread's copy_to_user; where it holds 4 KiB pages, populating and
+// tearing down a page-table entry per page makes it about 0.8x pread
+// (docs/tuning.md). Which a machine has depends on how the file was read in,
+// so CachedRead::kAuto (the default) times both on the load's first chunks and
+// then takes the faster (cached_read_chooser.h); kMap and kPread force one.
+// The mapping never turns a file that shrank under the load into a crash:
+// populating a range the file lost fails with EFAULT, and a SIGBUS during the
+// copy (the file cut between populate and copy) ends that copy
+// (mapped_copy.h). Either way, and on any other failure to map or populate,
+// the chunk is read again with pread, which reports the short file as the
+// unmapped path does.
+//
 // Note [Block size]
 // 2 MiB per pread: large enough that syscall cost vanishes (the seed article
 // measured 16x fewer calls than 128 KiB buffered reads) and small enough that
@@ -71,6 +88,10 @@ namespace pinload {
 
 enum class DirectIo { kAuto, kOn, kOff };
 
+// How a file already in the page cache is copied into its block: Note
+// [Mapped reads]. kAuto measures both and takes the faster, chunk by chunk.
+enum class CachedRead { kAuto, kMap, kPread };
+
 inline constexpr unsigned kDefaultThreads = 8;
 inline constexpr std::size_t kDefaultBlockSize = 2u << 20;
 
@@ -99,8 +120,10 @@ struct LoadOptions {
   std::size_t block_size = kDefaultBlockSize;
   DirectIo direct = DirectIo::kAuto;
   std::size_t files_in_flight = 2;  // shards read at once
-  // kAuto: a file at least this resident in the page cache is read buffered.
+  // kAuto: a file at least this resident in the page cache is read buffered
+  // (and, under kMap, so is a buffered file mapped).
   double resident_threshold = 0.5;
+  CachedRead cached_read = CachedRead::kAuto;
   ResolveOptions resolve;
   DeviceTarget target;  // Note [Device loads]
   NumaOptions numa;
@@ -112,6 +135,7 @@ struct LoadProgress {
   std::uint64_t bytes_total = 0;
   std::uint64_t files_direct = 0;    // files read with O_DIRECT
   std::uint64_t files_buffered = 0;  // files read through the page cache
+  std::uint64_t files_mapped = 0;    // of those, copied from a mapping (Note [Mapped reads])
   std::uint64_t bytes_copied = 0;    // to the device, completed
 };
 

@@ -25,9 +25,10 @@ namespace {
 constexpr const char* kUsage =
     "usage: pinload inspect [--json] [--variant V] PATH...\n"
     "       pinload load [--digest] [-v] [--threads N] [--block-size BYTES[K|M]]\n"
-    "                    [--direct auto|on|off] [--variant V] [--device cpu|sim|cuda:N]\n"
-    "                    [--streams K] [--chunk-size BYTES] [--staging-bytes BYTES]\n"
-    "                    [--numa-node auto|none|N] PATH...\n"
+    "                    [--direct auto|on|off] [--cached-read auto|map|pread] [--variant V]\n"
+    "                    [--device cpu|sim|cuda:N] [--streams K] [--chunk-size BYTES]\n"
+    "                    [--staging-bytes BYTES]"
+    " [--numa-node auto|none|N] PATH...\n"
     "PATH: a .safetensors file, a *.safetensors.index.json, or a folder.\n";
 
 struct UsageError : std::runtime_error {
@@ -91,6 +92,12 @@ Args parse_args(int argc, char** argv) {
       else if (v == "on") args.load.direct = DirectIo::kOn;
       else if (v == "off") args.load.direct = DirectIo::kOff;
       else throw UsageError("--direct takes auto, on or off");
+    } else if (a == "--cached-read") {
+      const std::string v = value();
+      if (v == "auto") args.load.cached_read = CachedRead::kAuto;
+      else if (v == "map") args.load.cached_read = CachedRead::kMap;
+      else if (v == "pread") args.load.cached_read = CachedRead::kPread;
+      else throw UsageError("--cached-read takes auto, map or pread");
     } else if (a == "--") {
       for (++i; i < argc; ++i) args.paths.emplace_back(argv[i]);
     } else if (a.size() > 1 && a[0] == '-') {
@@ -212,11 +219,12 @@ int run_load(const Args& args) {
     if (args.verbose) {
       const PoolStats s = loader.pool()->stats();
       std::fprintf(stderr,
-                   "%s: %zu tensors, %.3f GB in %.3f s = %.2f GB/s (%llu direct, %llu buffered files)\n"
+                   "%s: %zu tensors, %.3f GB in %.3f s = %.2f GB/s (%llu direct, %llu buffered files, %llu of them mapped)\n"
                    "pool[%s]: reserved %.1f MiB, in use %.1f MiB, peak %.1f MiB, %llu allocations "
                    "(%llu from free lists, %llu OS reservations)\n",
                    path.c_str(), sd.size(), p.bytes_total / 1e9, seconds, p.bytes_total / 1e9 / seconds,
                    static_cast<unsigned long long>(p.files_direct), static_cast<unsigned long long>(p.files_buffered),
+                   static_cast<unsigned long long>(p.files_mapped),
                    std::string(loader.pool()->backend_name()).c_str(), s.reserved_bytes / 1048576.0,
                    s.in_use_bytes / 1048576.0, s.peak_in_use_bytes / 1048576.0,
                    static_cast<unsigned long long>(s.allocations), static_cast<unsigned long long>(s.free_list_hits),

@@ -369,6 +369,7 @@ py::dict progress_dict(const LoadProgress& p, bool with_copies) {
   d["bytes_total"] = p.bytes_total;
   d["files_direct"] = p.files_direct;
   d["files_buffered"] = p.files_buffered;
+  d["files_mapped"] = p.files_mapped;
   if (with_copies) d["bytes_copied"] = p.bytes_copied;
   return d;
 }
@@ -729,7 +730,7 @@ PYBIND11_MODULE(_core, m) {
       .def("done", &PyLoadHandle::done)
       .def("cancel", &PyLoadHandle::cancel)
       .def("progress", &PyLoadHandle::progress,
-           "dict: bytes_done, bytes_total, files_direct, files_buffered, bytes_copied.")
+           "dict: bytes_done, bytes_total, files_direct, files_buffered, files_mapped, bytes_copied.")
       .def("wait", &PyLoadHandle::wait, py::arg("timeout") = py::none(),
            "Waits up to timeout seconds (None: until done), without the GIL; True once finished.")
       .def("result", &PyLoadHandle::result, "The StateDict, or raises the load's error. Call once.")
@@ -743,7 +744,7 @@ PYBIND11_MODULE(_core, m) {
       .def("done", &PyPrefetch::done, "True once the readers have finished (all read, cancelled, failed or adopted).")
       .def("cancel", &PyPrefetch::cancel,
            "Stops the readers promptly and waits for them; what was read stays for a load to adopt.")
-      .def("progress", &PyPrefetch::progress, "dict: bytes_done, bytes_total, files_direct, files_buffered.")
+      .def("progress", &PyPrefetch::progress, "dict: bytes_done, bytes_total, files_direct, files_buffered, files_mapped.")
       .def("wait", &PyPrefetch::wait, py::arg("timeout") = py::none(),
            "Waits up to timeout seconds (None: until done), without the GIL; True once done.")
       .def_property_readonly("adopted", &PyPrefetch::adopted, "True once a load has taken it over.")

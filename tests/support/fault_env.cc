@@ -53,6 +53,39 @@ std::int64_t FaultEnv::pread(int fd, void* buffer, std::size_t bytes, std::uint6
   return got;
 }
 
+const void* FaultEnv::map_file(int fd, std::size_t bytes, int* err) {
+  if (faults_.refuse_map_file) {
+    *err = ENOMEM;
+    return nullptr;
+  }
+  const void* p = EnvWrapper::map_file(fd, bytes, err);
+  if (p != nullptr) {
+    std::lock_guard lock(mu_);
+    file_maps_[p] = bytes;
+    file_mapped_bytes_ += static_cast<std::int64_t>(bytes);
+  }
+  return p;
+}
+
+int FaultEnv::populate_read(const void* address, std::size_t bytes) {
+  const std::uint64_t n = ++populates_;
+  if (faults_.read_delay_us) std::this_thread::sleep_for(std::chrono::microseconds(faults_.read_delay_us));
+  if (faults_.eintr_every_other && n % 2 == 1) return -EINTR;
+  if (faults_.populate_errno != 0) return -faults_.populate_errno;
+  if (faults_.truncate_to != UINT64_MAX) {
+    std::lock_guard lock(mu_);
+    // The offset of `address` in the mapping that holds it.
+    auto it = file_maps_.upper_bound(address);
+    if (it != file_maps_.begin()) {
+      --it;
+      const auto offset = static_cast<std::uint64_t>(static_cast<const char*>(address) -
+                                                     static_cast<const char*>(it->first));
+      if (offset < it->second && offset + bytes > faults_.truncate_to) return -EFAULT;
+    }
+  }
+  return EnvWrapper::populate_read(address, bytes);
+}
+
 void* FaultEnv::map_anonymous(std::size_t bytes, int extra_flags, int* err) {
   if (faults_.fail_map_at != 0 && ++maps_ == faults_.fail_map_at) {
     *err = ENOMEM;
@@ -64,6 +97,13 @@ void* FaultEnv::map_anonymous(std::size_t bytes, int extra_flags, int* err) {
 }
 
 int FaultEnv::unmap(void* address, std::size_t bytes) {
+  {
+    std::lock_guard lock(mu_);
+    if (file_maps_.erase(address) != 0) {
+      file_mapped_bytes_ -= static_cast<std::int64_t>(bytes);
+      return EnvWrapper::unmap(address, bytes);
+    }
+  }
   mapped_bytes_ -= static_cast<std::int64_t>(bytes);
   return EnvWrapper::unmap(address, bytes);
 }

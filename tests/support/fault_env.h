@@ -19,15 +19,21 @@ struct Faults {
   int read_errno = 5;  // EIO
   // Every pread returns at most this many bytes; 0: no limit.
   std::uint64_t short_read_bytes = 0;
-  // Every other pread first fails with EINTR.
+  // Every other pread and populate_read first fails with EINTR.
   bool eintr_every_other = false;
   // open(O_DIRECT) fails with EINVAL.
   bool refuse_direct_open = false;
   // The first pread on an O_DIRECT descriptor fails with EINVAL.
   bool refuse_direct_first_read = false;
-  // Reads see the file as if cut to this many bytes; UINT64_MAX: off.
+  // Reads see the file as if cut to this many bytes, and populating a
+  // mapping past it fails with EFAULT, as after a real truncation;
+  // UINT64_MAX: off.
   std::uint64_t truncate_to = UINT64_MAX;
-  // Delay every pread by this many microseconds.
+  // map_file fails with ENOMEM.
+  bool refuse_map_file = false;
+  // Every populate_read fails with this errno; 0: never.
+  int populate_errno = 0;
+  // Delay every pread and populate_read by this many microseconds.
   std::uint32_t read_delay_us = 0;
   // The Nth map_anonymous (1-based) fails with ENOMEM; 0: never.
   std::uint64_t fail_map_at = 0;
@@ -42,6 +48,8 @@ class FaultEnv : public EnvWrapper {
   int open_read(const std::string& path, int extra_flags) override;
   int close(int fd) override;
   std::int64_t pread(int fd, void* buffer, std::size_t bytes, std::uint64_t offset) override;
+  const void* map_file(int fd, std::size_t bytes, int* err) override;
+  int populate_read(const void* address, std::size_t bytes) override;
   void* map_anonymous(std::size_t bytes, int extra_flags, int* err) override;
   int unmap(void* address, std::size_t bytes) override;
   int lock(void* address, std::size_t bytes) override;
@@ -50,7 +58,9 @@ class FaultEnv : public EnvWrapper {
   std::uint64_t bytes_read() const { return bytes_read_; }
   std::uint64_t direct_opens() const { return direct_opens_; }
   int open_fds() const;
-  std::int64_t mapped_bytes() const { return mapped_bytes_; }
+  std::int64_t mapped_bytes() const { return mapped_bytes_; }         // anonymous memory held
+  std::int64_t file_mapped_bytes() const { return file_mapped_bytes_; }  // file mappings held
+  std::uint64_t populates() const { return populates_; }
 
  private:
   Faults faults_;
@@ -59,7 +69,10 @@ class FaultEnv : public EnvWrapper {
   std::atomic<std::uint64_t> maps_{0};
   std::atomic<std::uint64_t> direct_opens_{0};
   std::atomic<std::int64_t> mapped_bytes_{0};
+  std::atomic<std::int64_t> file_mapped_bytes_{0};
+  std::atomic<std::uint64_t> populates_{0};
   mutable std::mutex mu_;
+  std::map<const void*, std::size_t> file_maps_;  // address -> bytes
   std::set<int> open_;
   std::set<int> direct_;
   std::set<int> direct_read_once_;
