@@ -8,9 +8,11 @@
 //   fio       fio direct reads of the same files (bs 2M, iodepth 32 and 1, libaio):
 //             the ceiling of a cold load
 //   buffered  a plain single-thread read() of the files, cold then warm
-//   cold      pinload loads after dropping the page cache, --repeat times; the first
-//             goes into a fresh pool, the others re-load after an unload
+//   cold      pinload loads after dropping the page cache: a first load into a fresh
+//             pool, then --repeat re-loads after an unload, each in a round with fio
 //   warm      pinload loads with the files in the page cache, --repeat times
+//   cached-read  in each warm round, also a load with --cached-read map and one
+//             with pread (Note [Mapped reads] in loader.h)
 //   pool      a fresh pool reserving the checkpoint's blocks, timed alone: what a
 //             first load pays before its first read. It runs after a cache drop and
 //             --pool-settle idle seconds: in a VM with free page reporting
@@ -37,6 +39,8 @@
 // (virtio-blk here: max_segments 254), so the kernel splits it. pinload's pool
 // is THP-backed, so its reads go out whole. With --hugetlb, fio also runs with
 // huge-page buffers (--iomem=shmhuge), which removes that difference.
+//
+// The cold target: Note [Comparing with fio] in fio_compare.h.
 //
 // Cold means: sync + `echo 1 > /proc/sys/vm/drop_caches` where that is writable
 // (root), otherwise posix_fadvise(POSIX_FADV_DONTNEED) on every file; the report
@@ -75,6 +79,7 @@
 #include "pinload/model_cache.h"
 #include "pinload/pool.h"
 #include "cli/size_arg.h"
+#include "fio_compare.h"
 
 namespace {
 
@@ -86,10 +91,13 @@ constexpr const char* kUsage =
     "  --threads N            reader threads (default 8)\n"
     "  --block-size B         bytes per read, K/M suffix (default 2M)\n"
     "  --direct auto|on|off   O_DIRECT policy (default auto)\n"
+    "  --cached-read auto|map|pread   files in the page cache: the faster of the two measured,\n"
+    "                         copied from a mapping, or pread (default auto)\n"
     "  --repeat N             runs per measurement (default 3)\n"
     "  --huge-pages off|thp|explicit   pool memory (default thp)\n"
     "  --lock on|off          mlock the pool's memory (default off, as the library's host pools)\n"
-    "  --phases LIST          comma list of memcpy,fio,buffered,cold,warm,pool,sweep,device,switch\n"
+    "  --phases LIST          comma list of memcpy,fio,buffered,cold,warm,cached-read,pool,sweep,\n"
+    "                         device,switch\n"
     "                         (default all but sweep and switch; device only with --device)\n"
     "  --device SPEC          also load to cuda:N or sim (the CPU stand-in): adds the device phase\n"
     "  --streams N            copy streams (default 2)\n"
@@ -140,7 +148,7 @@ struct Args {
   pinload::LoadOptions load;
   int repeat = 3;
   pinload::HugePages huge_pages = pinload::HugePages::kTransparent;
-  std::vector<std::string> phases = {"memcpy", "fio", "buffered", "cold", "warm", "pool"};
+  std::vector<std::string> phases = {"memcpy", "fio", "buffered", "cold", "warm", "cached-read", "pool"};
   std::vector<unsigned> sweep_threads = {1, 2, 4, 8, 16};
   std::vector<std::size_t> sweep_blocks = {256u << 10, 1u << 20, 2u << 20, 8u << 20};
   int sweep_repeat = 1;
@@ -168,6 +176,10 @@ const char* huge_pages_name(pinload::HugePages h) {
     case pinload::HugePages::kExplicit: return "explicit";
   }
   return "?";
+}
+
+const char* cached_read_name(pinload::CachedRead c) {
+  return c == pinload::CachedRead::kAuto ? "auto" : c == pinload::CachedRead::kMap ? "map" : "pread";
 }
 
 const char* direct_name(pinload::DirectIo d) {
@@ -200,6 +212,12 @@ Args parse_args(int argc, char** argv) {
       else if (v == "on") a.load.direct = pinload::DirectIo::kOn;
       else if (v == "off") a.load.direct = pinload::DirectIo::kOff;
       else throw UsageError("--direct takes auto, on or off");
+    } else if (s == "--cached-read") {
+      const std::string v = value();
+      if (v == "auto") a.load.cached_read = pinload::CachedRead::kAuto;
+      else if (v == "map") a.load.cached_read = pinload::CachedRead::kMap;
+      else if (v == "pread") a.load.cached_read = pinload::CachedRead::kPread;
+      else throw UsageError("--cached-read takes auto, map or pread");
     } else if (s == "--repeat") {
       a.repeat = std::max(1, std::stoi(value()));
     } else if (s == "--huge-pages") {
@@ -212,7 +230,7 @@ Args parse_args(int argc, char** argv) {
       a.phases = split(value());
       for (const auto& p : a.phases) {
         if (p != "memcpy" && p != "fio" && p != "buffered" && p != "cold" && p != "warm" && p != "pool" &&
-            p != "sweep" && p != "device" && p != "switch") {
+            p != "sweep" && p != "device" && p != "switch" && p != "cached-read") {
           throw UsageError("unknown phase '" + p + "'");
         }
       }
@@ -802,6 +820,7 @@ int run(const Args& args) {
   out["options"] = {{"threads", args.load.threads},
                     {"block_size", args.load.block_size},
                     {"direct", direct_name(args.load.direct)},
+                    {"cached_read", cached_read_name(args.load.cached_read)},
                     {"files_in_flight", args.load.files_in_flight},
                     {"repeat", args.repeat},
                     {"huge_pages", huge_pages_name(args.huge_pages)},
@@ -902,70 +921,93 @@ int run(const Args& args) {
   };
 
   // ---- cold rounds: fio and pinload interleaved, so that both see the same
-  // storage weather (this is a shared machine); ratios are taken per round ----
+  // storage weather (this is a shared machine); ratios are taken per round.
+  // Note [Comparing with fio] ----
   std::map<std::string, Series> fio;
   std::string fio_error;
   const bool do_fio = args.has("fio"), do_cold = args.has("cold");
-  std::vector<double> round_ratio;  // pinload cold / best reference fio of the same round (re-loads only)
-  std::vector<double> round_ratio_parallel;
+  const auto rounds = static_cast<std::size_t>(std::max(args.repeat, 0));
+  pinload::bench::ColdRounds cold_rounds;
+  cold_rounds.fio.resize(rounds);
+  cold_rounds.pinload.assign(rounds, 0);
   if (do_fio || do_cold) {
-    std::cerr << "[cold rounds] " << args.repeat << " x (" << (do_fio ? "fio iodepth 32, 1, parallel; " : "")
+    std::cerr << "[cold rounds] " << (do_cold ? "1 first load, then " : "") << rounds << " x ("
+              << (do_fio ? "fio iodepth 32, 1, parallel; " : "")
               << (do_cold ? "pinload " + std::to_string(args.load.threads) + " threads, block " +
                                 size_name(args.load.block_size) + ", direct " + direct_name(args.load.direct)
                           : std::string())
-              << ")\n";
+              << "), alternating which goes first\n";
   }
-  for (int r = 0; r < args.repeat && (do_fio || do_cold); ++r) {
-    double round_fio = 0, round_parallel = 0;
-    if (do_fio && fio_error.empty()) {
+  auto cold_load = [&](const char* what) {
+    const double resident = drop();
+    Sample s = pinload_load(args.paths, args.load, pool);
+    s.extra["resident_before"] = resident;
+    log_sample(what, s);
+    const double gbps = s.gbps;
+    record(&cold, std::move(s));
+    return gbps;
+  };
+  // The first load fills a fresh pool: it is reported alone, and every round
+  // then compares a re-load with fio.
+  if (do_cold) cold_load("pinload cold, fresh pool");
+  for (std::size_t r = 0; r < rounds && (do_fio || do_cold); ++r) {
+    auto run_fio = [&] {
+      if (!do_fio || !fio_error.empty()) return;
       for (const char* v : kFioVariants) {
         if (std::string(v).ends_with("_hugebuf") && meminfo("HugePages_Free") < 72) continue;
         drop();
         auto s = fio_read(files, v, args.fio_runtime, &fio_error);
         if (!s) {
           std::cerr << "  fio skipped: " << fio_error << "\n";
-          break;
+          return;
         }
         log_sample(std::string("fio ") + v, *s);
-        if (std::string(v) == "parallel") round_parallel = s->gbps;
-        else round_fio = std::max(round_fio, s->gbps);
+        s->extra["round"] = r;
+        cold_rounds.fio[r][v] = s->gbps;
         fio[v].runs.push_back(std::move(*s));
       }
-    }
-    if (do_cold) {
-      const double resident = drop();
-      Sample s = pinload_load(args.paths, args.load, pool);
-      s.extra["resident_before"] = resident;
-      const bool fresh = !first.has_value();
-      log_sample(fresh ? "pinload cold, fresh pool" : "pinload cold, re-load", s);
-      if (!fresh && round_fio > 0) round_ratio.push_back(s.gbps / round_fio);
-      if (!fresh && round_parallel > 0) round_ratio_parallel.push_back(s.gbps / round_parallel);
-      record(&cold, std::move(s));
+    };
+    auto run_pinload = [&] {
+      if (do_cold) cold_rounds.pinload[r] = cold_load("pinload cold, re-load");
+    };
+    if (r % 2 == 0) {
+      run_fio();
+      run_pinload();
+    } else {
+      run_pinload();
+      run_fio();
     }
   }
-  double fio_best = 0, fio_parallel_best = 0, fio_median = 0, fio_hugebuf_best = 0;
+  const pinload::bench::FioComparison vs_fio = pinload::bench::compare_with_fio(cold_rounds);
+  double fio_best = 0, fio_parallel_best = 0, fio_hugebuf_best = 0;
   if (do_fio) {
     json fio_j;
     if (!fio_error.empty()) fio_j["error"] = fio_error;
     for (auto& [k, series] : fio) {
       fio_j[k] = series.to_json();
       fio_j[k]["command"] = series.runs.front().extra["command"];
-      if (k == "parallel") {
-        fio_parallel_best = series.best();
-      } else {
-        fio_best = std::max(fio_best, series.best());
-        fio_median = std::max(fio_median, series.median());
-        if (k.ends_with("_hugebuf")) fio_hugebuf_best = std::max(fio_hugebuf_best, series.best());
-      }
+      if (k == pinload::bench::kFioParallelVariant) fio_parallel_best = series.best();
+      else if (k.ends_with("_hugebuf")) fio_hugebuf_best = std::max(fio_hugebuf_best, series.best());
     }
-    fio_j["best_gbps"] = fio_best;  // of iodepth 32 and 1, numjobs 1 (huge-page buffers included)
+    fio_best = vs_fio.fio_best_any;
+    fio_j["best_gbps"] = fio_best;  // of every iodepth 32 and 1 run, numjobs 1 (huge-page buffers included)
     fio_j["hugebuf_best_gbps"] = fio_hugebuf_best;
     fio_j["parallel_best_gbps"] = fio_parallel_best;
+    if (!vs_fio.reference.empty()) {
+      fio_j["reference"] = vs_fio.reference;  // Note [Comparing with fio]
+      fio_j["reference_best_gbps"] = vs_fio.reference_best;
+      fio_j["reference_median_gbps"] = vs_fio.reference_median;
+    }
     results["fio"] = fio_j;
   }
 
   // ---- warm ----
   std::vector<double> warm_round_ratio;  // pinload warm / memcpy of the same round
+  // The same rounds with each forced CachedRead (Note [Mapped reads]).
+  std::map<std::string, Series> warm_forced;
+  std::vector<double> warm_map_over_pread;
+  const std::pair<const char*, pinload::CachedRead> kForced[] = {{"map", pinload::CachedRead::kMap},
+                                                                 {"pread", pinload::CachedRead::kPread}};
   if (args.has("warm")) {
     std::cerr << "[pinload warm]\n";
     buffered_read(files);  // bring the files into the page cache
@@ -983,8 +1025,21 @@ int run(const Args& args) {
       }
       log_sample("warm", s);
       record(&warm, std::move(s));
+      if (args.has("cached-read")) {
+        double round_gbps[2] = {0, 0};
+        for (std::size_t m = 0; m < 2; ++m) {
+          pinload::LoadOptions forced = args.load;
+          forced.cached_read = kForced[m].second;
+          Sample o = pinload_load(args.paths, forced, pool);
+          log_sample(std::string("warm, --cached-read ") + kForced[m].first, o);
+          round_gbps[m] = o.gbps;
+          warm_forced[kForced[m].first].runs.push_back(std::move(o));
+        }
+        warm_map_over_pread.push_back(round_gbps[0] / round_gbps[1]);
+      }
     }
   }
+  for (const auto& [name, series] : warm_forced) results["pinload_warm_cached_read_" + name] = series.to_json();
 
   // Cold without the fresh-pool run: the steady state of a server re-loading.
   Series cold_reused;
@@ -1190,20 +1245,24 @@ int run(const Args& args) {
 
   // ---- ratios and targets ----
   json ratios, targets;
-  if (!cold_reused.empty() && fio_best > 0) {
-    ratios["cold_best_over_fio_best"] = cold_reused.best() / fio_best;
-    ratios["cold_median_over_fio_median"] = cold_reused.median() / fio_median;
-    if (!round_ratio.empty()) ratios["cold_over_fio_same_round_median"] = median_of(round_ratio);
-    targets["cold_ge_0.9_fio"] = cold_reused.best() / fio_best >= 0.9;
+  if (vs_fio.reference_best > 0 && vs_fio.pinload_best > 0) {
+    // Note [Comparing with fio]: the target is on the reference variant.
+    ratios["cold_best_over_fio_reference_best"] = vs_fio.best_over_reference_best();
+    if (vs_fio.same_round_reference) {
+      ratios["cold_over_fio_reference_same_round_median"] = *vs_fio.same_round_reference;
+    }
+    ratios["cold_best_over_fio_best"] = vs_fio.pinload_best / vs_fio.fio_best_any;
+    if (vs_fio.same_round_best_variant) {
+      ratios["cold_over_fio_best_variant_same_round_median"] = *vs_fio.same_round_best_variant;
+    }
+    targets["cold_ge_0.9_fio"] = vs_fio.meets(0.9);
   }
   if (!cold.empty() && fio_best > 0 && cold.runs.front().extra.value("fresh_pool", false)) {
     ratios["cold_fresh_pool_over_fio_best"] = cold.runs.front().gbps / fio_best;
   }
-  if (!cold_reused.empty() && fio_parallel_best > 0) {
-    ratios["cold_best_over_fio_parallel_best"] = cold_reused.best() / fio_parallel_best;
-    if (!round_ratio_parallel.empty()) {
-      ratios["cold_over_fio_parallel_same_round_median"] = median_of(round_ratio_parallel);
-    }
+  if (vs_fio.same_round_parallel) {
+    ratios["cold_best_over_fio_parallel_best"] = vs_fio.pinload_best / fio_parallel_best;
+    ratios["cold_over_fio_parallel_same_round_median"] = *vs_fio.same_round_parallel;
   }
   if (!cold_reused.empty() && buffered_cold > 0) ratios["cold_over_read_1thread_cold"] = cold_reused.best() / buffered_cold;
   if (!warm.empty() && memcpy_multi > 0) {
@@ -1214,6 +1273,7 @@ int run(const Args& args) {
     targets["warm_ge_0.8_memcpy"] = warm.best() / std::max(memcpy_multi, memcpy_single) >= 0.8;
   }
   if (!warm.empty() && buffered_warm > 0) ratios["warm_over_read_1thread_warm"] = warm.best() / buffered_warm;
+  if (!warm_map_over_pread.empty()) ratios["warm_map_over_pread_same_round_median"] = median_of(warm_map_over_pread);
   if (reloads > 0) targets["reload_zero_new_os_reservations"] = reload_new_reservations == 0;
   if (device_results) {
     ratios.update(device_results->ratios);
@@ -1265,6 +1325,9 @@ int run(const Args& args) {
     }
   }
   if (!warm.empty()) row("pinload warm (" + cfg + ")", warm.best(), warm.median(), warm.runs.size());
+  for (const auto& [name, series] : warm_forced) {
+    row("pinload warm, --cached-read " + name, series.best(), series.median(), series.runs.size());
+  }
   if (results.contains("pool_reserve")) {
     const json& pr = results["pool_reserve"];
     row("fresh pool: reserve" + std::string(pr["locked"].get<bool>() ? " + mlock" : "") + " + touch, no I/O",
