@@ -22,11 +22,11 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 constexpr std::uint32_t kFallbackDirectAlign = 4096;
+constexpr int kResidencySamples = 64;
 
 std::uint64_t nanoseconds_since(Clock::time_point start) {
   return static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count());
 }
-constexpr int kResidencySamples = 64;
 
 // Keeps the first error of many workers.
 class FirstError {
