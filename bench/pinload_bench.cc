@@ -78,6 +78,7 @@
 #include "pinload/loader.h"
 #include "pinload/model_cache.h"
 #include "pinload/pool.h"
+#include "cli/load_option_args.h"
 #include "cli/size_arg.h"
 #include "fio_compare.h"
 
@@ -178,18 +179,8 @@ const char* huge_pages_name(pinload::HugePages h) {
   return "?";
 }
 
-const char* cached_read_name(pinload::CachedRead c) {
-  return c == pinload::CachedRead::kAuto ? "auto" : c == pinload::CachedRead::kMap ? "map" : "pread";
-}
-
-const char* direct_name(pinload::DirectIo d) {
-  switch (d) {
-    case pinload::DirectIo::kAuto: return "auto";
-    case pinload::DirectIo::kOn: return "on";
-    case pinload::DirectIo::kOff: return "off";
-  }
-  return "?";
-}
+using pinload::cli::cached_read_arg_name;
+using pinload::cli::direct_arg_name;
 
 Args parse_args(int argc, char** argv) {
   Args a;
@@ -207,17 +198,13 @@ Args parse_args(int argc, char** argv) {
     } else if (s == "--block-size") {
       a.load.block_size = parse_size(value());
     } else if (s == "--direct") {
-      const std::string v = value();
-      if (v == "auto") a.load.direct = pinload::DirectIo::kAuto;
-      else if (v == "on") a.load.direct = pinload::DirectIo::kOn;
-      else if (v == "off") a.load.direct = pinload::DirectIo::kOff;
-      else throw UsageError("--direct takes auto, on or off");
+      const auto d = pinload::cli::parse_direct_arg(value());
+      if (!d) throw UsageError("--direct takes auto, on or off");
+      a.load.direct = *d;
     } else if (s == "--cached-read") {
-      const std::string v = value();
-      if (v == "auto") a.load.cached_read = pinload::CachedRead::kAuto;
-      else if (v == "map") a.load.cached_read = pinload::CachedRead::kMap;
-      else if (v == "pread") a.load.cached_read = pinload::CachedRead::kPread;
-      else throw UsageError("--cached-read takes auto, map or pread");
+      const auto c = pinload::cli::parse_cached_read_arg(value());
+      if (!c) throw UsageError("--cached-read takes auto, map or pread");
+      a.load.cached_read = *c;
     } else if (s == "--repeat") {
       a.repeat = std::max(1, std::stoi(value()));
     } else if (s == "--huge-pages") {
@@ -477,11 +464,9 @@ struct Series {
     return b;
   }
   double median() const {
-    if (runs.empty()) return 0;
     std::vector<double> v;
     for (const auto& s : runs) v.push_back(s.gbps);
-    std::sort(v.begin(), v.end());
-    return v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
+    return pinload::bench::median(std::move(v)).value_or(0);
   }
   json to_json() const {
     json j;
@@ -654,11 +639,7 @@ void log_sample(const std::string& what, const Sample& s) {
   std::cerr << "\n";
 }
 
-double median_of(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  return v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
-}
+double median_of(std::vector<double> v) { return pinload::bench::median(std::move(v)).value_or(0); }
 
 // ---- device ----
 
@@ -819,8 +800,8 @@ int run(const Args& args) {
   out["file_bytes"] = file_bytes;
   out["options"] = {{"threads", args.load.threads},
                     {"block_size", args.load.block_size},
-                    {"direct", direct_name(args.load.direct)},
-                    {"cached_read", cached_read_name(args.load.cached_read)},
+                    {"direct", direct_arg_name(args.load.direct)},
+                    {"cached_read", cached_read_arg_name(args.load.cached_read)},
                     {"files_in_flight", args.load.files_in_flight},
                     {"repeat", args.repeat},
                     {"huge_pages", huge_pages_name(args.huge_pages)},
@@ -927,29 +908,27 @@ int run(const Args& args) {
   std::string fio_error;
   const bool do_fio = args.has("fio"), do_cold = args.has("cold");
   const auto rounds = static_cast<std::size_t>(std::max(args.repeat, 0));
-  pinload::bench::ColdRounds cold_rounds;
-  cold_rounds.fio.resize(rounds);
-  cold_rounds.pinload.assign(rounds, 0);
   if (do_fio || do_cold) {
     std::cerr << "[cold rounds] " << (do_cold ? "1 first load, then " : "") << rounds << " x ("
               << (do_fio ? "fio iodepth 32, 1, parallel; " : "")
               << (do_cold ? "pinload " + std::to_string(args.load.threads) + " threads, block " +
-                                size_name(args.load.block_size) + ", direct " + direct_name(args.load.direct)
+                                size_name(args.load.block_size) + ", direct " + direct_arg_name(args.load.direct)
                           : std::string())
               << "), alternating which goes first\n";
   }
-  auto cold_load = [&](const char* what) {
+  // Each sample of a round carries extra["round"], from which the comparison
+  // with fio is built.
+  auto cold_load = [&](const char* what, std::optional<std::size_t> round) {
     const double resident = drop();
     Sample s = pinload_load(args.paths, args.load, pool);
     s.extra["resident_before"] = resident;
+    if (round) s.extra["round"] = *round;
     log_sample(what, s);
-    const double gbps = s.gbps;
     record(&cold, std::move(s));
-    return gbps;
   };
   // The first load fills a fresh pool: it is reported alone, and every round
   // then compares a re-load with fio.
-  if (do_cold) cold_load("pinload cold, fresh pool");
+  if (do_cold) cold_load("pinload cold, fresh pool", std::nullopt);
   for (std::size_t r = 0; r < rounds && (do_fio || do_cold); ++r) {
     auto run_fio = [&] {
       if (!do_fio || !fio_error.empty()) return;
@@ -963,12 +942,11 @@ int run(const Args& args) {
         }
         log_sample(std::string("fio ") + v, *s);
         s->extra["round"] = r;
-        cold_rounds.fio[r][v] = s->gbps;
         fio[v].runs.push_back(std::move(*s));
       }
     };
     auto run_pinload = [&] {
-      if (do_cold) cold_rounds.pinload[r] = cold_load("pinload cold, re-load");
+      if (do_cold) cold_load("pinload cold, re-load", r);
     };
     if (r % 2 == 0) {
       run_fio();
@@ -977,6 +955,15 @@ int run(const Args& args) {
       run_pinload();
       run_fio();
     }
+  }
+  pinload::bench::ColdRounds cold_rounds;
+  cold_rounds.fio.resize(rounds);
+  cold_rounds.pinload.assign(rounds, 0);
+  for (const auto& [variant, series] : fio) {
+    for (const Sample& s : series.runs) cold_rounds.fio[s.extra["round"].get<std::size_t>()][variant] = s.gbps;
+  }
+  for (const Sample& s : cold.runs) {
+    if (s.extra.contains("round")) cold_rounds.pinload[s.extra["round"].get<std::size_t>()] = s.gbps;
   }
   const pinload::bench::FioComparison vs_fio = pinload::bench::compare_with_fio(cold_rounds);
   double fio_best = 0, fio_parallel_best = 0, fio_hugebuf_best = 0;
@@ -1315,7 +1302,7 @@ int run(const Args& args) {
     row("read(), 1 thread, 1 MiB, warm", buffered_warm, 0, 1);
   }
   const std::string cfg = std::to_string(args.load.threads) + " thr, " + size_name(args.load.block_size) + ", direct " +
-                          direct_name(args.load.direct);
+                          direct_arg_name(args.load.direct);
   if (!cold.empty()) {
     if (cold.runs.front().extra.value("fresh_pool", false)) {
       row("pinload cold, fresh pool (" + cfg + ")", cold.runs.front().gbps, 0, 1);

@@ -2,7 +2,7 @@
 // the page cache (Note [Mapped reads] in loader.h).
 //
 // Copying from a mapping wins by about 1.4x where the page cache holds large
-// folios and loses by about 1.2x where it holds 4 KiB pages (each then costs
+// folios and runs at about 0.6-0.7x pread where it holds 4 KiB pages (each then costs
 // a page-table entry to populate and to tear down); which one a machine has
 // depends on how and when the file was read in. So under CachedRead::kAuto
 // the first chunks alternate between the two, and after that each chunk takes

@@ -92,6 +92,9 @@ void open_for_load(Env* env, const CheckpointFile& cf, const LoadOptions& option
                   std::to_string(f->stat.size) + " bytes after its header was read",
                   ErrorContext{cf.path});
   }
+  // The residency decides direct or buffered (kAuto) and whether a buffered
+  // file is mapped (unless kPread); kOff with kPread needs neither.
+  if (options.direct == DirectIo::kOff && options.cached_read == CachedRead::kPread) return;
   if (options.direct != DirectIo::kOn) {
     const double resident = env->resident_fraction(f->buffered_fd.get(), f->stat.size, kResidencySamples);
     const bool cached = resident >= options.resident_threshold;

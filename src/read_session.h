@@ -97,7 +97,7 @@ struct OpenFile {
   FileStat stat;
   ScopedFd direct_fd;
   ScopedFd buffered_fd;
-  FileMapping mapping;  // buffered files in the page cache, under CachedRead::kMap
+  FileMapping mapping;  // buffered files in the page cache, unless CachedRead::kPread
   std::atomic<bool> direct{false};
   std::mutex mu;  // guards opening buffered_fd
   std::shared_ptr<Block> block;                 // host and kCached loads

@@ -12,6 +12,7 @@
 #include <thread>
 #include <vector>
 
+#include "cli/load_option_args.h"
 #include "cli/progress.h"
 #include "cli/size_arg.h"
 #include "pinload/checkpoint.h"
@@ -87,17 +88,13 @@ Args parse_args(int argc, char** argv) {
     }
     else if (a == "--numa-node") args.load.numa.node = parse_numa_node(value());
     else if (a == "--direct") {
-      const std::string v = value();
-      if (v == "auto") args.load.direct = DirectIo::kAuto;
-      else if (v == "on") args.load.direct = DirectIo::kOn;
-      else if (v == "off") args.load.direct = DirectIo::kOff;
-      else throw UsageError("--direct takes auto, on or off");
+      const auto d = parse_direct_arg(value());
+      if (!d) throw UsageError("--direct takes auto, on or off");
+      args.load.direct = *d;
     } else if (a == "--cached-read") {
-      const std::string v = value();
-      if (v == "auto") args.load.cached_read = CachedRead::kAuto;
-      else if (v == "map") args.load.cached_read = CachedRead::kMap;
-      else if (v == "pread") args.load.cached_read = CachedRead::kPread;
-      else throw UsageError("--cached-read takes auto, map or pread");
+      const auto c = parse_cached_read_arg(value());
+      if (!c) throw UsageError("--cached-read takes auto, map or pread");
+      args.load.cached_read = *c;
     } else if (a == "--") {
       for (++i; i < argc; ++i) args.paths.emplace_back(argv[i]);
     } else if (a.size() > 1 && a[0] == '-') {
