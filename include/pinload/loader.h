@@ -22,7 +22,7 @@
 // (MADV_POPULATE_READ) and copied into its block with non-temporal stores.
 // Where the page cache holds large folios that copy runs at memcpy's rate,
 // about 1.4x pread's copy_to_user; where it holds 4 KiB pages, populating and
-// tearing down a page-table entry per page makes it about 0.8x pread
+// tearing down a page-table entry per page makes it about 0.6-0.7x pread
 // (docs/tuning.md). Which a machine has depends on how the file was read in,
 // so CachedRead::kAuto (the default) times both on the load's first chunks and
 // then takes the faster (cached_read_chooser.h); kMap and kPread force one.
@@ -120,8 +120,8 @@ struct LoadOptions {
   std::size_t block_size = kDefaultBlockSize;
   DirectIo direct = DirectIo::kAuto;
   std::size_t files_in_flight = 2;  // shards read at once
-  // kAuto: a file at least this resident in the page cache is read buffered
-  // (and, under kMap, so is a buffered file mapped).
+  // A file at least this resident in the page cache is read buffered under
+  // DirectIo::kAuto, and a buffered one is mapped unless CachedRead::kPread.
   double resident_threshold = 0.5;
   CachedRead cached_read = CachedRead::kAuto;
   ResolveOptions resolve;
