@@ -94,6 +94,7 @@ constexpr const char* kUsage =
     "  --direct auto|on|off   O_DIRECT policy (default auto)\n"
     "  --cached-read auto|map|pread   files in the page cache: the faster of the two measured,\n"
     "                         copied from a mapping, or pread (default auto)\n"
+    "  --mapped-chunk-blocks N   blocks per chunk of a file copied from a mapping (default 4)\n"
     "  --repeat N             runs per measurement (default 3)\n"
     "  --huge-pages off|thp|explicit   pool memory (default thp)\n"
     "  --lock on|off          mlock the pool's memory (default off, as the library's host pools)\n"
@@ -197,6 +198,8 @@ Args parse_args(int argc, char** argv) {
       a.load.threads = static_cast<unsigned>(parse_size(value()));
     } else if (s == "--block-size") {
       a.load.block_size = parse_size(value());
+    } else if (s == "--mapped-chunk-blocks") {
+      a.load.mapped_chunk_blocks = static_cast<unsigned>(std::clamp<std::size_t>(parse_size(value()), 1, 64));
     } else if (s == "--direct") {
       const auto d = pinload::cli::parse_direct_arg(value());
       if (!d) throw UsageError("--direct takes auto, on or off");
@@ -802,6 +805,7 @@ int run(const Args& args) {
                     {"block_size", args.load.block_size},
                     {"direct", direct_arg_name(args.load.direct)},
                     {"cached_read", cached_read_arg_name(args.load.cached_read)},
+                    {"mapped_chunk_blocks", args.load.mapped_chunk_blocks},
                     {"files_in_flight", args.load.files_in_flight},
                     {"repeat", args.repeat},
                     {"huge_pages", huge_pages_name(args.huge_pages)},

@@ -26,6 +26,11 @@
 // (docs/tuning.md). Which a machine has depends on how the file was read in,
 // so CachedRead::kAuto (the default) times both on the load's first chunks and
 // then takes the faster (cached_read_chooser.h); kMap and kPread force one.
+// A mapped file's chunks are mapped_chunk_blocks blocks long (8 MiB by
+// default): each chunk's page-table entries are dropped (MADV_DONTNEED) once
+// it is copied, and each drop is a TLB shootdown across the load's threads,
+// which at 2 MiB per chunk cost 10-15% of a copy from large folios.
+// Streaming loads keep block_size chunks, the size of their staging blocks.
 // The mapping never turns a file that shrank under the load into a crash:
 // populating a range the file lost fails with EFAULT, and a SIGBUS during the
 // copy (the file cut between populate and copy) ends that copy
@@ -94,6 +99,7 @@ enum class CachedRead { kAuto, kMap, kPread };
 
 inline constexpr unsigned kDefaultThreads = 8;
 inline constexpr std::size_t kDefaultBlockSize = 2u << 20;
+inline constexpr unsigned kDefaultMappedChunkBlocks = 4;
 
 enum class DeviceMode { kCached, kStreaming };
 
@@ -124,6 +130,7 @@ struct LoadOptions {
   // DirectIo::kAuto, and a buffered one is mapped unless CachedRead::kPread.
   double resident_threshold = 0.5;
   CachedRead cached_read = CachedRead::kAuto;
+  unsigned mapped_chunk_blocks = kDefaultMappedChunkBlocks;  // blocks per chunk of a mapped file
   ResolveOptions resolve;
   DeviceTarget target;  // Note [Device loads]
   NumaOptions numa;
