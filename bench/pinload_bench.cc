@@ -12,7 +12,7 @@
 //             pool, then --repeat re-loads after an unload, each in a round with fio
 //   warm      pinload loads with the files in the page cache, --repeat times
 //   cached-read  in each warm round, also a load with --cached-read map and one
-//             with pread (Note [Mapped reads] in loader.h)
+//             with pread (Note [Mapped reads] in loader.h), in an order rotated by round
 //   pool      a fresh pool reserving the checkpoint's blocks, timed alone: what a
 //             first load pays before its first read. It runs after a cache drop and
 //             --pool-settle idle seconds: in a VM with free page reporting
@@ -1008,26 +1008,32 @@ int run(const Args& args) {
       const double round_memcpy = args.has("memcpy") ? std::max(memcpy_gbps(args.memcpy_bytes, 1, 1),
                                                                 memcpy_gbps(args.memcpy_bytes, cores, 1))
                                                      : 0;
-      Sample s = pinload_load(args.paths, args.load, pool);
-      s.extra["resident_before"] = resident;
-      if (round_memcpy > 0) {
-        s.extra["round_memcpy_gbps"] = round_memcpy;
-        warm_round_ratio.push_back(s.gbps / round_memcpy);
-      }
-      log_sample("warm", s);
-      record(&warm, std::move(s));
-      if (args.has("cached-read")) {
-        double round_gbps[2] = {0, 0};
-        for (std::size_t m = 0; m < 2; ++m) {
-          pinload::LoadOptions forced = args.load;
-          forced.cached_read = kForced[m].second;
-          Sample o = pinload_load(args.paths, forced, pool);
-          log_sample(std::string("warm, --cached-read ") + kForced[m].first, o);
-          round_gbps[m] = o.gbps;
-          warm_forced[kForced[m].first].runs.push_back(std::move(o));
+      // The load as configured, then (cached-read) one with each forced
+      // CachedRead; the order rotates by round, so none always goes first.
+      const std::size_t loads = args.has("cached-read") ? 3 : 1;
+      double forced_gbps[2] = {0, 0};
+      for (std::size_t k = 0; k < loads; ++k) {
+        const std::size_t which = (k + static_cast<std::size_t>(r)) % loads;
+        if (which == 0) {
+          Sample s = pinload_load(args.paths, args.load, pool);
+          s.extra["resident_before"] = resident;
+          if (round_memcpy > 0) {
+            s.extra["round_memcpy_gbps"] = round_memcpy;
+            warm_round_ratio.push_back(s.gbps / round_memcpy);
+          }
+          log_sample("warm", s);
+          record(&warm, std::move(s));
+          continue;
         }
-        warm_map_over_pread.push_back(round_gbps[0] / round_gbps[1]);
+        const auto& [name, method] = kForced[which - 1];
+        pinload::LoadOptions forced = args.load;
+        forced.cached_read = method;
+        Sample o = pinload_load(args.paths, forced, pool);
+        log_sample(std::string("warm, --cached-read ") + name, o);
+        forced_gbps[which - 1] = o.gbps;
+        warm_forced[name].runs.push_back(std::move(o));
       }
+      if (loads == 3) warm_map_over_pread.push_back(forced_gbps[0] / forced_gbps[1]);
     }
   }
   for (const auto& [name, series] : warm_forced) results["pinload_warm_cached_read_" + name] = series.to_json();
