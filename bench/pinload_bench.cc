@@ -5,7 +5,7 @@
 //
 // Phases (--phases, default all but sweep):
 //   memcpy    memcpy bandwidth, one thread and all cores: the ceiling of a warm load
-//   fio       fio direct reads of the same files (bs 2M, iodepth 32 and 1, libaio):
+//   fio       fio direct reads of the same files (bs 2M, iodepth 32 and 1; bs 8M, iodepth 8; libaio):
 //             the ceiling of a cold load
 //   buffered  a plain single-thread read() of the files, cold then warm
 //   cold      pinload loads after dropping the page cache: a first load into a fresh
@@ -90,11 +90,10 @@ using Clock = std::chrono::steady_clock;
 constexpr const char* kUsage =
     "usage: pinload-bench [options] PATH...\n"
     "  --threads N            reader threads (default 8)\n"
-    "  --block-size B         bytes per read, K/M suffix (default 2M)\n"
+    "  --block-size B         bytes per read, K/M suffix (default 8M)\n"
     "  --direct auto|on|off   O_DIRECT policy (default auto)\n"
     "  --cached-read auto|map|pread   files in the page cache: the faster of the two measured,\n"
     "                         copied from a mapping, or pread (default auto)\n"
-    "  --mapped-chunk-blocks N   blocks per chunk of a file copied from a mapping (default 4)\n"
     "  --repeat N             runs per measurement (default 3)\n"
     "  --huge-pages off|thp|explicit   pool memory (default thp)\n"
     "  --lock on|off          mlock the pool's memory (default off, as the library's host pools)\n"
@@ -198,8 +197,6 @@ Args parse_args(int argc, char** argv) {
       a.load.threads = static_cast<unsigned>(parse_size(value()));
     } else if (s == "--block-size") {
       a.load.block_size = parse_size(value());
-    } else if (s == "--mapped-chunk-blocks") {
-      a.load.mapped_chunk_blocks = static_cast<unsigned>(std::clamp<std::size_t>(parse_size(value()), 1, 64));
     } else if (s == "--direct") {
       const auto d = pinload::cli::parse_direct_arg(value());
       if (!d) throw UsageError("--direct takes auto, on or off");
@@ -548,8 +545,21 @@ Sample buffered_read(const std::vector<std::string>& files) {
 //   "parallel": 4 jobs x iodepth 8, each reading a quarter of the bytes: what
 //               several concurrent streams (as pinload's threads) can get.
 //   "iodepth32_hugebuf", "iodepth1_hugebuf": the same with buffers in explicit
-//               huge pages (--iomem=shmhuge), where vm.nr_hugepages has room.
-const char* const kFioVariants[] = {"iodepth32", "iodepth1", "parallel", "iodepth32_hugebuf", "iodepth1_hugebuf"};
+//               huge pages (--iomem=shmhuge), where vm.nr_hugepages has room;
+//   "iodepth8_bs8M_hugebuf": bs 8M, iodepth 8, huge-page buffers: pinload's
+//               default request size and count (8 threads x 8 MiB) in one queue.
+const char* const kFioVariants[] = {"iodepth32",        "iodepth1",         "parallel",
+                                    "iodepth32_hugebuf", "iodepth1_hugebuf", "iodepth8_bs8M_hugebuf"};
+
+// The fio row's name in the summary table.
+std::string fio_variant_title(const std::string& v) {
+  std::string name = v == "parallel"                 ? "fio direct, bs 2M, 4 jobs x iodepth 8"
+                     : v.starts_with("iodepth32")    ? "fio direct, bs 2M, iodepth 32"
+                     : v.starts_with("iodepth8_bs8M") ? "fio direct, bs 8M, iodepth 8"
+                                                      : "fio direct, bs 2M, iodepth 1";
+  if (v.ends_with("_hugebuf")) name += ", huge-page buffers";
+  return name;
+}
 
 std::optional<Sample> fio_read(const std::vector<std::string>& files, const std::string& variant, int runtime,
                                std::string* error) {
@@ -562,8 +572,10 @@ std::optional<Sample> fio_read(const std::vector<std::string>& files, const std:
     }
   }
   std::string cmd = "fio --name=r --filename=" + shell_quote(names) +
-                    " --rw=read --direct=1 --bs=2M --ioengine=libaio --readonly --output-format=json";
+                    " --rw=read --direct=1 --ioengine=libaio --readonly --output-format=json";
+  cmd += variant.starts_with("iodepth8_bs8M") ? " --bs=8M" : " --bs=2M";
   if (variant.starts_with("iodepth32")) cmd += " --iodepth=32 --numjobs=1";
+  else if (variant.starts_with("iodepth8_bs8M")) cmd += " --iodepth=8 --numjobs=1";
   else if (variant.starts_with("iodepth1")) cmd += " --iodepth=1 --numjobs=1";
   else cmd += " --iodepth=8 --numjobs=4 --size=25% --offset_increment=25% --group_reporting";
   if (variant.ends_with("_hugebuf")) cmd += " --iomem=shmhuge";
@@ -805,7 +817,6 @@ int run(const Args& args) {
                     {"block_size", args.load.block_size},
                     {"direct", direct_arg_name(args.load.direct)},
                     {"cached_read", cached_read_arg_name(args.load.cached_read)},
-                    {"mapped_chunk_blocks", args.load.mapped_chunk_blocks},
                     {"files_in_flight", args.load.files_in_flight},
                     {"repeat", args.repeat},
                     {"huge_pages", huge_pages_name(args.huge_pages)},
@@ -1300,12 +1311,7 @@ int run(const Args& args) {
   }
   for (const char* v : kFioVariants) {
     if (!fio.count(v)) continue;
-    const std::string sv = v;
-    std::string name = sv == "parallel"            ? "fio direct, bs 2M, 4 jobs x iodepth 8"
-                       : sv.starts_with("iodepth32") ? "fio direct, bs 2M, iodepth 32"
-                                                     : "fio direct, bs 2M, iodepth 1";
-    if (sv.ends_with("_hugebuf")) name += ", huge-page buffers";
-    row(name, fio[v].best(), fio[v].median(), fio[v].runs.size());
+    row(fio_variant_title(v), fio[v].best(), fio[v].median(), fio[v].runs.size());
   }
   if (buffered_cold > 0) {
     row("read(), 1 thread, 1 MiB, cold", buffered_cold, 0, 1);

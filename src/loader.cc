@@ -152,7 +152,6 @@ Loader::Loader(LoadOptions options, std::shared_ptr<Pool> pool, Env* env)
       numa_(choose_numa_placement(options_)) {
   if (options_.threads == 0) options_.threads = 1;
   if (options_.block_size < 4096) options_.block_size = 4096;
-  if (options_.mapped_chunk_blocks == 0) options_.mapped_chunk_blocks = 1;
   Device* device = options_.target.device;
   if (!pool_) {
     LockedMemoryOptions host = kHostPoolMemory;  // Note [Locking host pools]

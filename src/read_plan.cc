@@ -12,8 +12,7 @@ ReadPlan make_read_plan(std::vector<FileRead> files, const PlanOptions& options)
     const std::uint64_t align = std::max<std::uint32_t>(f.alignment, 1);
     f.read_begin = f.data_offset / align * align;
     f.read_end = (f.file_size + align - 1) / align * align;
-    const std::uint64_t block = f.block_size != 0 ? f.block_size : options.block_size;
-    const std::uint64_t step = std::max<std::uint64_t>(align, block / align * align);
+    const std::uint64_t step = std::max<std::uint64_t>(align, options.block_size / align * align);
     for (std::uint64_t at = f.read_begin; at < f.file_size; at += step) {
       ReadChunk c;
       c.file = static_cast<std::uint32_t>(i);

@@ -292,10 +292,6 @@ std::unique_ptr<ReadSession> open_session(Env* env, const LoadOptions& options, 
     // Buffered reads use the same aligned ranges, so a file takes the same
     // block (size class) whether it was read direct or through the cache.
     r.alignment = std::max(f->stat.dio_offset_align, kFallbackDirectAlign);
-    // Larger chunks for copies from a mapping (Note [Mapped reads]).
-    if (!f->direct && f->mapping.valid() && !s->streaming) {
-      r.block_size = std::uint64_t{options.block_size} * std::max(options.mapped_chunk_blocks, 1u);
-    }
     (f->direct ? counters->files_direct : counters->files_buffered)++;
     if (!f->direct && f->mapping.valid()) counters->files_mapped++;
     reads.push_back(std::move(r));

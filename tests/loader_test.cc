@@ -202,27 +202,6 @@ TEST_F(LoaderTest, RandomCheckpointsOfEveryDtype) {
   }
 }
 
-// Note [Mapped reads]: a file copied from its mapping is cut into chunks of
-// mapped_chunk_blocks blocks, each populated once.
-TEST_F(LoaderTest, MappedFilesAreCopiedInChunksOfSeveralBlocks) {
-  const std::string path = dir_.file("chunks.safetensors");
-  std::mt19937_64 rng(7);
-  const FileImage image = testing::write_random_checkpoint(path, rng, 40);
-  ASSERT_GT(image.data.size(), 4 * 16 * KiB);  // several chunks at every size below
-  const std::uint64_t file_size = std::filesystem::file_size(path);
-  const std::uint64_t read_begin = (8 + image.header_json.size()) / 4096 * 4096;
-  for (const unsigned blocks : {1u, 3u, 4u}) {
-    LoadOptions o = load_options(2, 4 * KiB, Mode::kOff);
-    o.cached_read = CachedRead::kMap;
-    o.mapped_chunk_blocks = blocks;
-    const std::uint64_t before = env_.populates();
-    Loader loader(o, make_pool(), &env_);
-    expect_matches_file(loader.load({path}), path, image);
-    const std::uint64_t step = 4 * KiB * blocks;
-    EXPECT_EQ(env_.populates() - before, (file_size - read_begin + step - 1) / step) << blocks << " blocks";
-  }
-}
-
 TEST_F(LoaderTest, AsyncLoadReportsProgress) {
   const std::string& path = odd_model().path;
   const FileImage& image = odd_model().image;

@@ -478,7 +478,6 @@ LoadOptions small_blocks(const FakeSysfs* sysfs) {
   LoadOptions o;
   o.threads = 4;
   o.block_size = 16u << 10;  // many chunks, so that every reader reads
-  o.mapped_chunk_blocks = 1;  // files on tmpfs are mapped: keep their chunks small too
   if (sysfs != nullptr) o.numa.sysfs_root = sysfs->root();
   return o;
 }

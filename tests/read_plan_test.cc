@@ -91,20 +91,6 @@ TEST(ReadPlanTest, BufferedChunksStartAtTheDataSection) {
   expect_valid_plan(plan, 4 * KiB);
 }
 
-TEST(ReadPlanTest, AFileCanHaveItsOwnBlockSize) {
-  FileRead mapped = file(0, 40 * KiB, 4096);
-  mapped.block_size = 16 * KiB;
-  const ReadPlan plan = make_read_plan({file(0, 40 * KiB, 4096), mapped}, options(4 * KiB));
-  EXPECT_EQ(plan.files[0].chunk_count, 10u);
-  EXPECT_EQ(plan.files[1].chunk_count, 3u);  // 16 + 16 + 8 KiB
-  std::vector<std::uint64_t> lengths;
-  for (const ReadChunk& c : plan.chunks) {
-    if (c.file == 1) lengths.push_back(c.length);
-  }
-  EXPECT_EQ(lengths, (std::vector<std::uint64_t>{16 * KiB, 16 * KiB, 8 * KiB}));
-  EXPECT_EQ(plan.total_bytes, 80 * KiB);
-}
-
 TEST(ReadPlanTest, DirectChunksAreAlignedAndTheLastIsClipped) {
   const ReadPlan plan = make_read_plan({file(101, 10'100, 4096)}, options(4 * KiB));
   const FileRead& f = plan.files[0];

@@ -26,11 +26,6 @@
 // (docs/tuning.md). Which a machine has depends on how the file was read in,
 // so CachedRead::kAuto (the default) times both on the load's first chunks and
 // then takes the faster (cached_read_chooser.h); kMap and kPread force one.
-// A mapped file's chunks are mapped_chunk_blocks blocks long (8 MiB by
-// default): each chunk's page-table entries are dropped (MADV_DONTNEED) once
-// it is copied, and each drop is a TLB shootdown across the load's threads,
-// which at 2 MiB per chunk cost 10-15% of a copy from large folios.
-// Streaming loads keep block_size chunks, the size of their staging blocks.
 // The mapping never turns a file that shrank under the load into a crash:
 // populating a range the file lost fails with EFAULT, and a SIGBUS during the
 // copy (the file cut between populate and copy) ends that copy
@@ -39,9 +34,13 @@
 // unmapped path does.
 //
 // Note [Block size]
-// 2 MiB per pread: large enough that syscall cost vanishes (the seed article
-// measured 16x fewer calls than 128 KiB buffered reads) and small enough that
-// 8 threads keep a deep queue on one file. See docs/tuning.md.
+// 8 MiB per chunk: a pread of it costs one syscall per 8 MiB (the seed article
+// measured 16x fewer calls than 128 KiB buffered reads at 2 MiB already), 8
+// threads keep 64 MiB in flight on one file, and a file copied from its
+// mapping drops each chunk's page-table entries (MADV_DONTNEED) once per 8 MiB:
+// each drop is a TLB shootdown across the load's threads, which at 2 MiB cost
+// 10-15% of a copy from large folios. Measured against 2 MiB cold and warm in
+// docs/tuning.md.
 //
 // Note [Device loads]
 // With LoadOptions::target.device set, every chunk is copied to the device as
@@ -98,8 +97,7 @@ enum class DirectIo { kAuto, kOn, kOff };
 enum class CachedRead { kAuto, kMap, kPread };
 
 inline constexpr unsigned kDefaultThreads = 8;
-inline constexpr std::size_t kDefaultBlockSize = 2u << 20;
-inline constexpr unsigned kDefaultMappedChunkBlocks = 4;
+inline constexpr std::size_t kDefaultBlockSize = 8u << 20;
 
 enum class DeviceMode { kCached, kStreaming };
 
@@ -130,7 +128,6 @@ struct LoadOptions {
   // DirectIo::kAuto, and a buffered one is mapped unless CachedRead::kPread.
   double resident_threshold = 0.5;
   CachedRead cached_read = CachedRead::kAuto;
-  unsigned mapped_chunk_blocks = kDefaultMappedChunkBlocks;  // blocks per chunk of a mapped file
   ResolveOptions resolve;
   DeviceTarget target;  // Note [Device loads]
   NumaOptions numa;

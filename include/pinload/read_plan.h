@@ -1,7 +1,7 @@
 // pinload/read_plan.h: what to read, as plain data.
 //
 // A plan lists, per file, the aligned byte range that lands in that file's
-// pool block, and the chunks (block-size pieces of those ranges) in the order
+// pool block, and the chunks (block_size pieces of those ranges) in the order
 // worker threads should claim them. Building a plan does no I/O, so plans are
 // tested on their own; threads only execute them.
 #pragma once
@@ -19,9 +19,6 @@ struct FileRead {
   std::uint64_t data_offset = 0;  // where the data section starts in the file
   std::uint32_t alignment = 1;    // offsets and lengths of direct reads
   bool direct = false;
-  // Bytes per chunk of this file; 0: PlanOptions::block_size. A file copied
-  // from a mapping takes larger chunks (Note [Mapped reads] in loader.h).
-  std::uint64_t block_size = 0;
   // Filled by make_read_plan:
   std::uint64_t read_begin = 0;  // data_offset rounded down to alignment
   std::uint64_t read_end = 0;    // file_size rounded up to alignment
@@ -46,7 +43,7 @@ struct ReadPlan {
 };
 
 struct PlanOptions {
-  std::size_t block_size = 2u << 20;  // bytes per read call (Note [Block size] in loader.h)
+  std::size_t block_size = 8u << 20;  // bytes per read call (Note [Block size] in loader.h)
   // Files read at the same time. Chunks of that many files are interleaved, so
   // each file is still swept sequentially.
   std::size_t files_in_flight = 1;

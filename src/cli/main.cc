@@ -26,8 +26,7 @@ namespace {
 constexpr const char* kUsage =
     "usage: pinload inspect [--json] [--variant V] PATH...\n"
     "       pinload load [--digest] [-v] [--threads N] [--block-size BYTES[K|M]]\n"
-    "                    [--direct auto|on|off] [--cached-read auto|map|pread]\n"
-    "                    [--mapped-chunk-blocks N] [--variant V]\n"
+    "                    [--direct auto|on|off] [--cached-read auto|map|pread] [--variant V]\n"
     "                    [--device cpu|sim|cuda:N] [--streams K] [--chunk-size BYTES]\n"
     "                    [--staging-bytes BYTES]"
     " [--numa-node auto|none|N] PATH...\n"
@@ -79,7 +78,6 @@ Args parse_args(int argc, char** argv) {
     else if (a == "-v" || a == "--verbose") args.verbose = true;
     else if (a == "--threads") args.load.threads = static_cast<unsigned>(parse_size(value()));
     else if (a == "--block-size") args.load.block_size = parse_size(value());
-    else if (a == "--mapped-chunk-blocks") args.load.mapped_chunk_blocks = static_cast<unsigned>(parse_size(value()));
     else if (a == "--variant") args.load.resolve.variant = value();
     else if (a == "--device") args.device = value();
     else if (a == "--streams") args.load.target.copy.streams = parse_size(value());
@@ -110,9 +108,6 @@ Args parse_args(int argc, char** argv) {
   if (args.load.target.copy.streams == 0 || args.load.target.copy.streams > 64) throw UsageError("--streams must be 1..64");
   if (args.load.target.copy.chunk_bytes == 0) throw UsageError("--chunk-size must be > 0");
   if (args.load.block_size < 4096 || args.load.block_size > (1ull << 30)) throw UsageError("--block-size must be 4K..1G");
-  if (args.load.mapped_chunk_blocks == 0 || args.load.mapped_chunk_blocks > 64) {
-    throw UsageError("--mapped-chunk-blocks must be 1..64");
-  }
   return args;
 }
 
