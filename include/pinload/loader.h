@@ -39,8 +39,8 @@
 // threads keep 64 MiB in flight on one file, and a file copied from its
 // mapping drops each chunk's page-table entries (MADV_DONTNEED) once per 8 MiB:
 // each drop is a TLB shootdown across the load's threads, which at 2 MiB cost
-// 10-15% of a copy from large folios. Measured against 2 MiB cold and warm in
-// docs/tuning.md.
+// 10-25% of a copy from large folios. Measured against 2 MiB, cold and warm,
+// in docs/tuning.md.
 //
 // Note [Device loads]
 // With LoadOptions::target.device set, every chunk is copied to the device as
