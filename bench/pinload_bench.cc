@@ -548,20 +548,28 @@ Sample buffered_read(const std::vector<std::string>& files) {
 //               huge pages (--iomem=shmhuge), where vm.nr_hugepages has room;
 //   "iodepth8_bs8M_hugebuf": bs 8M, iodepth 8, huge-page buffers: pinload's
 //               default request size and count (8 threads x 8 MiB) in one queue.
-const char* const kFioVariants[] = {"iodepth32",        "iodepth1",         "parallel",
-                                    "iodepth32_hugebuf", "iodepth1_hugebuf", "iodepth8_bs8M_hugebuf"};
+struct FioVariant {
+  const char* name;
+  const char* bs;
+  int iodepth;
+  bool parallel;  // 4 jobs, each a quarter of the bytes
+  bool hugebuf;   // --iomem=shmhuge
+};
+constexpr FioVariant kFioVariants[] = {
+    {"iodepth32", "2M", 32, false, false},        {"iodepth1", "2M", 1, false, false},
+    {"parallel", "2M", 8, true, false},           {"iodepth32_hugebuf", "2M", 32, false, true},
+    {"iodepth1_hugebuf", "2M", 1, false, true},   {"iodepth8_bs8M_hugebuf", "8M", 8, false, true},
+};
 
 // The fio row's name in the summary table.
-std::string fio_variant_title(const std::string& v) {
-  std::string name = v == "parallel"                 ? "fio direct, bs 2M, 4 jobs x iodepth 8"
-                     : v.starts_with("iodepth32")    ? "fio direct, bs 2M, iodepth 32"
-                     : v.starts_with("iodepth8_bs8M") ? "fio direct, bs 8M, iodepth 8"
-                                                      : "fio direct, bs 2M, iodepth 1";
-  if (v.ends_with("_hugebuf")) name += ", huge-page buffers";
+std::string fio_variant_title(const FioVariant& v) {
+  std::string name = std::string("fio direct, bs ") + v.bs + ", " +
+                     (v.parallel ? "4 jobs x " : "") + "iodepth " + std::to_string(v.iodepth);
+  if (v.hugebuf) name += ", huge-page buffers";
   return name;
 }
 
-std::optional<Sample> fio_read(const std::vector<std::string>& files, const std::string& variant, int runtime,
+std::optional<Sample> fio_read(const std::vector<std::string>& files, const FioVariant& variant, int runtime,
                                std::string* error) {
   std::string names;
   for (const auto& f : files) {
@@ -573,12 +581,9 @@ std::optional<Sample> fio_read(const std::vector<std::string>& files, const std:
   }
   std::string cmd = "fio --name=r --filename=" + shell_quote(names) +
                     " --rw=read --direct=1 --ioengine=libaio --readonly --output-format=json";
-  cmd += variant.starts_with("iodepth8_bs8M") ? " --bs=8M" : " --bs=2M";
-  if (variant.starts_with("iodepth32")) cmd += " --iodepth=32 --numjobs=1";
-  else if (variant.starts_with("iodepth8_bs8M")) cmd += " --iodepth=8 --numjobs=1";
-  else if (variant.starts_with("iodepth1")) cmd += " --iodepth=1 --numjobs=1";
-  else cmd += " --iodepth=8 --numjobs=4 --size=25% --offset_increment=25% --group_reporting";
-  if (variant.ends_with("_hugebuf")) cmd += " --iomem=shmhuge";
+  cmd += std::string(" --bs=") + variant.bs + " --iodepth=" + std::to_string(variant.iodepth);
+  cmd += variant.parallel ? " --numjobs=4 --size=25% --offset_increment=25% --group_reporting" : " --numjobs=1";
+  if (variant.hugebuf) cmd += " --iomem=shmhuge";
   if (runtime > 0) cmd += " --runtime=" + std::to_string(runtime);
   cmd += " 2>/dev/null";
   int status = 0;
@@ -602,7 +607,7 @@ std::optional<Sample> fio_read(const std::vector<std::string>& files, const std:
     *error = std::string("cannot parse fio output: ") + e.what();
     return std::nullopt;
   }
-  s.extra["variant"] = variant;
+  s.extra["variant"] = variant.name;
   s.extra["command"] = cmd;
   return s;
 }
@@ -655,6 +660,13 @@ void log_sample(const std::string& what, const Sample& s) {
 }
 
 double median_of(std::vector<double> v) { return pinload::bench::median(std::move(v)).value_or(0); }
+
+// Runs every step once, starting with step `round % steps.size()` and wrapping
+// around, so that over the rounds no step always goes first: a shared machine's
+// weather drifts within a round too.
+void in_rotated_order(std::size_t round, const std::vector<std::function<void()>>& steps) {
+  for (std::size_t k = 0; k < steps.size(); ++k) steps[(k + round) % steps.size()]();
+}
 
 // ---- device ----
 
@@ -947,29 +959,23 @@ int run(const Args& args) {
   for (std::size_t r = 0; r < rounds && (do_fio || do_cold); ++r) {
     auto run_fio = [&] {
       if (!do_fio || !fio_error.empty()) return;
-      for (const char* v : kFioVariants) {
-        if (std::string(v).ends_with("_hugebuf") && meminfo("HugePages_Free") < 72) continue;
+      for (const FioVariant& v : kFioVariants) {
+        if (v.hugebuf && meminfo("HugePages_Free") < 72) continue;
         drop();
         auto s = fio_read(files, v, args.fio_runtime, &fio_error);
         if (!s) {
           std::cerr << "  fio skipped: " << fio_error << "\n";
           return;
         }
-        log_sample(std::string("fio ") + v, *s);
+        log_sample(std::string("fio ") + v.name, *s);
         s->extra["round"] = r;
-        fio[v].runs.push_back(std::move(*s));
+        fio[v.name].runs.push_back(std::move(*s));
       }
     };
     auto run_pinload = [&] {
       if (do_cold) cold_load("pinload cold, re-load", r);
     };
-    if (r % 2 == 0) {
-      run_fio();
-      run_pinload();
-    } else {
-      run_pinload();
-      run_fio();
-    }
+    in_rotated_order(r, {run_fio, run_pinload});
   }
   pinload::bench::ColdRounds cold_rounds;
   cold_rounds.fio.resize(rounds);
@@ -985,11 +991,13 @@ int run(const Args& args) {
   if (do_fio) {
     json fio_j;
     if (!fio_error.empty()) fio_j["error"] = fio_error;
-    for (auto& [k, series] : fio) {
-      fio_j[k] = series.to_json();
-      fio_j[k]["command"] = series.runs.front().extra["command"];
-      if (k == pinload::bench::kFioParallelVariant) fio_parallel_best = series.best();
-      else if (k.ends_with("_hugebuf")) fio_hugebuf_best = std::max(fio_hugebuf_best, series.best());
+    for (const FioVariant& v : kFioVariants) {
+      if (!fio.count(v.name)) continue;
+      const Series& series = fio[v.name];
+      fio_j[v.name] = series.to_json();
+      fio_j[v.name]["command"] = series.runs.front().extra["command"];
+      if (v.parallel) fio_parallel_best = series.best();
+      else if (v.hugebuf) fio_hugebuf_best = std::max(fio_hugebuf_best, series.best());
     }
     fio_best = vs_fio.fio_best_any;
     fio_j["best_gbps"] = fio_best;  // of every iodepth 32 and 1 run, numjobs 1 (huge-page buffers included)
@@ -1019,32 +1027,33 @@ int run(const Args& args) {
       const double round_memcpy = args.has("memcpy") ? std::max(memcpy_gbps(args.memcpy_bytes, 1, 1),
                                                                 memcpy_gbps(args.memcpy_bytes, cores, 1))
                                                      : 0;
-      // The load as configured, then (cached-read) one with each forced
-      // CachedRead; the order rotates by round, so none always goes first.
-      const std::size_t loads = args.has("cached-read") ? 3 : 1;
-      double forced_gbps[2] = {0, 0};
-      for (std::size_t k = 0; k < loads; ++k) {
-        const std::size_t which = (k + static_cast<std::size_t>(r)) % loads;
-        if (which == 0) {
-          Sample s = pinload_load(args.paths, args.load, pool);
-          s.extra["resident_before"] = resident;
-          if (round_memcpy > 0) {
-            s.extra["round_memcpy_gbps"] = round_memcpy;
-            warm_round_ratio.push_back(s.gbps / round_memcpy);
-          }
-          log_sample("warm", s);
-          record(&warm, std::move(s));
-          continue;
+      // The load as configured, then (cached-read) one with each forced CachedRead.
+      std::vector<std::function<void()>> loads = {[&] {
+        Sample s = pinload_load(args.paths, args.load, pool);
+        s.extra["resident_before"] = resident;
+        if (round_memcpy > 0) {
+          s.extra["round_memcpy_gbps"] = round_memcpy;
+          warm_round_ratio.push_back(s.gbps / round_memcpy);
         }
-        const auto& [name, method] = kForced[which - 1];
-        pinload::LoadOptions forced = args.load;
-        forced.cached_read = method;
-        Sample o = pinload_load(args.paths, forced, pool);
-        log_sample(std::string("warm, --cached-read ") + name, o);
-        forced_gbps[which - 1] = o.gbps;
-        warm_forced[name].runs.push_back(std::move(o));
+        log_sample("warm", s);
+        record(&warm, std::move(s));
+      }};
+      double forced_gbps[2] = {0, 0};
+      if (args.has("cached-read")) {
+        for (std::size_t m = 0; m < 2; ++m) {
+          loads.push_back([&, m] {
+            const auto& [name, method] = kForced[m];
+            pinload::LoadOptions forced = args.load;
+            forced.cached_read = method;
+            Sample o = pinload_load(args.paths, forced, pool);
+            log_sample(std::string("warm, --cached-read ") + name, o);
+            forced_gbps[m] = o.gbps;
+            warm_forced[name].runs.push_back(std::move(o));
+          });
+        }
       }
-      if (loads == 3) warm_map_over_pread.push_back(forced_gbps[0] / forced_gbps[1]);
+      in_rotated_order(static_cast<std::size_t>(r), loads);
+      if (args.has("cached-read")) warm_map_over_pread.push_back(forced_gbps[0] / forced_gbps[1]);
     }
   }
   for (const auto& [name, series] : warm_forced) results["pinload_warm_cached_read_" + name] = series.to_json();
@@ -1182,15 +1191,7 @@ int run(const Args& args) {
         const pinload::StateDict hit = on_device.get_on(*device, args.paths, args.copy);
         get_on_s.push_back(seconds_since(t));
       };
-      for (int i = 0; i < 4 * args.repeat + 1; ++i) {
-        if (i % 2 == 0) {
-          time_upload();
-          time_get_on();
-        } else {
-          time_get_on();
-          time_upload();
-        }
-      }
+      for (int i = 0; i < 4 * args.repeat + 1; ++i) in_rotated_order(static_cast<std::size_t>(i), {time_upload, time_get_on});
       const double bare = median_of(bare_s), hit = median_of(get_on_s);
       results["switch"]["device"] = {{"device", args.device},
                                      {"streams", args.copy.streams},
@@ -1309,9 +1310,9 @@ int run(const Args& args) {
     row("memcpy, " + std::to_string(cores) + " threads", memcpy_multi, 0, 3);
     row("memcpy, 1 thread", memcpy_single, 0, 3);
   }
-  for (const char* v : kFioVariants) {
-    if (!fio.count(v)) continue;
-    row(fio_variant_title(v), fio[v].best(), fio[v].median(), fio[v].runs.size());
+  for (const FioVariant& v : kFioVariants) {
+    if (!fio.count(v.name)) continue;
+    row(fio_variant_title(v), fio[v.name].best(), fio[v.name].median(), fio[v.name].runs.size());
   }
   if (buffered_cold > 0) {
     row("read(), 1 thread, 1 MiB, cold", buffered_cold, 0, 1);

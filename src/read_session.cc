@@ -166,23 +166,25 @@ void read_with_pread(Env* env, OpenFile& f, const FileRead& plan, const ReadChun
 // Executes one chunk: reads [offset, offset + valid) of the file to `dest`.
 void read_chunk(Env* env, OpenFile& f, const FileRead& plan, const ReadChunk& c, DirectIo mode,
                 CachedReadChooser* chooser, Loader::Counters* counters, std::byte* dest) {
-  bool direct = f.direct.load(std::memory_order_relaxed);
-  // Files in the page cache: Note [Mapped reads]. `chooser` null: always map.
-  std::optional<CachedReadChooser::Method> method;
-  Clock::time_point start{};
-  if (!direct && f.mapping.valid()) {
-    method = chooser != nullptr ? chooser->next() : CachedReadChooser::kMap;
-    start = Clock::now();
-    if (*method == CachedReadChooser::kMap) {
-      if (copy_mapped_chunk(env, f, c, dest)) {
-        if (chooser != nullptr) chooser->record(*method, c.valid, nanoseconds_since(start));
-        return;
-      }
-      method.reset();  // fell back: this pread says nothing about either method
-    }
+  const bool direct = f.direct.load(std::memory_order_relaxed);
+  if (direct || !f.mapping.valid()) {
+    read_with_pread(env, f, plan, c, mode, counters, dest, direct);
+    return;
   }
-  read_with_pread(env, f, plan, c, mode, counters, dest, direct);
-  if (method && chooser != nullptr) chooser->record(*method, c.valid, nanoseconds_since(start));
+  // A file in the page cache: Note [Mapped reads]. `chooser` null: always map.
+  if (chooser == nullptr) {
+    if (!copy_mapped_chunk(env, f, c, dest)) read_with_pread(env, f, plan, c, mode, counters, dest, false);
+    return;
+  }
+  const CachedReadChooser::Method method = chooser->next();
+  const Clock::time_point start = Clock::now();
+  if (method == CachedReadChooser::kMap && !copy_mapped_chunk(env, f, c, dest)) {
+    // Fell back: this pread says nothing about either method.
+    read_with_pread(env, f, plan, c, mode, counters, dest, false);
+    return;
+  }
+  if (method == CachedReadChooser::kPread) read_with_pread(env, f, plan, c, mode, counters, dest, false);
+  chooser->record(method, c.valid, nanoseconds_since(start));
 }
 
 // The chunks of `replay` when they tile every file's aligned range exactly

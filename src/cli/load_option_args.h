@@ -2,6 +2,7 @@
 // spellings of LoadOptions::direct and LoadOptions::cached_read.
 #pragma once
 
+#include <cstddef>
 #include <optional>
 #include <string_view>
 
@@ -9,28 +10,42 @@
 
 namespace pinload::cli {
 
-// --direct auto|on|off; nullopt for anything else.
-inline std::optional<DirectIo> parse_direct_arg(std::string_view text) {
-  if (text == "auto") return DirectIo::kAuto;
-  if (text == "on") return DirectIo::kOn;
-  if (text == "off") return DirectIo::kOff;
+template <class E>
+struct Spelling {
+  std::string_view text;
+  E value;
+};
+
+inline constexpr Spelling<DirectIo> kDirectSpellings[] = {
+    {"auto", DirectIo::kAuto}, {"on", DirectIo::kOn}, {"off", DirectIo::kOff}};
+inline constexpr Spelling<CachedRead> kCachedReadSpellings[] = {
+    {"auto", CachedRead::kAuto}, {"map", CachedRead::kMap}, {"pread", CachedRead::kPread}};
+
+// The value spelled `text`; nullopt for anything else.
+template <class E, std::size_t N>
+std::optional<E> parse_spelling(const Spelling<E> (&spellings)[N], std::string_view text) {
+  for (const auto& s : spellings) {
+    if (s.text == text) return s.value;
+  }
   return std::nullopt;
 }
 
-inline const char* direct_arg_name(DirectIo d) {
-  return d == DirectIo::kAuto ? "auto" : d == DirectIo::kOn ? "on" : "off";
+template <class E, std::size_t N>
+const char* spelling_of(const Spelling<E> (&spellings)[N], E value) {
+  for (const auto& s : spellings) {
+    if (s.value == value) return s.text.data();  // literals: NUL-terminated
+  }
+  return "?";
 }
 
-// --cached-read auto|map|pread; nullopt for anything else.
+// --direct auto|on|off
+inline std::optional<DirectIo> parse_direct_arg(std::string_view text) { return parse_spelling(kDirectSpellings, text); }
+inline const char* direct_arg_name(DirectIo d) { return spelling_of(kDirectSpellings, d); }
+
+// --cached-read auto|map|pread
 inline std::optional<CachedRead> parse_cached_read_arg(std::string_view text) {
-  if (text == "auto") return CachedRead::kAuto;
-  if (text == "map") return CachedRead::kMap;
-  if (text == "pread") return CachedRead::kPread;
-  return std::nullopt;
+  return parse_spelling(kCachedReadSpellings, text);
 }
-
-inline const char* cached_read_arg_name(CachedRead c) {
-  return c == CachedRead::kAuto ? "auto" : c == CachedRead::kMap ? "map" : "pread";
-}
+inline const char* cached_read_arg_name(CachedRead c) { return spelling_of(kCachedReadSpellings, c); }
 
 }  // namespace pinload::cli
