@@ -996,6 +996,7 @@ int run(const Args& args) {
       const Series& series = fio[v.name];
       fio_j[v.name] = series.to_json();
       fio_j[v.name]["command"] = series.runs.front().extra["command"];
+      fio_j[v.name]["title"] = fio_variant_title(v);
       if (v.parallel) fio_parallel_best = series.best();
       else if (v.hugebuf) fio_hugebuf_best = std::max(fio_hugebuf_best, series.best());
     }

@@ -726,19 +726,14 @@ def combined_table(pin: dict, peers: dict) -> str:
         rows.append((name, cold, warm, note))
 
     fio = r.get("fio", {})
-    fio_names = {
-        "iodepth32": "fio direct read, bs 2M, iodepth 32",
-        "iodepth1": "fio direct read, bs 2M, iodepth 1",
-        "parallel": "fio direct read, bs 2M, 4 jobs x iodepth 8",
-        "iodepth32_hugebuf": "fio direct read, bs 2M, iodepth 32, huge-page buffers",
-        "iodepth1_hugebuf": "fio direct read, bs 2M, iodepth 1, huge-page buffers",
-    }
-    for k, label in fio_names.items():
-        if k in fio:
-            best = fio[k]["best_gbps"]
-            if best == fio.get("best_gbps"):
-                label += " (**fio best**)"
-            add(label, best, None, f"median {fio[k]['median_gbps']:.2f}, {len(fio[k]['runs'])} runs")
+    # Every fio variant pinload-bench ran, with the title it gave it.
+    for k, v in fio.items():
+        if not isinstance(v, dict) or "best_gbps" not in v:
+            continue
+        label = v.get("title", f"fio {k}")
+        if v["best_gbps"] == fio.get("best_gbps"):
+            label += " (**fio best**)"
+        add(label, v["best_gbps"], None, f"median {v['median_gbps']:.2f}, {len(v['runs'])} runs")
     if "memcpy" in r:
         m = r["memcpy"]
         best = max(m["multi_gbps"], m["single_gbps"])
