@@ -1,6 +1,6 @@
 // Tests of the map-or-pread choice for files in the page cache
 // (src/cached_read_chooser.h): plain data, no I/O.
-#include "cached_read_chooser.h"
+#include "io/cached_read_chooser.h"
 
 #include <gtest/gtest.h>
 

@@ -17,7 +17,7 @@
 
 #include "fault_env.h"
 #include "file_check.h"
-#include "log.h"
+#include "base/log.h"
 #include "pinload/checkpoint.h"
 #include "pinload/loader.h"
 #include "pinload/prefetch.h"

@@ -29,7 +29,7 @@
 #include <system_error>
 #include <thread>
 
-#include "log.h"
+#include "base/log.h"
 
 namespace pinload {
 namespace {

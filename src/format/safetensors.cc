@@ -5,7 +5,7 @@
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <optional>
-#include "json_strict.h"
+#include "format/json_strict.h"
 #include "pinload/error.h"
 
 namespace pinload {

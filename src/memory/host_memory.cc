@@ -5,7 +5,7 @@
 
 #include <atomic>
 
-#include "log.h"
+#include "base/log.h"
 #include "pinload/error.h"
 
 namespace pinload {

@@ -4,9 +4,9 @@
 #include <thread>
 #include <unordered_set>
 
-#include "log.h"
+#include "base/log.h"
 #include "pinload/error.h"
-#include "read_session.h"
+#include "io/read_session.h"
 
 namespace pinload {
 

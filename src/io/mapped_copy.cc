@@ -1,4 +1,4 @@
-#include "mapped_copy.h"
+#include "io/mapped_copy.h"
 
 #include <csetjmp>
 #include <csignal>

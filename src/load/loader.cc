@@ -11,12 +11,12 @@
 #include <optional>
 #include <unordered_map>
 
-#include "log.h"
+#include "base/log.h"
 #include "pinload/error.h"
 #include "pinload/io_template.h"
 #include "pinload/prefetch.h"
 #include "pinload/read_plan.h"
-#include "read_session.h"
+#include "io/read_session.h"
 
 namespace pinload {
 

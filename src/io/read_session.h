@@ -21,7 +21,7 @@
 #include <utility>
 #include <vector>
 
-#include "cached_read_chooser.h"
+#include "io/cached_read_chooser.h"
 #include "pinload/checkpoint.h"
 #include "pinload/io_template.h"
 #include "pinload/loader.h"

@@ -3,7 +3,7 @@
 #include <exception>
 #include <unordered_set>
 
-#include "log.h"
+#include "base/log.h"
 #include "pinload/checkpoint.h"
 #include "pinload/error.h"
 

@@ -1,4 +1,4 @@
-#include "read_session.h"
+#include "io/read_session.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -10,8 +10,8 @@
 #include <optional>
 #include <thread>
 
-#include "log.h"
-#include "mapped_copy.h"
+#include "base/log.h"
+#include "io/mapped_copy.h"
 #include "pinload/error.h"
 #include "pinload/numa.h"
 

@@ -6,7 +6,7 @@
 #include <set>
 #include <unordered_map>
 
-#include "json_strict.h"
+#include "format/json_strict.h"
 #include "pinload/error.h"
 
 namespace pinload {

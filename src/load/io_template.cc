@@ -7,7 +7,7 @@
 #include <system_error>
 #include <unistd.h>
 
-#include "log.h"
+#include "base/log.h"
 #include "pinload/checkpoint.h"
 #include "pinload/error.h"
 

@@ -8,7 +8,7 @@
 #include <fstream>
 #include <iterator>
 
-#include "log.h"
+#include "base/log.h"
 #include "pinload/error.h"
 
 namespace pinload {

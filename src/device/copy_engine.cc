@@ -4,7 +4,7 @@
 #include <atomic>
 #include <string>
 
-#include "log.h"
+#include "base/log.h"
 #include "pinload/error.h"
 
 namespace pinload {

@@ -1,4 +1,4 @@
-#include "json_strict.h"
+#include "format/json_strict.h"
 
 #include <cstring>
 #include <unordered_set>
