@@ -12,6 +12,8 @@
 #include <thread>
 #include <vector>
 
+#include "cli/convert_command.h"
+#include "cli/dtype_arg.h"
 #include "cli/load_option_args.h"
 #include "cli/progress.h"
 #include "cli/size_arg.h"
@@ -29,7 +31,8 @@ constexpr const char* kUsage =
     "                    [--direct auto|on|off] [--cached-read auto|map|pread] [--variant V]\n"
     "                    [--device cpu|sim|cuda:N] [--streams K] [--chunk-size BYTES]\n"
     "                    [--staging-bytes BYTES]"
-    " [--numa-node auto|none|N] PATH...\n"
+    " [--numa-node auto|none|N] [--dtype bf16|fp16|fp32 [--keep PATTERN]...] PATH...\n"
+    "       pinload convert [--to fp8-e4m3fn|fp8-e5m2] [--scale per-tensor|per-row] [--keep PATTERN]... INPUT OUTPUT\n"
     "PATH: a .safetensors file, a *.safetensors.index.json, or a folder.\n";
 
 struct UsageError : std::runtime_error {
@@ -87,6 +90,10 @@ Args parse_args(int argc, char** argv) {
       args.load.target.mode = DeviceMode::kStreaming;
     }
     else if (a == "--numa-node") args.load.numa.node = parse_numa_node(value());
+    else if (a == "--dtype") {
+      args.load.dtype.to = parse_dtype_arg(value());
+      if (!args.load.dtype.to) throw UsageError("--dtype takes bf16, fp16 or fp32");
+    } else if (a == "--keep") args.load.dtype.keep.push_back(value());
     else if (a == "--direct") {
       const auto d = parse_direct_arg(value());
       if (!d) throw UsageError("--direct takes auto, on or off");
@@ -280,6 +287,7 @@ std::string printable(const std::string& text) {
 int main(int argc, char** argv) {
   using namespace pinload::cli;
   std::ios::sync_with_stdio(false);
+  if (argc >= 2 && std::strcmp(argv[1], "convert") == 0) return run_convert_command(argc - 1, argv + 1);
   try {
     const Args args = parse_args(argc, argv);
     return args.command == "inspect" ? run_inspect(args) : run_load(args);
