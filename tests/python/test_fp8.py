@@ -52,7 +52,7 @@ def assert_bits(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     assert got.dtype == want.dtype and got.shape == want.shape, what
     nan = torch.isnan(want.float())
     assert torch.equal(torch.isnan(got.float()), nan), f"{what}: NaN positions differ"
-    width = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[want.element_size()]
+    width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[want.element_size()]
     g, w = got.view(width)[~nan], want.view(width)[~nan]
     bad = (g != w).nonzero()
     assert bad.numel() == 0, f"{what}: {bad.numel()} values differ, first at {bad[0].item()}: " \
