@@ -236,7 +236,8 @@ def _noting_from_pretrained(original: Any) -> Any:
     @functools.wraps(function)
     def from_pretrained(cls, *args, **kwargs):
         keep = tuple(getattr(cls, "_keep_in_fp32_modules", None) or ())
-        token = _MODEL_DTYPE.set((kwargs.get("torch_dtype"), keep))
+        dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))  # diffusers renames torch_dtype to dtype
+        token = _MODEL_DTYPE.set((dtype, keep))
         try:
             return function(cls, *args, **kwargs)
         finally:

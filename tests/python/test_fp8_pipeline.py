@@ -22,7 +22,7 @@ def _tiny_dit(seed: int = 0) -> "diffusers.DiTPipeline":
     torch.manual_seed(seed)
     transformer = diffusers.DiTTransformer2DModel(
         num_attention_heads=2, attention_head_dim=32, in_channels=4, out_channels=8, num_layers=2,
-        sample_size=8, patch_size=2, num_embeds_ada_norm=10, norm_type="ada_norm_zero")
+        sample_size=8, patch_size=2, num_embeds_ada_norm=1000, norm_type="ada_norm_zero")
     vae = diffusers.AutoencoderKL(
         in_channels=3, out_channels=3, block_out_channels=(32, 32),
         down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
