@@ -89,6 +89,12 @@ def test_fp8_all_encodings_match_torch(where, src, dst):
         assert_bits(got, want, f"{src}->{dst} scale {scale}")
         if dst == "BF16":  # ComfyUI's dequantisation spelling: same bits
             assert_bits(got, x.to(torch.bfloat16) * torch.tensor(scale, dtype=torch.float32), "comfy form")
+    # Long runs take the table (and AVX-512 VBMI) loops: every code at every position mod 64, plus a tail.
+    gen = torch.Generator().manual_seed(3)
+    long = torch.cat([torch.arange(256, dtype=torch.uint8).repeat(65), torch.randint(0, 256, (77,), generator=gen,
+                                                                                      dtype=torch.uint8)])
+    got = _from_bytes(_convert(where, _bytes(long), src, dst, scale=0.75), WIDE[dst])
+    assert_bits(got, (long.view(FP8[src]).to(torch.float32) * 0.75).to(WIDE[dst]), f"{src}->{dst} long")
 
 
 @pytest.mark.parametrize("where", CONVERT_DEVICES)
