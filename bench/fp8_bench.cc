@@ -4,6 +4,7 @@
 // Note [Conversion on load]).
 //
 //   fp8-bench [--dir DIR] [--size-mib N] [--rounds R] [--threads T] [--json FILE]
+//             [--device cuda:0|sim]
 //
 // DIR (default /tmp/pinload-fp8-bench) receives bf16.safetensors (N MiB of
 // transformer-shaped bf16 weights, random), fp8.safetensors (its `pinload
@@ -20,6 +21,10 @@
 //                   fresh-memory limit
 // and, in memory: fp8->bf16 conversion by T threads against memcpy of the
 // same output bytes by T threads (best of R).
+// With --device, the loads go to the device (kCached: FP8 crosses to the
+// device at half the bytes and the kernel converts it there), and
+// "pinned copy" is the bf16 bytes copied from a pinned pool block with one
+// copy_to_device_async: the link's limit in the same run.
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -39,6 +44,7 @@
 #include "format/dtype_bits.h"
 #include "format/dtype_convert.h"
 #include "pinload/convert.h"
+#include "pinload/device.h"
 #include "pinload/loader.h"
 
 namespace fs = std::filesystem;
@@ -149,6 +155,7 @@ int main(int argc, char** argv) {
   int rounds = 3;
   unsigned threads = kDefaultThreads;
   std::string json_path;
+  std::string device_spec;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto value = [&] { return i + 1 < argc ? std::string(argv[++i]) : std::string(); };
@@ -157,6 +164,7 @@ int main(int argc, char** argv) {
     else if (a == "--rounds") rounds = std::stoi(value());
     else if (a == "--threads") threads = static_cast<unsigned>(std::stoul(value()));
     else if (a == "--json") json_path = value();
+    else if (a == "--device") device_spec = value();
     else {
       std::fprintf(stderr, "usage: fp8-bench [--dir DIR] [--size-mib N] [--rounds R] [--threads T] [--json FILE]\n");
       return 2;
@@ -177,8 +185,10 @@ int main(int argc, char** argv) {
     }
     const double size_ratio = static_cast<double>(fs::file_size(fp8)) / static_cast<double>(fs::file_size(bf16));
 
+    std::unique_ptr<Device> device = device_spec.empty() ? nullptr : open_device(device_spec);
     LoadOptions plain;
     plain.threads = threads;
+    plain.target.device = device.get();
     LoadOptions to_bf16 = plain;
     to_bf16.dtype.to = DType::kBF16;
     const Loader bf16_loader(plain), fp8_loader(to_bf16), fp32_loader(plain), fp32_bf16_loader(to_bf16);
@@ -227,6 +237,17 @@ int main(int argc, char** argv) {
       });
       series["first-touch"].seconds.push_back(seconds_since(t));
       ::munmap(p, bf16_bytes);
+      if (device) {
+        // The link's limit: the bf16 bytes from pinned memory in one copy.
+        static std::shared_ptr<Pool> pinned = Pool::create(device->make_pinned_backend());
+        static std::shared_ptr<Block> block = pinned->allocate(bf16_bytes);
+        static std::shared_ptr<DeviceBuffer> target = device->allocate(bf16_bytes);
+        Stream stream = device->create_stream();
+        const auto c = Clock::now();
+        device->copy_to_device_async(*target, 0, block->data(), bf16_bytes, stream);
+        stream.synchronize();
+        series["pinned copy"].seconds.push_back(seconds_since(c));
+      }
     }
 
     // Host conversion throughput against memcpy, in memory, same threads.
@@ -253,7 +274,8 @@ int main(int argc, char** argv) {
     }
 
     const double out_gb = static_cast<double>(elements) * 2 / 1e9;
-    std::printf("fp8-bench: %s, %llu MiB bf16 model, %d rounds, %u threads, cold by %s%s\n", dir.c_str(),
+    std::printf("fp8-bench: %s%s%s, %llu MiB bf16 model, %d rounds, %u threads, cold by %s%s\n", dir.c_str(),
+                device ? " to " : "", device ? device->description().c_str() : "",
                 static_cast<unsigned long long>(size_mib), rounds, threads, drop_method.c_str(),
                 convert_seconds > 0 ? (", converted in " + std::to_string(convert_seconds) + " s").c_str() : "");
     std::printf("%-28s %10s %10s\n", "case", "best s", "median s");
@@ -270,12 +292,18 @@ int main(int argc, char** argv) {
                 convert_vs_memcpy, out_gb / series["convert fp8->bf16 (memory)"].best(),
                 out_gb / series["memcpy (memory)"].best());
     std::printf("cold load fp32->bf16 / fp32    %.3f  (target <= 1.0, medians)\n", fp32_ratio);
+    if (device) {
+      std::printf("pinned copy of the bf16 bytes  %.2f GB/s; bf16 load %.2f GB/s, fp8->bf16 load %.2f GB/s of bf16\n",
+                  bf16_bytes / 1e9 / series["pinned copy"].best(), bf16_bytes / 1e9 / series["bf16"].best(),
+                  bf16_bytes / 1e9 / series["fp8->bf16"].best());
+    }
     if (!json_path.empty()) {
       nlohmann::ordered_json j;
       j["size_mib"] = size_mib;
       j["rounds"] = rounds;
       j["threads"] = threads;
       j["cold_method"] = drop_method;
+      j["device"] = device ? device->description() : "host";
       for (const auto& [name, s] : series) j["series"][name] = s.seconds;
       j["ratios"] = {{"file_fp8_over_bf16", size_ratio},
                      {"load_fp8_over_bf16", load_ratio},
