@@ -4,6 +4,9 @@
     bench/report.py                       # every bench/results/run_all.*.json (full first)
     bench/report.py --json bench/results/run_all.quick.json --check   # exit 1 if the doc is stale
 
+combined_table() is the table bench/run_peers.py prints: pinload-bench's JSON and the
+peers' JSON of the same files side by side.
+
 Writes docs/img/bench-<mode>-throughput.png (GB/s per system, per scenario and set),
 docs/img/bench-<mode>-bandwidth.png (read bandwidth over one cold load: pinload
 against the fastest verified peer, from /proc/<pid>/io read_bytes every 50 ms), and
@@ -314,6 +317,79 @@ def section(run, json_path, imgs) -> list[str]:
     for p in imgs:
         out += ["", f"![{os.path.basename(p)}](img/{os.path.basename(p)})"]
     return out
+
+
+def combined_table(pin: dict, peers: dict) -> str:
+    """The table of bench/run_peers.py --pinload-json: pinload-bench's limits and loads
+    (`pin`, its JSON) next to each peer's cold and warm figures (`peers`, run_peers's
+    "peers"), then pinload's ratio to each peer."""
+    r = pin.get("results", {})
+    rows = []
+
+    def add(name, cold=None, warm=None, note=""):
+        rows.append((name, cold, warm, note))
+
+    fio = r.get("fio", {})
+    # Every fio variant pinload-bench ran, with the title it gave it.
+    for k, v in fio.items():
+        if not isinstance(v, dict) or "best_gbps" not in v:
+            continue
+        label = v.get("title", f"fio {k}")
+        if v["best_gbps"] == fio.get("best_gbps"):
+            label += " (**fio best**)"
+        add(label, v["best_gbps"], None, f"median {v['median_gbps']:.2f}, {len(v['runs'])} runs")
+    if "memcpy" in r:
+        m = r["memcpy"]
+        best = max(m["multi_gbps"], m["single_gbps"])
+        add(f"memcpy, {m['multi_threads']} threads" + (" (**memcpy best**)" if m["multi_gbps"] == best else ""),
+            None, m["multi_gbps"], "512 MiB, best of 3")
+        add("memcpy, 1 thread" + (" (**memcpy best**)" if m["multi_gbps"] != best else ""), None,
+            m["single_gbps"], "512 MiB, best of 3")
+    if "buffered_read" in r:
+        b = r["buffered_read"]
+        add("read(), 1 thread, 1 MiB buffer", b["cold_gbps"], b["warm_gbps"])
+    o = pin.get("options", {})
+    cfg = f"{o.get('threads')} threads, {o.get('block_size', 0) >> 20} MiB, direct {o.get('direct')}"
+    pc, pw = r.get("pinload_cold"), r.get("pinload_warm")
+    if pc:
+        fresh = [x for x in pc["runs"] if x.get("fresh_pool")]
+        if fresh:
+            add(f"**pinload** cold, first load into a fresh pool ({cfg})", fresh[0]["gbps"], None, "1 run")
+        add(f"**pinload** re-load after unload ({cfg})", pc["reused_pool_best_gbps"],
+            pw["best_gbps"] if pw else None,
+            f"median {pc['reused_pool_median_gbps']:.2f} / {pw['median_gbps']:.2f}" if pw else "")
+    if "pool_reserve" in r:
+        pr = r["pool_reserve"]
+        add("fresh pool alone: reserve" + (" + mlock" if pr.get("locked") else "") + " + touch (no I/O)", None, None,
+            f"{pr['gbps']:.2f} GB/s ({pr['reserve_seconds'] + pr['first_touch_seconds']:.1f} s for "
+            f"{pr['reserved_bytes'] / 1e9:.2f} GB, after {pr.get('settle_seconds', 0)} s idle)")
+    for name, res in peers.items():
+        if "skipped" in res:
+            add(name, None, None, "skipped: " + res["skipped"])
+        else:
+            add(name, res["cold"]["best_gbps"], res["warm"]["best_gbps"],
+                f"median {res['cold']['median_gbps']:.2f} / {res['warm']['median_gbps']:.2f}")
+
+    def f(x):
+        return "" if x is None else f"{x:.2f}"
+
+    lines = ["| measurement | cold GB/s | warm GB/s | notes |", "|---|---:|---:|---|"]
+    for name, c, w, note in rows:
+        lines.append(f"| {name} | {f(c)} | {f(w)} | {note} |")
+    if pc:
+        lines.append("")
+        pcb = pc["reused_pool_best_gbps"]
+        for name, res in peers.items():
+            if "skipped" in res or "lazy" in name:
+                continue
+            pcm = pc["reused_pool_median_gbps"]
+            line = (f"- pinload / {name}: cold {pcb / res['cold']['best_gbps']:.2f}x best, "
+                    f"{pcm / res['cold']['median_gbps']:.2f}x median")
+            if pw:
+                line += (f"; warm {pw['best_gbps'] / res['warm']['best_gbps']:.2f}x best, "
+                         f"{pw['median_gbps'] / res['warm']['median_gbps']:.2f}x median")
+            lines.append(line)
+    return "\n".join(lines)
 
 
 def main(argv=None):
