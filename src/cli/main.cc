@@ -15,6 +15,7 @@
 #include "cli/load_option_args.h"
 #include "cli/progress.h"
 #include "cli/size_arg.h"
+#include "cli/trace_commands.h"
 #include "pinload/checkpoint.h"
 #include "pinload/device.h"
 #include "pinload/error.h"
@@ -30,6 +31,7 @@ constexpr const char* kUsage =
     "                    [--device cpu|sim|cuda:N] [--streams K] [--chunk-size BYTES]\n"
     "                    [--staging-bytes BYTES]"
     " [--numa-node auto|none|N] PATH...\n"
+    "       pinload trace|warm|agent ... (docs/trace.md)\n"
     "PATH: a .safetensors file, a *.safetensors.index.json, or a folder.\n";
 
 struct UsageError : std::runtime_error {
@@ -280,6 +282,9 @@ std::string printable(const std::string& text) {
 int main(int argc, char** argv) {
   using namespace pinload::cli;
   std::ios::sync_with_stdio(false);
+  if (argc >= 2 && std::strcmp(argv[1], "trace") == 0) return run_trace_command(argc - 1, argv + 1);
+  if (argc >= 2 && std::strcmp(argv[1], "warm") == 0) return run_warm_command(argc - 1, argv + 1);
+  if (argc >= 2 && std::strcmp(argv[1], "agent") == 0) return run_agent_command(argc - 1, argv + 1);
   try {
     const Args args = parse_args(argc, argv);
     return args.command == "inspect" ? run_inspect(args) : run_load(args);
