@@ -75,7 +75,7 @@ def test_trace_pread_backend_holds_exactly_the_ranges_read(tmp_path, run_pinload
     ckpt = make_checkpoint(tmp_path / "model.safetensors")
     names = ["layer.1.weight", "layer.4.weight", "layer.6.weight"]
     script = ("import sys; from safetensors import safe_open\n"
-              "with safe_open(sys.argv[1], framework='pt', backend='pread') as f:\n"
+              "with safe_open(sys.argv[1], framework='numpy', backend='pread') as f:\n"
               f"    [f.get_tensor(k) for k in {names!r}]\n")
     t = trace(run_pinload, tmp_path / "t.pltemplate", tmp_path, [sys.executable, "-c", script, str(ckpt)])
     size = ckpt.stat().st_size
@@ -92,17 +92,19 @@ def test_trace_pread_backend_holds_exactly_the_ranges_read(tmp_path, run_pinload
 
 
 def test_trace_load_file_pread_and_mmap(tmp_path, run_pinload, need_events):
-    ckpt = make_checkpoint(tmp_path / "model.safetensors")
-    size = ckpt.stat().st_size
-    every_page = set(range((size + th.PAGE - 1) // th.PAGE))
-    for backend in ("pread", "mmap"):
-        script = ("import sys, safetensors.torch as st\n"
-                  f"d = st.load_file(sys.argv[1], backend={backend!r}); print(len(d))\n")
-        t = trace(run_pinload, tmp_path / f"{backend}.pltemplate", tmp_path, [sys.executable, "-c", script, str(ckpt)])
+    # One process (one torch import): load_file with backend="pread" on one
+    # copy, with the default mmap on another.
+    pread, mmap = make_checkpoint(tmp_path / "pread.safetensors"), make_checkpoint(tmp_path / "mmap.safetensors")
+    script = ("import sys, safetensors.torch as st\n"
+              "a = st.load_file(sys.argv[1], backend='pread'); b = st.load_file(sys.argv[2]); print(len(a) + len(b))\n")
+    t = trace(run_pinload, tmp_path / "t.pltemplate", tmp_path, [sys.executable, "-c", script, str(pread), str(mmap)],
+              timeout=300)
+    for ckpt in (pread, mmap):
+        size = ckpt.stat().st_size
         read, _ = th.template_pages(t, ckpt)
         mapped, _ = th.template_pages(t, ckpt, "page-cache-mapped")
-        assert mapped == every_page, backend
-        assert read == (th.pages_of(tensor_ranges(ckpt), size) if backend == "pread" else set()), backend
+        assert mapped == set(range((size + th.PAGE - 1) // th.PAGE)), ckpt
+        assert read == (th.pages_of(tensor_ranges(ckpt), size) if ckpt == pread else set()), ckpt
 
 
 def test_trace_cat_ignores_files_outside_the_root_and_symlinks_out(tmp_path, run_pinload, need_events):
@@ -122,12 +124,25 @@ def test_trace_cat_ignores_files_outside_the_root_and_symlinks_out(tmp_path, run
 
 def test_trace_transformers_from_pretrained(tmp_path, run_pinload, need_events):
     pytest.importorskip("transformers")
+    # A tiny Llama saved as save_pretrained would (config.json, model.safetensors),
+    # random weights, written without importing torch.
     model_dir = tmp_path / "tiny-llama"
-    build = ("import sys, torch, transformers as tf\n"
-             "c = tf.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,\n"
-             "                   num_attention_heads=4, num_key_value_heads=2)\n"
-             "torch.manual_seed(0); tf.LlamaForCausalLM(c).save_pretrained(sys.argv[1])\n")
-    subprocess.run([sys.executable, "-c", build, str(model_dir)], check=True, timeout=300, capture_output=True)
+    model_dir.mkdir()
+    v, h, i, layers = 128, 64, 128, 2
+    shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,), "lm_head.weight": (v, h)}
+    for n in range(layers):
+        p = f"model.layers.{n}."
+        shapes |= {p + "self_attn.q_proj.weight": (h, h), p + "self_attn.k_proj.weight": (h // 2, h),
+                   p + "self_attn.v_proj.weight": (h // 2, h), p + "self_attn.o_proj.weight": (h, h),
+                   p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h), p + "mlp.down_proj.weight": (h, i),
+                   p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
+    rng = np.random.default_rng(0)
+    save_file({k: rng.standard_normal(s, dtype=np.float32) for k, s in shapes.items()}, str(model_dir / "model.safetensors"),
+              metadata={"format": "pt"})
+    (model_dir / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": v, "hidden_size": h,
+        "intermediate_size": i, "num_hidden_layers": layers, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "torch_dtype": "float32", "tie_word_embeddings": False}))
     load = ("import sys, transformers as tf\n"
             "m = tf.LlamaForCausalLM.from_pretrained(sys.argv[1]); print(sum(p.numel() for p in m.parameters()))\n")
     t = trace(run_pinload, tmp_path / "t.pltemplate", model_dir, [sys.executable, "-c", load, str(model_dir)], timeout=300)
