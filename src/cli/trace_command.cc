@@ -8,10 +8,11 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <memory>
 #include <string>
 #include <vector>
 
-#include "cli/trace_commands.h"
+#include "cli/command.h"
 #include "pinload/env.h"
 #include "pinload/error.h"
 #include "pinload/io_template.h"
@@ -22,7 +23,11 @@ namespace pinload::cli {
 
 namespace {
 
-constexpr const char* kTraceUsage = "usage: pinload trace --template OUT [--root DIR]... -- CMD ARGS...\n";
+struct TraceArgs {
+  std::string out;
+  std::vector<std::string> roots;
+  std::vector<std::string> command;
+};
 
 pid_t g_child = 0;
 void forward_signal(int sig) {
@@ -35,27 +40,12 @@ int exit_status_of(int status) {
   return 1;
 }
 
-}  // namespace
-
-int run_trace_command(int argc, char** argv) {
-  std::string out;
-  std::vector<std::string> roots;
+// The traced command's exit status.
+int run_trace(TraceArgs& args) {
+  const std::string& out = args.out;
+  std::vector<std::string>& roots = args.roots;
   std::vector<char*> command;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if ((a == "--template" || a == "--root") && i + 1 < argc) {
-      (a == "--template" ? out : roots.emplace_back()) = argv[++i];
-    } else if (a == "--") {
-      for (++i; i < argc; ++i) command.push_back(argv[i]);
-    } else {
-      std::fprintf(stderr, "pinload trace: error: unexpected '%s'\n%s", a.c_str(), kTraceUsage);
-      return 2;
-    }
-  }
-  if (out.empty() || command.empty()) {
-    std::fprintf(stderr, "pinload trace: error: %s\n%s", out.empty() ? "--template is required" : "no command", kTraceUsage);
-    return 2;
-  }
+  for (std::string& a : args.command) command.push_back(a.data());
   if (roots.empty()) roots.push_back(".");
   for (std::string& r : roots) r = trace::canonical_root(r);
   command.push_back(nullptr);
@@ -137,6 +127,27 @@ int run_trace_command(int argc, char** argv) {
     }
   }
   return exit_status_of(status);
+}
+
+}  // namespace
+
+void add_trace_command(CLI::App& app) {
+  auto args = std::make_shared<TraceArgs>();
+  CLI::App* command = app.add_subcommand(
+      "trace", "Run an unmodified command and record the reads it makes under the roots as a template (docs/trace.md)");
+  command->add_option("--template", args->out, "the template to write")->required();
+  command->add_option("--root", args->roots, "a folder whose files are traced (repeatable; default: the current folder)");
+  // Everything from the first positional (or --) on is the command, untouched.
+  command->prefix_command(true);
+  command->footer("Usage: pinload trace --template OUT [--root DIR]... -- CMD ARGS...\n"
+                  "Example: pinload trace --template llm.pltemplate --root /models -- python serve.py");
+  command->callback([args, command] {
+    args->command = command->remaining();
+    if (!args->command.empty() && args->command.front() == "--") args->command.erase(args->command.begin());
+    if (args->command.empty()) throw UsageError("no command to trace (after --)");
+    const int status = run_trace(*args);
+    if (status != 0) throw CLI::RuntimeError(status);
+  });
 }
 
 }  // namespace pinload::cli

@@ -7,12 +7,13 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
 #include "cli/size_arg.h"
-#include "cli/trace_commands.h"
+#include "cli/command.h"
 #include "pinload/env.h"
 #include "pinload/io_template.h"
 #include "trace/trace_recorder.h"
@@ -22,9 +23,11 @@ namespace pinload::cli {
 
 namespace {
 
-constexpr const char* kWarmUsage =
-    "usage: pinload warm (--template T | PATH...) [--budget BYTES] [--follow PID | --cgroup DIR] [--threads N]\n"
-    "PATH: a file or a folder (its regular files, recursively), warmed whole in the order given.\n";
+struct WarmArgs {
+  std::string template_file;
+  std::vector<std::string> paths;
+  trace::WarmOptions options;
+};
 
 std::atomic<bool> g_stop{false};
 void on_sigterm(int) { g_stop.store(true); }
@@ -41,42 +44,13 @@ bool identity_of(const std::string& path, TemplateFile* out) {
   return true;
 }
 
-}  // namespace
-
-int run_warm_command(int argc, char** argv) {
-  std::string template_file;
-  std::vector<std::string> paths;
-  trace::WarmOptions options;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    const bool has_value = i + 1 < argc;
-    if (a == "--template" && has_value) {
-      template_file = argv[++i];
-    } else if ((a == "--budget" || a == "--threads" || a == "--follow") && has_value) {
-      const auto n = parse_size_arg(argv[++i]);
-      if (!n || (a != "--budget" && *n == 0)) {
-        std::fprintf(stderr, "pinload warm: error: %s takes a number\n%s", a.c_str(), kWarmUsage);
-        return 2;
-      }
-      if (a == "--budget") options.budget = *n;
-      else if (a == "--threads") options.threads = static_cast<unsigned>(std::min<std::uint64_t>(*n, 256));
-      else options.follow_pid = static_cast<pid_t>(*n);
-    } else if (a == "--cgroup" && has_value) {
-      options.follow_cgroup = argv[++i];
-    } else if (!a.empty() && a[0] != '-') {
-      paths.push_back(a);
-    } else {
-      std::fprintf(stderr, "pinload warm: error: unexpected '%s'\n%s", a.c_str(), kWarmUsage);
-      return 2;
-    }
-  }
-  if (template_file.empty() == paths.empty()) {
-    std::fprintf(stderr, "pinload warm: error: give either --template or PATHs\n%s", kWarmUsage);
-    return 2;
-  }
+int run_warm(WarmArgs& args) {
+  const std::string& template_file = args.template_file;
+  const std::vector<std::string>& paths = args.paths;
+  trace::WarmOptions& options = args.options;
+  if (template_file.empty() == paths.empty()) throw UsageError("give either --template or PATHs");
   if (options.budget > 0 && options.follow_pid == 0 && options.follow_cgroup.empty()) {
-    std::fprintf(stderr, "pinload warm: error: --budget needs a consumer to follow (--follow or --cgroup)\n");
-    return 2;
+    throw UsageError("--budget needs a consumer to follow (--follow or --cgroup)");
   }
   struct sigaction sa {};
   sa.sa_handler = on_sigterm;
@@ -142,6 +116,27 @@ int run_warm_command(int argc, char** argv) {
   }
   std::printf("%s\n", out.dump().c_str());
   return 0;
+}
+
+}  // namespace
+
+void add_warm_command(CLI::App& app) {
+  auto args = std::make_shared<WarmArgs>();
+  CLI::App* command = app.add_subcommand(
+      "warm", "Replay a template (or whole files) into the page cache, optionally following a consumer (docs/trace.md)");
+  command->add_option("--template", args->template_file, "a template from pinload trace, pinload agent or pinload's loads");
+  command->add_option("--budget", args->options.budget, "bytes warmed ahead of the consumer at most (needs --follow or --cgroup)")
+      ->transform(size_range(1, 1ull << 50));
+  auto* follow = command->add_option("--follow", args->options.follow_pid, "the consumer: this process and its children")
+                     ->check(CLI::Range(1, 1 << 30));
+  command->add_option("--cgroup", args->options.follow_cgroup, "the consumer: the processes of this cgroup folder")
+      ->excludes(follow);
+  command->add_option("--threads", args->options.threads, "concurrent reads (default 8)")->check(integer_range(1, 256));
+  command->add_option("paths", args->paths, "files or folders (their regular files, recursively), warmed whole in order");
+  command->callback([args] {
+    const int status = run_warm(*args);
+    if (status != 0) throw CLI::RuntimeError(status);
+  });
 }
 
 }  // namespace pinload::cli

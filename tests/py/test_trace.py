@@ -270,7 +270,7 @@ def test_warm_follows_a_consumer_in_a_memory_cgroup_smaller_than_the_model(tmp_p
     try:
         th.drop_file_cache(ckpt)
         digest, consumer_read, w, werr = run_consumer_with_warmer(pinload_bin, ckpt, tmp_path / "t.pltemplate", cg,
-                                                                  budget=16 << 20)
+                                                                  budget=8 << 20)
     finally:
         cg.close()
     assert digest == expected
