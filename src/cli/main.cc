@@ -50,6 +50,9 @@ int run(int argc, char** argv) {
   add_inspect_command(app);
   add_load_command(app);
   add_convert_command(app);
+  add_trace_command(app);
+  add_warm_command(app);
+  add_agent_command(app);
 
   const CLI::App* command = named_subcommand(app, argc, argv);
   if (command == nullptr && argc > 1 && argv[1][0] != '-') {
@@ -63,6 +66,8 @@ int run(int argc, char** argv) {
     return app.exit(e);
   } catch (const CLI::CallForVersion& e) {
     return app.exit(e);
+  } catch (const CLI::RuntimeError& e) {
+    return e.get_exit_code();  // a subcommand's own exit status (trace: the traced command's)
   } catch (const CLI::ParseError& e) {
     return usage_error(app, command, e.what());
   } catch (const UsageError& e) {

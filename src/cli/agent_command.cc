@@ -1,0 +1,40 @@
+// pinload agent: the node agent (trace/agent.h).
+#include <signal.h>
+
+#include <atomic>
+#include <memory>
+
+#include "cli/command.h"
+#include "trace/agent.h"
+
+namespace pinload::cli {
+
+namespace {
+
+std::atomic<bool> g_agent_stop{false};
+void on_agent_signal(int) { g_agent_stop.store(true); }
+
+}  // namespace
+
+void add_agent_command(CLI::App& app) {
+  auto options = std::make_shared<trace::AgentOptions>();
+  CLI::App* command = app.add_subcommand(
+      "agent", "Node agent: record each service's first start, replay its template at later starts (docs/trace.md)");
+  command->add_option("--root", options->roots, "a folder of models to watch (repeatable)")->required();
+  command->add_option("--templates", options->templates_dir, "where templates are kept (outside the roots)")->required();
+  command->add_option("--idle-ms", options->idle_ms, "a recording ends after this long without reads (default 5000)")
+      ->check(integer_range(1, 3600000));
+  command->add_option("--threads", options->warm_threads, "concurrent reads of a replay (default 8)")
+      ->check(integer_range(1, 256));
+  command->callback([options] {
+    struct sigaction sa {};
+    sa.sa_handler = on_agent_signal;
+    ::sigaction(SIGTERM, &sa, nullptr);
+    ::sigaction(SIGINT, &sa, nullptr);
+    options->stop = &g_agent_stop;
+    const int status = trace::run_agent(*options);
+    if (status != 0) throw CLI::RuntimeError(status);
+  });
+}
+
+}  // namespace pinload::cli

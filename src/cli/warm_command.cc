@@ -1,0 +1,142 @@
+// pinload warm: replays a template (or whole files) into the page cache,
+// optionally following a consumer with a budget (trace/warmer.h).
+#include <signal.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "cli/size_arg.h"
+#include "cli/command.h"
+#include "pinload/env.h"
+#include "pinload/io_template.h"
+#include "trace/trace_recorder.h"
+#include "trace/warmer.h"
+
+namespace pinload::cli {
+
+namespace {
+
+struct WarmArgs {
+  std::string template_file;
+  std::vector<std::string> paths;
+  trace::WarmOptions options;
+};
+
+std::atomic<bool> g_stop{false};
+void on_sigterm(int) { g_stop.store(true); }
+
+bool identity_of(const std::string& path, TemplateFile* out) {
+  Env* env = default_env();
+  const int fd = env->open_read(path, 0);
+  if (fd < 0) return false;
+  FileStat st;
+  const int rc = env->stat(fd, &st);
+  env->close(fd);
+  if (rc < 0) return false;
+  *out = TemplateFile{path, "", st.size, st.mtime_ns, st.inode, st.device};
+  return true;
+}
+
+int run_warm(WarmArgs& args) {
+  const std::string& template_file = args.template_file;
+  const std::vector<std::string>& paths = args.paths;
+  trace::WarmOptions& options = args.options;
+  if (template_file.empty() == paths.empty()) throw UsageError("give either --template or PATHs");
+  if (options.budget > 0 && options.follow_pid == 0 && options.follow_cgroup.empty()) {
+    throw UsageError("--budget needs a consumer to follow (--follow or --cgroup)");
+  }
+  struct sigaction sa {};
+  sa.sa_handler = on_sigterm;
+  ::sigaction(SIGTERM, &sa, nullptr);
+  ::sigaction(SIGINT, &sa, nullptr);
+  options.stop = &g_stop;
+
+  trace::WarmPlan plan;
+  std::string source;
+  if (!template_file.empty()) {
+    // load_template checks every file's identity: a stale template is not replayed.
+    const std::optional<IoTemplate> t = load_template(template_file);
+    if (!t) {
+      std::fprintf(stderr, "pinload warm: %s: no valid template (missing, corrupt or stale: a file changed); nothing replayed\n",
+                   template_file.c_str());
+      return 3;
+    }
+    plan = trace::plan_from_template(*t);
+    source = t->find(trace::kPageCacheDestination) ? "traced template" : "pinload-recorded template";
+  } else {
+    std::vector<TemplateFile> files;
+    for (const std::string& p : paths) {
+      std::error_code ec;
+      std::vector<std::string> found;
+      if (std::filesystem::is_directory(p, ec)) {
+        for (const auto& e : std::filesystem::recursive_directory_iterator(p, ec)) {
+          if (e.is_regular_file(ec) && !e.is_symlink(ec)) found.push_back(e.path().string());
+        }
+        std::sort(found.begin(), found.end());
+      } else {
+        found.push_back(p);
+      }
+      for (const std::string& f : found) {
+        TemplateFile tf;
+        if (identity_of(f, &tf)) files.push_back(tf);
+        else std::fprintf(stderr, "pinload warm: cannot open %s; skipped\n", f.c_str());
+      }
+    }
+    plan = trace::plan_whole_files(files);
+    source = "plain paths";
+  }
+  const trace::WarmReport r = trace::warm(plan, options);
+  std::fprintf(stderr, "pinload warm: %s, %s: warmed %.1f MB of %.1f MB in %.2f s%s%s\n", source.c_str(), r.mode.c_str(),
+               static_cast<double>(r.warmed) / 1e6, static_cast<double>(r.planned) / 1e6, r.seconds,
+               r.interrupted.empty() ? "" : "; stopped: ", r.interrupted.c_str());
+  nlohmann::ordered_json out;
+  out["source"] = source;
+  out["mode"] = r.mode;
+  out["planned_bytes"] = r.planned;
+  out["warmed_bytes"] = r.warmed;
+  out["skipped_bytes"] = r.skipped;
+  out["dropped_bytes"] = r.dropped;
+  out["consumer_events"] = r.consumer_events;
+  out["seconds"] = r.seconds;
+  out["interrupted"] = r.interrupted;
+  // This process's own I/O counters (/proc/self/io), so a caller can check
+  // that a replay read each byte once.
+  std::ifstream io("/proc/self/io");
+  std::string key;
+  std::uint64_t value = 0;
+  while (io >> key >> value) {
+    if (key == "rchar:" || key == "read_bytes:") out["proc_io"][key.substr(0, key.size() - 1)] = value;
+  }
+  std::printf("%s\n", out.dump().c_str());
+  return 0;
+}
+
+}  // namespace
+
+void add_warm_command(CLI::App& app) {
+  auto args = std::make_shared<WarmArgs>();
+  CLI::App* command = app.add_subcommand(
+      "warm", "Replay a template (or whole files) into the page cache, optionally following a consumer (docs/trace.md)");
+  command->add_option("--template", args->template_file, "a template from pinload trace, pinload agent or pinload's loads");
+  command->add_option("--budget", args->options.budget, "bytes warmed ahead of the consumer at most (needs --follow or --cgroup)")
+      ->transform(size_range(1, 1ull << 50));
+  auto* follow = command->add_option("--follow", args->options.follow_pid, "the consumer: this process and its children")
+                     ->check(CLI::Range(1, 1 << 30));
+  command->add_option("--cgroup", args->options.follow_cgroup, "the consumer: the processes of this cgroup folder")
+      ->excludes(follow);
+  command->add_option("--threads", args->options.threads, "concurrent reads (default 8)")->check(integer_range(1, 256));
+  command->add_option("paths", args->paths, "files or folders (their regular files, recursively), warmed whole in order");
+  command->callback([args] {
+    const int status = run_warm(*args);
+    if (status != 0) throw CLI::RuntimeError(status);
+  });
+}
+
+}  // namespace pinload::cli

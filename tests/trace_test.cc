@@ -1,0 +1,83 @@
+// The plain-data parts of the page-cache commands (src/trace/): the recorder's
+// each-byte-once merging, warm plans, and burn-after-reading bookkeeping.
+#include <gtest/gtest.h>
+
+#include "trace/trace_recorder.h"
+#include "trace/warm_plan.h"
+
+namespace pinload::trace {
+namespace {
+
+TemplateFile file(const std::string& path, std::uint64_t size) { return TemplateFile{path, "", size, 1, 2, 3}; }
+
+TEST(TraceRecorder, MergesContiguousReadsAndRecordsEachByteOnce) {
+  TraceRecorder r;
+  const TemplateFile a = file("/m/a", 10 * 4096), b = file("/m/b", 4096);
+  r.add(a, 0, 4096, 7);
+  r.add(a, 4096, 8192, 7);   // contiguous: extends
+  r.add(a, 0, 8192, 7);      // read again: nothing new
+  r.add(b, 0, 8192, 8);      // clipped to the file
+  r.add(a, 2 * 4096, 4 * 4096, 7);  // half new
+  r.add(a, 20 * 4096, 4096, 7);     // past the end: dropped
+  r.add(a, 6 * 4096, 4096, 7, /*mapped=*/true);
+  const IoTemplate t = r.result();
+  ASSERT_EQ(t.files.size(), 2u);
+  const TemplateReads* reads = t.find(kPageCacheDestination);
+  ASSERT_NE(reads, nullptr);
+  EXPECT_EQ(reads->reads, (std::vector<TemplateRead>{{0, 0, 3 * 4096}, {1, 0, 4096}, {0, 3 * 4096, 3 * 4096}}));
+  const TemplateReads* mapped = t.find(kMappedDestination);
+  ASSERT_NE(mapped, nullptr);
+  EXPECT_EQ(mapped->reads, (std::vector<TemplateRead>{{0, 6 * 4096, 4096}}));
+  EXPECT_EQ(r.bytes(), 7u * 4096);
+  EXPECT_EQ(r.readers(), 2u);
+  // The bytes round-trip through the template format.
+  const auto parsed = parse_template(serialize_template(t));
+  ASSERT_TRUE(parsed.has_value());
+  EXPECT_EQ(parsed->find(kPageCacheDestination)->reads, reads->reads);
+}
+
+TEST(WarmPlan, ReadsThenMappingsOfUnreadFilesInPieces) {
+  IoTemplate t;
+  t.files = {file("/m/a", 10 << 20), file("/m/b", 3 << 20)};
+  t.set(TemplateReads{std::string(kPageCacheDestination), {{0, 1 << 20, 5 << 20}, {0, 0, 2 << 20}}});
+  t.set(TemplateReads{std::string(kMappedDestination), {{0, 0, 10 << 20}, {1, 0, 3 << 20}}});
+  const WarmPlan plan = plan_from_template(t, 4 << 20);
+  // a: [1M, 6M) in two pieces, then [0, 1M) (the overlap read once); b mapped only.
+  ASSERT_EQ(plan.files.size(), 2u);
+  EXPECT_EQ(plan.pieces, (std::vector<WarmPiece>{{0, 1 << 20, 4 << 20}, {0, 5 << 20, 1 << 20}, {0, 0, 1 << 20},
+                                                 {1, 0, 3 << 20}}));
+  EXPECT_EQ(plan.bytes, 9u << 20);
+}
+
+TEST(WarmPlan, PinloadTemplatesAndWholeFiles) {
+  IoTemplate t;
+  t.files = {file("/m/a", 8192)};
+  t.set(TemplateReads{"cuda:0", {{0, 4096, 4096}}});
+  t.set(TemplateReads{std::string(kHostDestination), {{0, 0, 4096}}});
+  EXPECT_EQ(plan_from_template(t).pieces, (std::vector<WarmPiece>{{0, 0, 4096}}));
+  EXPECT_EQ(plan_whole_files({file("/m/a", 5), file("/m/b", 0)}, 4).pieces,
+            (std::vector<WarmPiece>{{0, 0, 4}, {0, 4, 1}}));
+}
+
+TEST(BurnTracker, DropsAPieceReadWholeOnceTheConsumerMovesOn) {
+  WarmPlan plan;
+  plan.files = {file("/m/a", 12 << 20)};
+  plan.pieces = {{0, 0, 4 << 20}, {0, 4 << 20, 4 << 20}, {0, 8 << 20, 4 << 20}};
+  BurnTracker burn(plan);
+  burn.on_warmed(0);
+  burn.on_warmed(1);
+  EXPECT_EQ(burn.resident_bytes(), 8u << 20);
+  EXPECT_TRUE(burn.on_consumer_read(0, 0, 2 << 20).empty());
+  EXPECT_TRUE(burn.on_consumer_read(0, 2 << 20, 2 << 20).empty());  // piece 0 done; its read may still run
+  EXPECT_TRUE(burn.touched(0));
+  EXPECT_FALSE(burn.touched(2));
+  EXPECT_EQ(burn.on_consumer_read(0, 4 << 20, 1 << 20), (std::vector<std::size_t>{0}));  // moved on: drop 0
+  EXPECT_EQ(burn.resident_bytes(), 4u << 20);
+  EXPECT_EQ(burn.dropped_bytes(), 4u << 20);
+  EXPECT_TRUE(burn.on_consumer_read(0, 9 << 20, 1 << 20).empty());  // 1 not finished: kept
+  EXPECT_TRUE(burn.touched(2));  // the consumer reached 2 first: the warmer skips it
+  EXPECT_TRUE(burn.on_consumer_read(7, 0, 1).empty());  // another file: ignored
+}
+
+}  // namespace
+}  // namespace pinload::trace
