@@ -22,12 +22,15 @@
 // to block_size. A strided piece smaller than the alignment still costs an
 // aligned read: a row-parallel slice of rows of under alignment*N bytes reads
 // more than 1/N of its tensor (max_gap trades bytes for fewer reads).
-// In kShare, replicated tensors are owned by contiguous byte ranges: the
-// checkpoint's replicated bytes, in load order, are cut into windows of
-// `window_bytes` (0: one window), and each window into N ranges of about
-// equal bytes; a tensor belongs to the rank whose range holds its first byte.
-// So every rank reads about 1/N of every window, sequentially, at the same
-// time as the others, and no byte is read twice across the ranks.
+// In kShare, each replicated tensor has one owner, the same on every rank.
+// With window_bytes 0 the replicated bytes, in load order, are cut into N
+// contiguous ranges of about equal bytes, and a tensor belongs to the rank
+// whose range holds its first byte: each rank reads one sequential sweep of
+// about 1/N. With window_bytes > 0 they are cut into windows of at most that
+// many bytes (a larger tensor is a window of its own), and within a window
+// the tensors go, largest first, to the rank with the fewest bytes so far,
+// counted across windows, so the ranks stay balanced to within about one
+// tensor. No byte is read twice across the ranks.
 //
 // Note [Shard batches]
 // A plan is cut into batches of at most `batch_bytes` of destination memory

@@ -133,28 +133,49 @@ ShardPlan make_shard_plan(const Checkpoint& checkpoint, const ShardSpec& spec, s
     }
   }
 
-  // kShare: owners by contiguous ranges of each window's replicated bytes.
+  // kShare: windows of replicated bytes in load order; in each, owners balance the ranks' bytes.
   if (spec.mode == ShardMode::kShare) {
-    const std::uint64_t window = spec.window_bytes == 0 ? std::max<std::uint64_t>(replicated_bytes, 1) : spec.window_bytes;
-    std::uint64_t at = 0;  // position among the replicated bytes
+    const std::uint64_t window = spec.window_bytes == 0 ? ~std::uint64_t{0} : spec.window_bytes;
+    std::vector<std::vector<std::uint32_t>> windows(1);
+    std::uint64_t in_window = 0;
     std::uint32_t current = 0;
-    std::uint64_t window_begin = 0, window_size = std::min(window, replicated_bytes);
-    for (ShardTensor& t : plan.tensors) {
-      if (t.dim != kReplicated) {
-        t.window = current;
-        continue;
-      }
-      while (at >= window_begin + window && at > window_begin) {  // the next window
-        window_begin += window;
-        window_size = std::min(window, replicated_bytes - window_begin);
-        ++current;
+    for (std::uint32_t i = 0; i < plan.tensors.size(); ++i) {
+      ShardTensor& t = plan.tensors[i];
+      if (t.dim == kReplicated) {
+        if (in_window != 0 && in_window + t.nbytes > window) {
+          windows.emplace_back();
+          ++current;
+          in_window = 0;
+        }
+        windows.back().push_back(i);
+        in_window += t.nbytes;
       }
       t.window = current;
-      const std::uint64_t into = at - window_begin;
-      t.owner = static_cast<int>(std::min<std::uint64_t>(world - 1, into * world / std::max<std::uint64_t>(window_size, 1)));
-      t.read = t.owner == spec.rank;
-      at += t.nbytes;
     }
+    std::vector<std::uint64_t> load(static_cast<std::size_t>(spec.world_size), 0);
+    for (std::vector<std::uint32_t>& w : windows) {
+      if (spec.window_bytes == 0) {
+        // One window: contiguous ranges of about equal bytes, each rank one sequential sweep.
+        std::uint64_t at = 0;
+        for (std::uint32_t i : w) {
+          ShardTensor& t = plan.tensors[i];
+          t.owner = static_cast<int>(std::min<std::uint64_t>(world - 1, at * world / std::max<std::uint64_t>(replicated_bytes, 1)));
+          at += t.nbytes;
+        }
+        continue;
+      }
+      // Largest first, each to the rank with the fewest bytes so far (ties: the lowest rank).
+      std::vector<std::uint32_t> order = w;
+      std::stable_sort(order.begin(), order.end(),
+                       [&](std::uint32_t x, std::uint32_t y) { return plan.tensors[x].nbytes > plan.tensors[y].nbytes; });
+      for (std::uint32_t i : order) {
+        const auto r = static_cast<std::size_t>(std::min_element(load.begin(), load.end()) - load.begin());
+        plan.tensors[i].owner = static_cast<int>(r);
+        load[r] += plan.tensors[i].nbytes;
+      }
+    }
+    for (ShardTensor& t : plan.tensors)
+      if (t.dim == kReplicated) t.read = t.owner == spec.rank;
   }
 
   // Batches: destination offsets; a new batch at a window change or once full.
