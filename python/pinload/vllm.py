@@ -134,6 +134,18 @@ class PinloadModelLoader(DefaultModelLoader):
         base_config.model_loader_extra_config = vllm_keys
         super().__init__(base_config)
         self.load_config = load_config
+        # vLLM's file resolution knows its own formats only: resolve as "auto" does (safetensors
+        # first, else .bin/.pt, which then go through the fallback).
+        self._auto_config = copy.copy(load_config)
+        self._auto_config.load_format = "auto"
+        self._auto_config.model_loader_extra_config = vllm_keys
+
+    def _prepare_weights(self, *args, **kwargs):
+        saved, self.load_config = self.load_config, self._auto_config
+        try:
+            return super()._prepare_weights(*args, **kwargs)
+        finally:
+            self.load_config = saved
 
     def _get_weights_iterator(self, source):
         _folder, files, use_safetensors, _index = self._prepare_weights(
@@ -142,11 +154,7 @@ class PinloadModelLoader(DefaultModelLoader):
         if not use_safetensors or not files:
             logger.warning("pinload: %s has no safetensors files; falling back to vLLM's default reads",
                            source.model_or_path)
-            saved = self.load_config
-            fallback = copy.copy(saved)
-            fallback.load_format = "auto"
-            fallback.model_loader_extra_config = {}
-            self.load_config = fallback
+            saved, self.load_config = self.load_config, self._auto_config
             try:
                 yield from super()._get_weights_iterator(source)
             finally:
