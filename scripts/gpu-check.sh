@@ -282,6 +282,15 @@ if (($(remaining) > 200)) && run_step build_bench 120 "$OUT/build.log" cmake --b
   fi
 fi
 
+# ---- the vLLM plugin on cuda:0 (tests/serving/gpu_vllm_check.py): pinload's iterator against
+# vLLM's default one, and a tiny Llama through --load-format pinload; skipped where vLLM is missing
+if ls "$BUILD"/python/pinload/_core*.so >/dev/null 2>&1 && python3 -c 'import vllm' >/dev/null 2>&1; then
+  run_step vllm_check 120 "$OUT/tests.log" env PYTHONPATH="$BUILD/python:$ROOT/python" \
+    python3 "$ROOT/tests/serving/gpu_vllm_check.py" || TESTS_FAILED=1
+else
+  log "vllm_check: skipped (vLLM not importable or no Python module)"
+fi
+
 # ---- the rest of the unit suites, if time allows (not part of the verdict's CUDA half)
 if (($(remaining) > 150)); then
   if run_step build_all 150 "$OUT/build.log" cmake --build "$BUILD" -j "$JOBS"; then

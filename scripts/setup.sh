@@ -32,6 +32,10 @@ if ((${#py_missing[@]})); then
   "$PYTHON" -m pip install -q "${py_missing[@]}"
 fi
 
+# The vLLM plugin's tests run in a venv of their own (vllm --no-deps over this torch); opt out with
+# PINLOAD_SKIP_VLLM=1. It never fails the set-up: the tests skip with the reason instead.
+[[ ${PINLOAD_SKIP_VLLM:-0} == 1 ]] || scripts/setup-vllm.sh
+
 BUILD_DIR=${BUILD_DIR:-build}
 if [[ ! -f "$BUILD_DIR/build.ninja" ]]; then
   cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DPINLOAD_WERROR=ON >/dev/null

@@ -50,6 +50,7 @@
 #include "pinload/loader.h"
 #include "pinload/model_cache.h"
 #include "pinload/prefetch.h"
+#include "pinload/shard.h"
 #include "pinload/pool.h"
 #include "pinload/state_dict.h"
 
@@ -682,6 +683,50 @@ std::unique_ptr<PyPrefetch> start_prefetch(const std::vector<std::string>& paths
   return std::make_unique<PyPrefetch>(std::move(p), std::move(loader), std::move(placement), paths);
 }
 
+// Rank-aware loading (pinload/shard.h), driven by python/pinload/distributed.py.
+class PyShardLoad {
+ public:
+  explicit PyShardLoad(std::unique_ptr<ShardLoad> load) : load_(std::move(load)) {}
+  ~PyShardLoad() { reset_without_gil(load_); }
+  // The next batch's StateDict, or None after the last.
+  std::optional<PyStateDict> next() {
+    StateDict sd;
+    {
+      py::gil_scoped_release release;
+      sd = load_->next();
+    }
+    if (sd.empty()) return std::nullopt;
+    return PyStateDict(std::move(sd), Placement{});
+  }
+  // (name, dtype, shape, dim, begin, end, owner, window, read, batch) of every tensor, in load order.
+  py::list tensors() const {
+    py::list out;
+    for (const ShardTensor& t : load_->plan().tensors) {
+      out.append(py::make_tuple(decode(t.name), py::str(std::string(dtype_name(t.dtype))), shape_list(t.shape), t.dim,
+                                t.begin, t.end, t.owner, t.window, t.read, t.batch));
+    }
+    return out;
+  }
+  std::uint64_t planned_bytes() const { return load_->plan().read_bytes; }
+  std::uint64_t bytes_read() const { return load_->bytes_read(); }
+
+ private:
+  std::unique_ptr<ShardLoad> load_;
+};
+
+std::unique_ptr<PyShardLoad> start_shard_load(const std::vector<std::string>& paths, int rank, int world_size,
+                                              const std::string& mode, const std::vector<std::pair<std::string, int>>& rules,
+                                              std::uint64_t window_bytes, unsigned threads, std::size_t block_size,
+                                              const std::string& direct, std::uint64_t max_gap, std::uint64_t batch_bytes) {
+  if (mode != "slice" && mode != "share") throw InvalidFileError("shard mode must be 'slice' or 'share', not '" + mode + "'");
+  ShardSpec spec{rank, world_size, mode == "slice" ? ShardMode::kSlice : ShardMode::kShare, {}, window_bytes};
+  for (const auto& [pattern, dim] : rules) spec.rules.push_back(ShardRule{pattern, dim});
+  ShardLoadOptions options{threads, block_size, direct != "off", max_gap, batch_bytes};
+  std::shared_ptr<Pool> pool = pool_for("cpu");
+  py::gil_scoped_release release;
+  return std::make_unique<PyShardLoad>(std::make_unique<ShardLoad>(paths, spec, options, std::move(pool)));
+}
+
 py::dict read_header(const std::string& path) {
   CheckpointFile file;
   {
@@ -809,6 +854,17 @@ PYBIND11_MODULE(_core, m) {
            "dict: hits, misses, waits, evictions, invalidations, too_large, entries, cached_bytes, budget_bytes, "
            "evicted_live_bytes.");
 
+  py::class_<PyShardLoad>(m, "ShardLoad", "One rank's share of a checkpoint, read batch by batch (pinload/shard.h).")
+      .def("next", &PyShardLoad::next, "The next batch as a StateDict, or None after the last. Raises the reads' error.")
+      .def("tensors", &PyShardLoad::tensors,
+           "(name, dtype, shape, dim, begin, end, owner, window, read, batch) of every tensor, in load order.")
+      .def_property_readonly("planned_bytes", &PyShardLoad::planned_bytes)
+      .def_property_readonly("bytes_read", &PyShardLoad::bytes_read);
+  m.def("shard_load", &start_shard_load, py::arg("paths"), py::arg("rank"), py::arg("world_size"),
+        py::arg("mode") = "slice", py::arg("rules") = std::vector<std::pair<std::string, int>>{},
+        py::arg("window_bytes") = 0, py::arg("threads") = kDefaultThreads, py::arg("block_size") = kDefaultBlockSize,
+        py::arg("direct") = "auto", py::arg("max_gap") = 0, py::arg("batch_bytes") = 0,
+        "Plans and starts rank `rank`'s share of `paths` (bytes); rules are (regex, dim) pairs (dim -1: replicated).");
   m.def("read_header", &read_header, py::arg("path"),
         "Reads and validates one file's header: dict with path, tensors [(name, dtype, shape, begin, end)] in "
         "offset order, metadata (dict or None), data_offset, file_size.");

@@ -1,0 +1,127 @@
+"""The vLLM model-loader plugin (pinload.vllm) against vLLM's own plugin loading and iterator.
+
+Needs vLLM importable (scripts/setup-vllm.sh: vllm --no-deps in a venv over the system torch);
+skips with the reason otherwise. vLLM's CUDA wheel builds no model on a CPU-only machine, so the
+model-level comparison (every parameter against the default loader's) is in scripts/gpu-check.sh.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import tomllib
+
+import pytest
+import torch
+
+try:
+    from vllm.config.load import LoadConfig
+    from vllm.model_executor.model_loader import get_model_loader
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+    from vllm.model_executor.model_loader.weight_utils import safetensors_weights_iterator
+except Exception as e:  # noqa: BLE001 - any import failure means: no vLLM here
+    pytest.skip(f"vLLM cannot be imported here ({type(e).__name__}: {e}); run scripts/setup-vllm.sh and use "
+                f"its venv", allow_module_level=True)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _files(folder):
+    return sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".safetensors"))
+
+
+@pytest.fixture(scope="module")
+def plugin_on_path(tmp_path_factory):
+    """pinload's entry points as an installed distribution would declare them (from pyproject.toml),
+    on sys.path, so that vLLM's plugin loading finds them through importlib.metadata."""
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        eps = tomllib.load(f)["project"]["entry-points"]
+    site = tmp_path_factory.mktemp("site")
+    info = site / "pinload-0.0.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: pinload\nVersion: 0.0.0\n")
+    lines = []
+    for group, entries in eps.items():
+        lines.append(f"[{group}]")
+        lines += [f"{k} = {v}" for k, v in entries.items()]
+    (info / "entry_points.txt").write_text("\n".join(lines) + "\n")
+    sys.path.insert(0, str(site))
+    yield
+    sys.path.remove(str(site))
+
+
+def test_entry_point_is_found_by_vllms_plugin_loading(plugin_on_path):
+    from vllm.plugins import load_general_plugins, load_plugins_by_group
+
+    assert "pinload" in load_plugins_by_group("vllm.general_plugins")
+    load_general_plugins()
+    loader = get_model_loader(LoadConfig(load_format="pinload"))
+    import pinload.vllm
+
+    assert type(loader) is pinload.vllm.PinloadModelLoader
+    pinload.vllm.register()  # vLLM may call it again, in every process: harmless
+    assert type(get_model_loader(LoadConfig(load_format="pinload"))) is pinload.vllm.PinloadModelLoader
+
+
+def _same(a, b):
+    assert set(a) == set(b)
+    for name in a:
+        x, y = a[name], b[name]
+        assert x.dtype == y.dtype and x.shape == y.shape, name
+        assert torch.equal(x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8)), name
+
+
+def test_iterator_yields_what_vllms_safetensors_iterator_yields(llama_dir):
+    from pinload.vllm import pinload_weights_iterator
+
+    files = _files(llama_dir)
+    theirs = {n: t.clone() for n, t in safetensors_weights_iterator(files, False)}
+    ours = {}
+    for name, tensor in pinload_weights_iterator(files, False, threads=2):
+        assert name not in ours
+        ours[name] = tensor
+    _same(ours, theirs)
+
+
+def test_loader_feeds_load_weights_through_the_default_loaders_plumbing(llama_dir):
+    import pinload.vllm  # noqa: F401 - registers the format
+
+    loader = get_model_loader(LoadConfig(load_format="pinload",
+                                         model_loader_extra_config={"threads": 2, "block_size": "1M"}))
+    assert loader.pinload_options == {"threads": 2, "block_size": "1M"}
+    source = DefaultModelLoader.Source(llama_dir, None, prefix="p.")
+    ours = dict(loader._get_weights_iterator(source))
+    theirs = {"p." + n: t for n, t in safetensors_weights_iterator(_files(llama_dir), False)}
+    _same(ours, theirs)
+
+
+def test_extra_config(llama_dir, caplog):
+    import pinload.vllm
+
+    with pytest.raises(ValueError, match="unknown key 'bogus'"):
+        get_model_loader(LoadConfig(load_format="pinload", model_loader_extra_config={"bogus": 1}))
+    with pytest.raises(ValueError, match="threads"):
+        get_model_loader(LoadConfig(load_format="pinload", model_loader_extra_config={"threads": 0}))
+    with caplog.at_level(logging.WARNING, logger="pinload.vllm"):
+        loader = get_model_loader(LoadConfig(load_format="pinload",
+                                             model_loader_extra_config={"connections": 8, "dtype": "float32",
+                                                                        "enable_weights_track": False}))
+    assert "connections" in caplog.text
+    assert loader.pinload_options == {"dtype": torch.float32}
+    files = _files(llama_dir)
+    for _name, tensor in pinload.vllm.pinload_weights_iterator(files, False, **loader.pinload_options):
+        assert tensor.dtype == torch.float32
+    cached = dict(pinload.vllm.pinload_weights_iterator(files, False, cache="256M"))
+    _same(cached, dict(safetensors_weights_iterator(files, False)))
+
+
+def test_non_safetensors_checkpoint_falls_back_with_a_warning(tmp_path, caplog):
+    import pinload.vllm  # noqa: F401
+
+    torch.save({"w": torch.ones(3)}, tmp_path / "pytorch_model.bin")
+    loader = get_model_loader(LoadConfig(load_format="pinload"))
+    with caplog.at_level(logging.WARNING, logger="pinload.vllm"):
+        got = dict(loader._get_weights_iterator(DefaultModelLoader.Source(str(tmp_path), None)))
+    assert "falling back" in caplog.text
+    assert torch.equal(got["w"], torch.ones(3))
