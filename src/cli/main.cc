@@ -29,8 +29,10 @@ constexpr const char* kUsage =
     "                    [--direct auto|on|off] [--cached-read auto|map|pread] [--variant V]\n"
     "                    [--device cpu|sim|cuda:N] [--streams K] [--chunk-size BYTES]\n"
     "                    [--staging-bytes BYTES]"
-    " [--numa-node auto|none|N] PATH...\n"
-    "PATH: a .safetensors file, a *.safetensors.index.json, or a folder.\n";
+    " [--numa-node auto|none|N]\n"
+    "                    [--connections N] PATH...\n"
+    "PATH: a .safetensors file, a *.safetensors.index.json, or a folder; local, s3://bucket/key,\n"
+    "      s3://bucket/prefix/ or http(s)://host/path.\n";
 
 struct UsageError : std::runtime_error {
   using std::runtime_error::runtime_error;
@@ -87,6 +89,7 @@ Args parse_args(int argc, char** argv) {
       args.load.target.mode = DeviceMode::kStreaming;
     }
     else if (a == "--numa-node") args.load.numa.node = parse_numa_node(value());
+    else if (a == "--connections") args.load.resolve.remote.connections = static_cast<unsigned>(parse_size(value()));
     else if (a == "--direct") {
       const auto d = parse_direct_arg(value());
       if (!d) throw UsageError("--direct takes auto, on or off");
@@ -105,6 +108,7 @@ Args parse_args(int argc, char** argv) {
   }
   if (args.paths.empty()) throw UsageError("no PATH given");
   if (args.load.threads == 0 || args.load.threads > 1024) throw UsageError("--threads must be 1..1024");
+  if (args.load.resolve.remote.connections > 1024) throw UsageError("--connections must be 1..1024");
   if (args.load.target.copy.streams == 0 || args.load.target.copy.streams > 64) throw UsageError("--streams must be 1..64");
   if (args.load.target.copy.chunk_bytes == 0) throw UsageError("--chunk-size must be > 0");
   if (args.load.block_size < 4096 || args.load.block_size > (1ull << 30)) throw UsageError("--block-size must be 4K..1G");

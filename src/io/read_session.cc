@@ -85,6 +85,12 @@ bool copy_mapped_chunk(Env* env, const OpenFile& f, const ReadChunk& c, std::byt
 // Opens a file for the load and decides direct or buffered (Note [Direct I/O]).
 void open_for_load(Env* env, const CheckpointFile& cf, const LoadOptions& options, OpenFile* f) {
   f->path = cf.path;
+  if (is_remote_path(cf.path)) {  // Note [Remote reads]
+    f->stat = cf.stat;
+    f->remote = remote::client_for(options.resolve.remote);
+    f->object = remote::ObjectInfo{cf.path, cf.stat.size, cf.version, cf.stat.mtime_ns};
+    return;
+  }
   f->buffered_fd = open_or_throw(env, cf.path);
   f->stat = stat_or_throw(env, f->buffered_fd.get(), cf.path);
   if (f->stat.size != cf.stat.size) {
@@ -166,6 +172,10 @@ void read_with_pread(Env* env, OpenFile& f, const FileRead& plan, const ReadChun
 // Executes one chunk: reads [offset, offset + valid) of the file to `dest`.
 void read_chunk(Env* env, OpenFile& f, const FileRead& plan, const ReadChunk& c, DirectIo mode,
                 CachedReadChooser* chooser, Loader::Counters* counters, std::byte* dest) {
+  if (f.remote) {
+    f.remote->read(f.object, c.offset, c.valid, dest);
+    return;
+  }
   const bool direct = f.direct.load(std::memory_order_relaxed);
   if (direct || !f.mapping.valid()) {
     read_with_pread(env, f, plan, c, mode, counters, dest, direct);
@@ -296,6 +306,7 @@ std::unique_ptr<ReadSession> open_session(Env* env, const LoadOptions& options, 
     r.alignment = std::max(f->stat.dio_offset_align, kFallbackDirectAlign);
     (f->direct ? counters->files_direct : counters->files_buffered)++;
     if (!f->direct && f->mapping.valid()) counters->files_mapped++;
+    if (f->remote) s->min_threads = std::max(s->min_threads, f->remote->connections());
     reads.push_back(std::move(r));
     s->files.push_back(std::move(f));
   }
@@ -369,6 +380,7 @@ void execute(ReadSession& s, const std::vector<std::size_t>& todo, unsigned thre
       abort.request_stop();
     }
   };
+  threads = std::max(threads, s.min_threads);  // Note [Remote reads]
   const std::size_t thread_count = std::min<std::size_t>(std::max(threads, 1u), std::max<std::size_t>(todo.size(), 1));
   {
     std::vector<std::jthread> workers;
