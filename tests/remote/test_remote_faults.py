@@ -62,7 +62,7 @@ def test_reset_mid_body_asks_only_for_the_missing_part(pinload_bin, nginx, model
     cut = []
 
     def fault(r):
-        if data_request(r) and r["range"][1] - r["range"][0] + 1 == BLOCK and len(cut) < 8:
+        if data_request(r) and r["range"][1] - r["range"][0] + 1 == BLOCK and len(cut) < 6:
             cut.append(r["range"])
             return {"drop_after": 100_000}
 
@@ -71,12 +71,14 @@ def test_reset_mid_body_asks_only_for_the_missing_part(pinload_bin, nginx, model
         assert digests(load_via(pinload_bin, proxy, url_path)) == stfiles.expected_digest(path)
     finally:
         proxy.stop()
-    assert len(cut) == 8
+    assert len(cut) == 6
     asked = [r["range"] for r in proxy.log if r["range"]]
     for first, last in cut:
-        assert (first + 100_000, last) in asked  # the tail only
+        # The tail only: what arrived before the reset (up to 100,000 bytes;
+        # a reset may discard some the kernel had received) is kept.
+        assert any(a == last and first < f <= first + 100_000 for f, a in asked), (first, last, asked)
     requested = sum(b - a + 1 for a, b in asked)
-    assert requested < os.path.getsize(path) + 8 * BLOCK  # nothing else read twice
+    assert requested < os.path.getsize(path) + 6 * BLOCK  # nothing else read twice
 
 
 def test_stall_times_out_and_retries(pinload_bin, nginx, model):
@@ -86,14 +88,16 @@ def test_stall_times_out_and_retries(pinload_bin, nginx, model):
     def fault(r):
         if data_request(r) and not stalled:
             stalled.append(r["range"])
-            return {"stall_after": 10_000, "for": 8}
+            return {"stall_after": 10_000, "for": 40}
 
     proxy = FaultProxy(nginx.port, fault)
     try:
         start = time.monotonic()
         proc = load_via(pinload_bin, proxy, url_path, env={"PINLOAD_REMOTE_LOW_SPEED_TIME": "1"})
         assert digests(proc) == stfiles.expected_digest(path)
-        assert time.monotonic() - start < 7
+        # libcurl averages the rate over the last 5 s: the stall is seen
+        # about 5 s + LOW_SPEED_TIME after it starts, long before it ends.
+        assert time.monotonic() - start < 25
     finally:
         proxy.stop()
     assert stalled
