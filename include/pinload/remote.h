@@ -15,6 +15,14 @@
 // path-style); AWS_PROFILE with ~/.aws/credentials and ~/.aws/config
 // (AWS_SHARED_CREDENTIALS_FILE, AWS_CONFIG_FILE); none of them: anonymous.
 // AWS_CA_BUNDLE names extra CA certificates.
+//
+// Note [Network filesystems]
+// A NAS front end caps the bandwidth of each TCP connection, so a file on NFS,
+// SMB/CIFS or a FUSE mount (fstatfs f_type) is read buffered under
+// DirectIo::kAuto (O_DIRECT on NFS sends every read to the server
+// unbatched) by at least `connections` reader threads. The mount must spread
+// them over connections too: docs/remote.md has the recipe (nconnect=16,
+// rsize=1M, threads >= connections).
 #pragma once
 
 #include <cstdint>

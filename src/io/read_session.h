@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "io/cached_read_chooser.h"
+#include "io/remote/object_cache.h"
 #include "io/remote/remote_client.h"
 #include "pinload/checkpoint.h"
 #include "pinload/io_template.h"
@@ -106,6 +107,8 @@ struct OpenFile {
   // Remote files (Note [Remote reads]): no descriptors; chunks are ranged GETs.
   std::shared_ptr<remote::RemoteClient> remote;
   remote::ObjectInfo object;
+  std::unique_ptr<remote::ObjectCache::Writer> cache_writer;  // Note [Remote cache]
+  bool network_fs = false;  // NFS, SMB/CIFS or FUSE: Note [Network filesystems] in remote.h
 
   // The descriptor for buffered reads, opened on first use.
   int buffered(Env* env);

@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "base/log.h"
+#include "io/remote/object_cache.h"
 #include "pinload/error.h"
 
 namespace pinload::remote {
@@ -182,6 +183,7 @@ RemoteClient::RemoteClient(const RemoteOptions& options, S3Config s3)
     if (const char* bundle = std::getenv("AWS_CA_BUNDLE"); bundle != nullptr) ca_file_ = bundle;
   }
   if (!options_.verify_tls) log::warn("TLS verification is OFF for remote reads (verify_tls = false)");
+  if (!options_.cache_dir.empty()) cache_ = std::make_shared<ObjectCache>(options_.cache_dir, options_.cache_bytes);
 }
 
 RemoteClient::~RemoteClient() {
@@ -491,6 +493,9 @@ RemoteOptions with_environment(RemoteOptions options) {
   }
   if (options.cache_dir.empty()) {
     if (const char* v = std::getenv("PINLOAD_CACHE_DIR"); v != nullptr) options.cache_dir = v;
+  }
+  if (options.cache_bytes == 0) {
+    if (const char* v = std::getenv("PINLOAD_CACHE_BYTES"); v != nullptr) options.cache_bytes = std::strtoull(v, nullptr, 10);
   }
   return options;
 }

@@ -46,6 +46,8 @@ struct ObjectInfo {
   std::int64_t mtime_ns = 0;
 };
 
+class ObjectCache;  // object_cache.h
+
 struct Listing {
   std::vector<std::string> files;    // names directly under the prefix
   std::vector<std::string> folders;  // sub-prefixes' names, without '/'
@@ -75,6 +77,8 @@ class RemoteClient {
   Listing list(const std::string& path);
 
   const RemoteOptions& options() const { return options_; }
+  // The write-through cache (Note [Remote cache]); null unless cache_dir is set.
+  const ObjectCache* cache() const { return cache_.get(); }
   unsigned connections() const { return connections_; }
 
   struct Handle;  // a pooled curl easy handle
@@ -94,6 +98,7 @@ class RemoteClient {
   S3Config s3_;
   unsigned connections_;
   std::string ca_file_;
+  std::shared_ptr<ObjectCache> cache_;
   std::mutex mu_;
   std::vector<Handle*> idle_;  // guarded by mu_
 };
