@@ -39,7 +39,7 @@ def make_model(path, mib):
     import numpy as np
     from safetensors.numpy import save_file
     rng = np.random.default_rng(0)
-    tensors, left, i = {}, mib, 0
+    tensors, left, i = {"tiny": np.zeros(1024, dtype=np.float32)} if mib == 0 else {}, mib, 0
     while left > 0:
         n = min(left, 64)
         tensors[f"model.layers.{i}.mlp.down_proj.weight"] = rng.integers(0, 255, size=(n * 1024, 1024), dtype=np.uint8)
@@ -96,7 +96,10 @@ def main():
     work = Path(tempfile.mkdtemp(prefix="pinload-remote-bench-"))
     model = work / "root" / "model.safetensors"
     model.parent.mkdir()
-    make_model(model, opts.size_mib)
+    # In a child: the parent's RSS would count in every child's ru_maxrss (fork).
+    subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]); import remote_bench as b; "
+                    "b.make_model(sys.argv[2], int(sys.argv[3])); b.make_model(sys.argv[4], 0)",
+                    str(HERE), str(model), str(opts.size_mib), str(model.parent / "tiny.safetensors")], check=True)
     size = model.stat().st_size
     rows = {}
 
@@ -131,8 +134,10 @@ def main():
                        "https_MBps": rate(https[0]), "https_cpu_s_per_GB": https[1] / (size / 1e9),
                        "curl_parallel_http_MBps": rate(curl_http[0]),
                        "curl_parallel_http_cpu_s_per_GB": curl_http[1] / (size / 1e9)}
+        tiny = measured([pinload, "load", plain.url + "/tiny.safetensors"])
         rows["rss"] = {"model_MB": size / 1e6, "pinload_http_peak_rss_MB": http[2] / 1e6,
-                       "ratio": http[2] / size}
+                       "ratio": http[2] / size, "baseline_rss_MB (a 4 KiB model)": tiny[2] / 1e6,
+                       "ratio_above_baseline": (http[2] - tiny[2]) / size}
     finally:
         plain.cleanup()
         tls.cleanup()

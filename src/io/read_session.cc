@@ -331,9 +331,8 @@ std::unique_ptr<ReadSession> open_session(Env* env, const LoadOptions& options, 
     r.alignment = std::max(f->stat.dio_offset_align, kFallbackDirectAlign);
     (f->direct ? counters->files_direct : counters->files_buffered)++;
     if (!f->direct && f->mapping.valid()) counters->files_mapped++;
-    if (f->remote || f->network_fs) {
-      s->min_threads = std::max(s->min_threads, effective_connections(options.resolve.remote));
-    }
+    if (f->remote) s->remote_threads = f->remote->connections();
+    if (f->network_fs) s->min_threads = effective_connections(options.resolve.remote);
     reads.push_back(std::move(r));
     s->files.push_back(std::move(f));
   }
@@ -407,7 +406,7 @@ void execute(ReadSession& s, const std::vector<std::size_t>& todo, unsigned thre
       abort.request_stop();
     }
   };
-  threads = std::max(threads, s.min_threads);  // Note [Remote reads]
+  threads = s.remote_threads != 0 ? s.remote_threads : std::max(threads, s.min_threads);  // Note [Remote reads]
   const std::size_t thread_count = std::min<std::size_t>(std::max(threads, 1u), std::max<std::size_t>(todo.size(), 1));
   {
     std::vector<std::jthread> workers;

@@ -123,7 +123,10 @@ struct ReadSession {
   std::vector<std::unique_ptr<OpenFile>> files;
   ReadPlan plan;
   bool streaming = false;  // each chunk into a staging block instead of its file's block
-  unsigned min_threads = 0;  // remote files: one reader per connection
+  // Readers: remote files take exactly one per connection (Note [Remote
+  // reads]); files on network filesystems at least one per connection.
+  unsigned remote_threads = 0;
+  unsigned min_threads = 0;
   std::shared_ptr<Pool> staging_pool;
   // Streaming only: chunks read but not yet handed to a copy (prefetched).
   std::vector<std::shared_ptr<Block>> staged;
