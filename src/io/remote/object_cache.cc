@@ -9,7 +9,6 @@
 #include <cstring>
 #include <filesystem>
 #include <functional>
-#include <random>
 #include <vector>
 
 #include "base/log.h"
@@ -44,8 +43,9 @@ std::string ObjectCache::lookup(const ObjectInfo& object) const {
 std::unique_ptr<ObjectCache::Writer> ObjectCache::begin(const ObjectInfo& object, std::uint64_t first) const {
   if (object.etag.empty() || object.size == 0) return nullptr;
   const std::string final_path = key_path(object);
-  thread_local std::mt19937_64 rng(std::random_device{}());
-  const std::string part = final_path + ".part-" + std::to_string(::getpid()) + "-" + std::to_string(rng() % 1000000);
+  // No thread_local engine: the Python module has little static TLS to spare.
+  static std::atomic<std::uint64_t> serial{0};
+  const std::string part = final_path + ".part-" + std::to_string(::getpid()) + "-" + std::to_string(serial++);
   const int fd = ::open(part.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
   if (fd < 0) {
     log::warn("remote cache: cannot create {}: {}; not caching", part, std::strerror(errno));
