@@ -9,7 +9,7 @@ set(PINLOAD_WITH_TORCH AUTO CACHE STRING "libtorch adapter: AUTO, ON or OFF")
 set(PINLOAD_WITH_PYTHON AUTO CACHE STRING "Python bindings: AUTO, ON or OFF")
 
 if(PINLOAD_SANITIZE)
-  add_compile_options(-fsanitize=${PINLOAD_SANITIZE} -fno-omit-frame-pointer -fno-sanitize-recover=all)
+  add_compile_options("$<$<COMPILE_LANGUAGE:C,CXX>:-fsanitize=${PINLOAD_SANITIZE};-fno-omit-frame-pointer;-fno-sanitize-recover=all>")
   add_link_options(-fsanitize=${PINLOAD_SANITIZE})
 endif()
 

@@ -26,7 +26,9 @@
 #                          cudaMemcpy limit, the copy engine alone, warm and cold
 #                          loads to the GPU next to host-only loads, and the host
 #                          cold/warm targets against fio (if present) and memcpy
-#   bench.log              its progress
+#   bench.log              its progress (and fp8-bench --device cuda:0's table: FP8 -> bf16
+#                          device loads against bf16 loads and a pinned copy; its JSON is
+#                          results.json's fp8_device)
 #   run_all.quick.json     bench/run_all.py --quick on cuda:0 (pinload and the peers on the
 #                          small checkpoints), when at least 90 s of the budget are left
 #
@@ -159,6 +161,10 @@ res["suites"] = suites
 for line in open(os.path.join(out, "tests.log"), errors="replace"):
     if line.startswith("torch_reference: "):
         res["torch_reference"] = json.loads(line[len("torch_reference: "):])
+fp8 = os.environ.get("FP8_JSON", "")
+if fp8 and os.path.exists(fp8):
+    with open(fp8) as f:
+        res["fp8_device"] = json.load(f)  # fp8-bench --device cuda:0: FP8 -> bf16 loads, bf16 loads, pinned copy
 bench = os.path.join(out, "bench_device.json")
 if os.path.exists(bench):
     with open(bench) as f:
@@ -248,6 +254,20 @@ except Exception as e:  # report, never crash the check
     res["error"] = repr(e)
 print("torch_reference: " + json.dumps(res))
 EOF
+
+# ---- FP8 on the GPU: the conversion kernel against torch, bit for bit (test_fp8.py's cuda:0
+# cases), then fp8-bench --device cuda:0: an FP8 -> bf16 device load (half the bytes over the
+# link, converted by the kernel on a copy stream) against the bf16 load, next to one pinned
+# copy of the bf16 bytes. Its JSON goes into results.json as fp8_device.
+export FP8_JSON=$(mktemp)
+if (($(remaining) > 200)) && run_step build_fp8 150 "$OUT/build.log" cmake --build "$BUILD" -j "$JOBS" \
+    --target convert_test pinload_fp8_bench pinload_python; then
+  run_step convert_test 60 "$OUT/tests.log" "$BUILD/tests/convert_test" || TESTS_FAILED=1
+  run_step fp8_exactness 90 "$OUT/tests.log" env PYTHONPATH="$BUILD/python:$ROOT/python" \
+    python3 -m pytest -q -rs "$ROOT/tests/python/test_fp8.py" -k "cuda or load_fp8 or fp32_as_16bit" || TESTS_FAILED=1
+  run_step fp8_bench_device 120 "$OUT/bench.log" "$BUILD/bench/fp8-bench" --device cuda:0 --size-mib 2048 \
+    --rounds 3 --dir "${PINLOAD_MODELS:-/tmp/pinload-models}/fp8-bench" --json "$FP8_JSON"
+fi
 
 # ---- pinload-bench's device phase on a generated checkpoint (CLIP-L, VAE and a
 # T5-XXL shard: 4.9 GB of real FLUX component shapes), with the physical limits

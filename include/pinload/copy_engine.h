@@ -131,6 +131,9 @@ class CopyEngine {
   void wait_all();
 
   CopyStats stats() const;
+  // The engine's stream `i` (< options().streams), for work that must follow
+  // copies on it (a load's dtype conversions).
+  Stream& stream(std::size_t i) { return streams_.at(i); }
   const CopyOptions& options() const noexcept { return options_; }
   Device& device() const noexcept { return device_; }
 

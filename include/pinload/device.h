@@ -4,7 +4,8 @@
 // memory for the pool (make_pinned_backend), device memory (allocate, or a
 // caller's DeviceAllocator), streams, events and asynchronous host-to-device
 // copies. Two implementations:
-//   "cuda:N"  the CUDA runtime API (src/device/cuda_device.cc; no kernels)
+//   "cuda:N"  the CUDA runtime API (src/device/cuda_device.cc), plus the
+//             dtype conversion kernel (src/device/cuda_convert.cu)
 //   "sim"     a CPU stand-in (src/device/sim_device.cc): each stream is a FIFO
 //             of tasks run in order by a thread of its own, a copy is a memcpy
 //             and device memory is host memory. Tests use it to slow copies
@@ -42,6 +43,7 @@
 #include <string>
 #include <string_view>
 
+#include "pinload/dtype.h"
 #include "pinload/env.h"
 #include "pinload/host_memory.h"
 #include "pinload/numa.h"
@@ -218,6 +220,17 @@ class Device {
   // `stream` belong to another device; DeviceError when the device fails.
   void copy_to_device_async(DeviceBuffer& dst, std::size_t dst_offset, const void* src, std::size_t bytes,
                             Stream& stream);
+  // Queues on `stream` the element conversion `c` (dtype.h) of the
+  // c.elements elements at src[src_offset] into dst[dst_offset] (CUDA: a
+  // kernel; "sim": the host loops, on the stream's thread), after the work
+  // queued on `stream` before it. c.row_scales, when set, is an address in
+  // this device's memory. The ranges must not overlap. Throws
+  // InvalidFileError for a range outside its buffer, a buffer or stream of
+  // another device or a pair is_convertible refuses; DeviceError when the
+  // device fails (CUDA built without its kernels: "built without the CUDA
+  // conversion kernels").
+  void convert_async(DeviceBuffer& dst, std::size_t dst_offset, const DeviceBuffer& src, std::size_t src_offset,
+                     const ElementConversion& c, Stream& stream);
   // Waits for all work on the device (every stream), then copies
   // src[src_offset, +bytes) to host `dst`. For tests and checks.
   void copy_to_host(void* dst, const DeviceBuffer& src, std::size_t src_offset, std::size_t bytes);
@@ -229,6 +242,7 @@ class Device {
   virtual Event do_record(Stream& stream) = 0;
   virtual void do_copy_to_device_async(void* dst, const void* src, std::size_t bytes, Stream& stream) = 0;
   virtual void do_copy_to_host(void* dst, const void* src, std::size_t bytes) = 0;
+  virtual void do_convert_async(void* dst, const void* src, const ElementConversion& c, Stream& stream) = 0;
 
  private:
   void check_stream(const Stream& stream) const;

@@ -23,4 +23,29 @@ std::optional<DType> dtype_from_name(std::string_view name) noexcept;
 // Size of one element in bits: 4 for F4, 6 for F6_*, 8..128 otherwise.
 unsigned dtype_bits(DType dtype) noexcept;
 
+// One element-wise conversion (src/format/dtype_convert.h on the host, the
+// device's convert_async on a device): each element becomes
+// float(src) * scale, rounded to `to` exactly as torch's `.to()` rounds
+// (round to nearest even; NaN stays NaN, ±Inf stays ±Inf). Sources and
+// targets: F8_E4M3 and F8_E5M2 (sources only), BF16, F16, F32; see
+// is_convertible. A scale other than 1 applies to fp8 sources only.
+struct ElementConversion {
+  DType from = DType::kF32;
+  DType to = DType::kF32;
+  std::uint64_t elements = 0;
+  float scale = 1.0f;                 // per tensor
+  // Per row, when set (float32; host or device memory as the call says):
+  // element i of the tensor uses row_scales[i / row_elements]. `first` is the
+  // index in its tensor of the first element converted.
+  const float* row_scales = nullptr;
+  std::uint64_t row_elements = 0;
+  std::uint64_t first = 0;
+};
+
+// Whether an ElementConversion from `from` to `to` exists: from F8_E4M3,
+// F8_E5M2, BF16, F16 or F32 to BF16, F16 or F32.
+bool is_convertible(DType from, DType to) noexcept;
+// Whether `dtype` is one of the floating types conversion knows.
+bool is_float_dtype(DType dtype) noexcept;
+
 }  // namespace pinload

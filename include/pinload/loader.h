@@ -81,6 +81,7 @@
 #include <vector>
 
 #include "pinload/checkpoint.h"
+#include "pinload/convert.h"
 #include "pinload/copy_engine.h"
 #include "pinload/device.h"
 #include "pinload/env.h"
@@ -131,6 +132,11 @@ struct LoadOptions {
   ResolveOptions resolve;
   DeviceTarget target;  // Note [Device loads]
   NumaOptions numa;
+  // Hand floating tensors out in another dtype, converting inside the load
+  // (Note [Conversion on load] in convert.h). With a device target the
+  // converted tensors are on the device only; tensors are handed out
+  // (next_ready) once the whole load has completed.
+  DTypeOptions dtype;
 };
 
 // Counters of one load, readable while it runs.

@@ -48,6 +48,7 @@ __all__ = [
     "ModelCache",
     "NotFoundError",
     "OutOfMemoryError",
+    "convert",
     "cuda_available",
     "iter_tensors",
     "load_file",
@@ -141,6 +142,23 @@ def prefetch(paths, device="cpu", **options) -> "_core.Prefetch":
         raise ValueError("no path given")
     o = _Options(**options)
     return _core.prefetch([os.fsencode(p) for p in names], _device_key(device), **o.load_kwargs())
+
+
+def convert(input, output, to: str = "fp8-e4m3fn", scale: str = "per-tensor", keep=(), threads: int = 8,
+            variant: str = "") -> dict:
+    """Writes an FP8 copy of a checkpoint (a file, an index, a model or pipeline folder) in ComfyUI's
+    layout: ``<layer>.weight_scale`` (float32), ``<layer>.comfy_quant`` and ``_quantization_metadata``
+    (include/pinload/convert.h, docs/fp8.md). ``to``: 'fp8-e4m3fn' or 'fp8-e5m2'; ``scale``:
+    'per-tensor' or 'per-row'; ``keep``: patterns (globs or dotted names) kept as stored. The output
+    (a file for a file, else a new folder) appears atomically. Returns counts: files,
+    tensors_quantized, tensors_kept, bytes_in, bytes_out.
+    """
+    import os
+
+    if isinstance(keep, str):
+        keep = [keep]
+    return _core.convert(os.fsencode(os.fspath(input)), os.fsencode(os.fspath(output)), to=to, scale=scale,
+                         keep=[str(k) for k in keep], threads=threads, variant=variant)
 
 
 def cuda_available() -> tuple[bool, str]:

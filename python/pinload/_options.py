@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Any, Iterable, Optional, Union
 
 from . import _core
 
@@ -26,11 +26,30 @@ def _size(value: Union[int, str], what: str) -> int:
     raise TypeError(f"{what} must be an int or a size such as '2M', not {type(value).__name__}")
 
 
+_DTYPE_NAMES = {
+    "bfloat16": "BF16", "bf16": "BF16", "BF16": "BF16",
+    "float16": "F16", "half": "F16", "fp16": "F16", "F16": "F16",
+    "float32": "F32", "float": "F32", "fp32": "F32", "F32": "F32",
+}
+
+
+def _dtype_name(dtype: Any) -> str:
+    """'' (as stored) or the format's spelling of a torch dtype or name: 'BF16', 'F16', 'F32'."""
+    if dtype is None:
+        return ""
+    text = str(dtype)
+    if text.startswith("torch."):
+        text = text[len("torch."):]
+    if text not in _DTYPE_NAMES:
+        raise ValueError(f"dtype must be torch.bfloat16, torch.float16 or torch.float32 (or None), not {dtype!r}")
+    return _DTYPE_NAMES[text]
+
+
 class _Options:
     """Load options, checked once."""
 
     __slots__ = ("threads", "block_size", "direct", "files_in_flight", "streams", "chunk_bytes",
-                 "staging_bytes", "variant", "progress", "prefetch")
+                 "staging_bytes", "variant", "progress", "prefetch", "dtype", "keep", "keep_dtype")
 
     def __init__(
         self,
@@ -44,6 +63,9 @@ class _Options:
         variant: Optional[str] = None,
         progress: bool = False,
         prefetch: Optional["_core.Prefetch"] = None,
+        dtype: Any = None,
+        keep: Iterable[str] = (),
+        keep_dtype: Any = None,
     ):
         if not isinstance(threads, int) or not 1 <= threads <= 1024:
             raise ValueError(f"threads must be 1..1024, not {threads!r}")
@@ -71,6 +93,17 @@ class _Options:
         if prefetch is not None and not isinstance(prefetch, _core.Prefetch):
             raise TypeError(f"prefetch must be a pinload.prefetch(...) handle, not {type(prefetch).__name__}")
         self.prefetch = prefetch
+        self.dtype = _dtype_name(dtype)
+        if isinstance(keep, str):
+            keep = [keep]
+        self.keep = [str(k) for k in keep]
+        self.keep_dtype = _dtype_name(keep_dtype)
+        if (self.keep or self.keep_dtype) and not self.dtype:
+            raise ValueError("keep and keep_dtype need dtype: they name tensors not converted to it")
+
+    def convert_kwargs(self) -> dict:
+        """The conversion-on-load arguments of _core.load_async (Note [Conversion on load])."""
+        return dict(dtype=self.dtype, keep=self.keep, keep_dtype=self.keep_dtype)
 
     def reader_kwargs(self) -> dict:
         """The keyword arguments of the reader that every _core entry point takes."""

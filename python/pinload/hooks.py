@@ -31,6 +31,7 @@ Each patch counts its calls in ``.calls`` (a dict: replacement name -> calls ser
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import importlib
 import inspect
@@ -84,7 +85,8 @@ class Patch:
         return out
 
     def _replace(self, module: Any, attr: str, new: Any) -> None:
-        old = getattr(module, attr)
+        # A class's own attribute as stored (a classmethod object, not the bound method).
+        old = module.__dict__[attr] if isinstance(module, type) else getattr(module, attr)
         setattr(module, attr, new)
         self._undo.append((module, attr, old, new))
         self.patched.append(f"{module.__name__}.{attr}")
@@ -96,7 +98,7 @@ class Patch:
         for child in reversed(self._children):
             child.undo()
         for module, attr, old, new in reversed(self._undo):
-            if getattr(module, attr, None) is new:
+            if getattr(module, attr, None) is new or module.__dict__.get(attr) is new:
                 setattr(module, attr, old)
         self._undo.clear()
         self.active = False
@@ -183,7 +185,7 @@ def _routed_load_state_dict(original: Callable, patch: Patch, options: Dict[str,
             if _is_safetensors_file(checkpoint) and _pinload_device(device):
                 from .torch import load_file
 
-                result = load_file(checkpoint, device=device, **options)
+                result = load_file(checkpoint, device=device, **_with_model_dtype(options))
                 patch.count(counter)
                 patch.count("files")
                 return result
@@ -195,12 +197,62 @@ def _routed_load_state_dict(original: Callable, patch: Patch, options: Dict[str,
 
 # ---- diffusers ----
 
+# Note [dtype through the conversion]
+# ``ModelMixin.from_pretrained(..., torch_dtype=D)`` loads the state dict, then casts every floating
+# parameter to D (and those of the class's ``_keep_in_fp32_modules`` to float32): a second pass over
+# every byte. patch_diffusers wraps from_pretrained to note D and those modules for the loads it
+# makes (a context variable), and the patched load_state_dict asks pinload for D with the modules
+# kept in float32 (Note [Conversion on load] in convert.h), so the cast that follows finds every
+# tensor in its dtype already and copies nothing. An FP8 checkpoint written by ``pinload convert``
+# is dequantised on the way. An explicit ``dtype=`` given to patch_diffusers wins.
+_MODEL_DTYPE: "contextvars.ContextVar[Optional[Tuple[Any, Tuple[str, ...]]]]" = contextvars.ContextVar(
+    "pinload_model_dtype", default=None)
+
+
+def _with_model_dtype(options: Dict[str, Any]) -> Dict[str, Any]:
+    """``options`` with the dtype of the from_pretrained call in progress (Note [dtype through the
+    conversion]), unless they set one."""
+    noted = _MODEL_DTYPE.get()
+    if noted is None or options.get("dtype") is not None:
+        return options
+    import torch
+
+    dtype, keep = noted
+    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return options
+    out = dict(options)
+    out["dtype"] = dtype
+    if keep:
+        out["keep"] = list(keep)
+        out["keep_dtype"] = torch.float32
+    return out
+
+
+def _noting_from_pretrained(original: Any) -> Any:
+    """A from_pretrained classmethod that notes torch_dtype and _keep_in_fp32_modules for the loads
+    it makes."""
+    function = original.__func__
+
+    @functools.wraps(function)
+    def from_pretrained(cls, *args, **kwargs):
+        keep = tuple(getattr(cls, "_keep_in_fp32_modules", None) or ())
+        dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))  # diffusers renames torch_dtype to dtype
+        token = _MODEL_DTYPE.set((dtype, keep))
+        try:
+            return function(cls, *args, **kwargs)
+        finally:
+            _MODEL_DTYPE.reset(token)
+
+    return classmethod(from_pretrained)
+
 
 def patch_diffusers(*, transformers: bool = True, **options: Any) -> Patch:
     """Routes diffusers' safetensors loading (``ModelMixin.from_pretrained``, and so each model
     component of ``DiffusionPipeline.from_pretrained``) through pinload; with ``transformers``
     (the default, when it is installed) also ``patch_transformers``, for a pipeline's text
     encoders. ``options`` are pinload load options (threads, block_size, direct, progress, ...).
+    A model's ``torch_dtype`` and ``_keep_in_fp32_modules`` are honoured inside the load (Note
+    [dtype through the conversion]); ``dtype=`` sets one for every load instead.
 
     Returns a Patch: use it as a context manager, or call ``.undo()``.
     """
@@ -215,6 +267,10 @@ def patch_diffusers(*, transformers: bool = True, **options: Any) -> Patch:
     replacement = _routed_load_state_dict(original, patch, options, "diffusers.load_state_dict")
     try:
         _replace_everywhere(patch, "diffusers", "load_state_dict", original, replacement)
+        import diffusers.models.modeling_utils as modeling_utils
+
+        mixin = modeling_utils.ModelMixin
+        patch._replace(mixin, "from_pretrained", _noting_from_pretrained(mixin.__dict__["from_pretrained"]))
         if transformers:
             try:
                 import transformers as _  # noqa: F401

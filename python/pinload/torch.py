@@ -247,6 +247,7 @@ def _start(paths: List[str], spec: str, options: _Options) -> "_core.LoadHandle"
         spec,
         **options.load_kwargs(),
         prefetch=options.prefetch,
+        **options.convert_kwargs(),
     )
 
 

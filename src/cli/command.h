@@ -28,6 +28,7 @@ struct UsageError : std::runtime_error {
 
 void add_inspect_command(CLI::App& app);
 void add_load_command(CLI::App& app);
+void add_convert_command(CLI::App& app);  // convert_command.cc
 
 // ---- shared by the subcommands ----
 

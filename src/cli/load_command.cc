@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "cli/command.h"
+#include "cli/dtype_arg.h"
 #include "cli/progress.h"
 #include "pinload/checkpoint.h"
 #include "pinload/device.h"
@@ -23,6 +24,7 @@ struct LoadArgs {
   bool digest = false, verbose = false, quiet = false, no_progress = false;
   std::string device = "cpu";  // cpu: host memory only; sim: the CPU stand-in device
   std::uint64_t staging_bytes = 0;
+  std::string dtype;  // --dtype: "" as stored
   LoadOptions load;
 };
 
@@ -68,6 +70,8 @@ void run_load(const LoadArgs& args) {
     options.target.staging_bytes = args.staging_bytes;
     options.target.mode = DeviceMode::kStreaming;
   }
+  if (!args.dtype.empty()) options.dtype.to = parse_dtype_arg(args.dtype);  // checked by CLI11
+  if (!options.dtype.keep.empty() && !options.dtype.to) throw UsageError("--keep needs --dtype");
   if (args.device != "cpu") {
     device = open_device(args.device);
     options.target.device = device.get();
@@ -130,6 +134,16 @@ void add_load_command(CLI::App& app) {
                       "stream to the device through this much pinned host memory (needs --device)")
       ->transform(size_range(1, std::uint64_t{1} << 50))
       ->type_name("SIZE");
+  command->add_option("--dtype", args->dtype,
+                      "hand floating tensors out in this dtype, converted inside the load; FP8 weights are "
+                      "dequantised with their scales (docs/fp8.md)")
+      ->check(CLI::IsMember({"bf16", "bfloat16", "BF16", "fp16", "float16", "half", "F16", "fp32", "float32",
+                             "float", "F32"}))
+      ->type_name("bf16|fp16|fp32");
+  command->add_option("--keep", args->load.dtype.keep, "a tensor pattern (glob or dotted name) --dtype leaves as stored")
+      ->type_name("PATTERN")
+      ->take_all()
+      ->expected(1);
   add_paths(*command, &args->paths);
   command->callback([args] { run_load(*args); });
 }

@@ -41,7 +41,7 @@ int usage_error(const CLI::App& app, const CLI::App* command, const std::string&
 }
 
 int run(int argc, char** argv) {
-  CLI::App app("pinload: inspect and load safetensors checkpoints fast", "pinload");
+  CLI::App app("pinload: inspect, load and convert safetensors checkpoints fast", "pinload");
   app.set_version_flag("--version", std::string("pinload ") + PINLOAD_VERSION);
   app.require_subcommand(1);
   app.fallthrough(false);
@@ -50,6 +50,7 @@ int run(int argc, char** argv) {
              "Environment: PINLOAD_LOG_LEVEL=trace|debug|info|warn|error|critical|off (default warn).");
   add_inspect_command(app);
   add_load_command(app);
+  add_convert_command(app);
 
   const CLI::App* command = named_subcommand(app, argc, argv);
   if (command == nullptr && argc > 1 && argv[1][0] != '-') {

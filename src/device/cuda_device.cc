@@ -30,6 +30,7 @@
 #include <thread>
 
 #include "base/log.h"
+#include "device/cuda_convert.h"
 
 namespace pinload {
 namespace {
@@ -362,6 +363,17 @@ class CudaDevice final : public Device {
     DeviceGuard guard(ordinal_);
     check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, static_cast<CudaStream*>(stream.impl())->stream),
           "cudaMemcpyAsync", name_);
+  }
+
+  void do_convert_async(void* dst, const void* src, const ElementConversion& c, Stream& stream) override {
+#if defined(PINLOAD_HAVE_CUDA_KERNELS)
+    DeviceGuard guard(ordinal_);
+    check(static_cast<cudaError_t>(cuda::launch_convert(dst, src, c, static_cast<CudaStream*>(stream.impl())->stream)),
+          "dtype conversion kernel launch", name_);
+#else
+    (void)dst, (void)src, (void)c, (void)stream;
+    throw DeviceError(name_ + ": pinload was built without the CUDA conversion kernels (no nvcc)");
+#endif
   }
 
   void do_copy_to_host(void* dst, const void* src, std::size_t bytes) override {

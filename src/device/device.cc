@@ -101,6 +101,23 @@ void Device::copy_to_device_async(DeviceBuffer& dst, std::size_t dst_offset, con
   do_copy_to_device_async(static_cast<std::byte*>(dst.data()) + dst_offset, src, bytes, stream);
 }
 
+void Device::convert_async(DeviceBuffer& dst, std::size_t dst_offset, const DeviceBuffer& src, std::size_t src_offset,
+                           const ElementConversion& c, Stream& stream) {
+  check_stream(stream);
+  if (dst.device_id() != id_ || src.device_id() != id_) {
+    throw InvalidFileError("a DeviceBuffer of another device given to " + name());
+  }
+  if (!is_convertible(c.from, c.to)) {
+    throw InvalidFileError("no conversion from " + std::string(dtype_name(c.from)) + " to " +
+                           std::string(dtype_name(c.to)));
+  }
+  check_range("conversion source", src_offset, c.elements * (dtype_bits(c.from) / 8), src.size());
+  check_range("conversion target", dst_offset, c.elements * (dtype_bits(c.to) / 8), dst.size());
+  if (c.elements == 0) return;
+  do_convert_async(static_cast<std::byte*>(dst.data()) + dst_offset,
+                   static_cast<const std::byte*>(src.data()) + src_offset, c, stream);
+}
+
 void Device::copy_to_host(void* dst, const DeviceBuffer& src, std::size_t src_offset, std::size_t bytes) {
   if (src.device_id() != id_) throw InvalidFileError("a DeviceBuffer of another device given to " + name());
   check_range("device-to-host copy", src_offset, bytes, src.size());

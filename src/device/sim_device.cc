@@ -10,12 +10,14 @@
 #include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <functional>
 #include <map>
 #include <new>
 #include <optional>
 #include <thread>
 #include <vector>
 
+#include "format/dtype_convert.h"
 #include "pinload/device.h"
 #include "pinload/error.h"
 
@@ -49,7 +51,19 @@ class SimStreamCore {
       std::lock_guard lock(mu_);
       throw_if_failed_locked(UINT64_MAX, "cudaMemcpyAsync (sim)");
       if (stop_) throw DeviceError("copy queued on a destroyed sim stream");
-      queue_.push_back(Task{++enqueued_, dst, src, bytes});
+      queue_.push_back(Task{++enqueued_, dst, src, bytes, {}});
+    }
+    work_.notify_one();
+  }
+
+  // Queues device work other than a copy (a conversion), run in order with
+  // the copies; a throw fails the stream as a failed copy does.
+  void enqueue_work(std::function<void()> work) {
+    {
+      std::lock_guard lock(mu_);
+      throw_if_failed_locked(UINT64_MAX, "kernel launch (sim)");
+      if (stop_) throw DeviceError("work queued on a destroyed sim stream");
+      queue_.push_back(Task{++enqueued_, nullptr, nullptr, 0, std::move(work)});
     }
     work_.notify_one();
   }
@@ -94,6 +108,7 @@ class SimStreamCore {
     void* dst;
     const void* src;
     std::size_t bytes;
+    std::function<void()> work;  // set: a kernel, not a copy
   };
 
   // Work numbered `seq` or earlier is affected when the failure came at or
@@ -116,7 +131,11 @@ class SimStreamCore {
       std::string error;
       if (!skip) {
         try {
-          copy(task);
+          if (task.work) {
+            task.work();
+          } else {
+            copy(task);
+          }
         } catch (const std::exception& e) {
           error = e.what();
           if (error.empty()) error = "copy failed";
@@ -295,6 +314,11 @@ class SimDevice final : public Device {
 
   void do_copy_to_device_async(void* dst, const void* src, std::size_t bytes, Stream& stream) override {
     static_cast<SimStream*>(stream.impl())->core->enqueue_copy(dst, src, bytes);
+  }
+
+  // The conversion a CUDA kernel does, with the host loops, in stream order.
+  void do_convert_async(void* dst, const void* src, const ElementConversion& c, Stream& stream) override {
+    static_cast<SimStream*>(stream.impl())->core->enqueue_work([dst, src, c] { convert_elements(c, src, dst); });
   }
 
   void do_copy_to_host(void* dst, const void* src, std::size_t bytes) override {

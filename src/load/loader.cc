@@ -17,6 +17,7 @@
 #include "pinload/prefetch.h"
 #include "pinload/read_plan.h"
 #include "io/read_session.h"
+#include "load/convert_on_load.h"
 
 namespace pinload {
 
@@ -254,13 +255,41 @@ StateDict Loader::run(const Checkpoint& checkpoint, const LoadRequest& request, 
     }
   }
 
+  // Note [Conversion on load]: what converts, into which output memory.
+  detail::ConversionPlan conversions = detail::plan_conversions(env_, checkpoint, options_.dtype);
+  std::vector<std::shared_ptr<Block>> converted_blocks(n);
+  std::vector<std::shared_ptr<DeviceBuffer>> converted_buffers(n);
+  for (std::size_t i = 0; i < n && !conversions.empty(); ++i) {
+    if (conversions.out_bytes[i] == 0) continue;
+    if (device != nullptr) {
+      converted_buffers[i] = device->allocate(conversions.out_bytes[i]);
+    } else {
+      converted_blocks[i] = pool_->allocate(conversions.out_bytes[i], stop);
+    }
+  }
+
   std::vector<Tensor> tensors;
   tensors.reserve(checkpoint.tensor_count());
+  std::vector<bool> dropped;  // scales and markers used up by a conversion
   std::vector<std::pair<std::string, std::string>> metadata;
   for (std::size_t i = 0; i < n; ++i) {
     const CheckpointFile& cf = checkpoint.files[i];
     const std::uint64_t base = s.plan.files[i].data_in_block();
-    for (const TensorInfo& t : cf.header.tensors) {
+    for (std::size_t k = 0; k < cf.header.tensors.size(); ++k) {
+      const TensorInfo& t = cf.header.tensors[k];
+      const std::int64_t role = conversions.empty() ? detail::kKeptTensor : conversions.role[i][k];
+      dropped.push_back(role == detail::kDroppedTensor);
+      if (role >= 0) {
+        const detail::TensorConversion& tc = conversions.tensors[static_cast<std::size_t>(role)];
+        if (device != nullptr) {
+          tensors.emplace_back(cf.name_prefix + t.name, tc.to, t.shape, converted_buffers[i], tc.out_offset,
+                               tc.out_bytes());
+        } else {
+          tensors.emplace_back(cf.name_prefix + t.name, tc.to, t.shape, converted_blocks[i], tc.out_offset,
+                               tc.out_bytes());
+        }
+        continue;
+      }
       if (streaming) {
         tensors.emplace_back(cf.name_prefix + t.name, t.dtype, t.shape, s.files[i]->device_buffer, t.begin, t.nbytes());
         continue;
@@ -275,9 +304,10 @@ StateDict Loader::run(const Checkpoint& checkpoint, const LoadRequest& request, 
       }
     }
   }
-  // Host loads hand tensors out as they arrive; device loads once copied.
+  // Host loads hand tensors out as they arrive; device loads once copied;
+  // converting loads at the end (elements across chunks convert last).
   std::optional<Arrivals> arrivals;
-  if (counters->ready != nullptr && device == nullptr) arrivals.emplace(s.plan, checkpoint);
+  if (counters->ready != nullptr && device == nullptr && conversions.empty()) arrivals.emplace(s.plan, checkpoint);
   auto hand_out = [&](const std::vector<std::size_t>& ready) {
     std::vector<Tensor> out;
     out.reserve(ready.size());
@@ -290,6 +320,10 @@ StateDict Loader::run(const Checkpoint& checkpoint, const LoadRequest& request, 
   // staging block until its copy completes, then the pool has it back.
   auto on_read = [&](std::size_t i, std::shared_ptr<Block> block, std::size_t block_offset) {
     const ReadChunk& c = s.plan.chunks[i];
+    // Host conversions: out of the read block while it is fresh, on this reader.
+    if (device == nullptr && !conversions.empty()) {
+      detail::convert_chunk(conversions, c, block->data() + block_offset, converted_blocks);
+    }
     if (arrivals) {
       std::vector<std::size_t> ready;
       arrivals->arrived(c, &ready);
@@ -333,13 +367,32 @@ StateDict Loader::run(const Checkpoint& checkpoint, const LoadRequest& request, 
   }
   if (error) std::rethrow_exception(error);
   if (stop.stop_requested()) throw CancelledError("load cancelled");
+  if (!conversions.empty()) {
+    if (device == nullptr) {
+      std::vector<std::shared_ptr<Block>> file_blocks(n);
+      for (std::size_t i = 0; i < n; ++i) file_blocks[i] = s.files[i]->block;
+      detail::convert_straddlers(conversions, s.plan, file_blocks, converted_blocks);
+    } else {
+      std::vector<std::shared_ptr<DeviceBuffer>> stored(n);
+      for (std::size_t i = 0; i < n; ++i) stored[i] = s.files[i]->device_buffer;
+      detail::convert_on_device(conversions, checkpoint, *device, engine->stream(0), stored, converted_buffers);
+    }
+    std::vector<Tensor> kept;
+    kept.reserve(tensors.size());
+    for (std::size_t i = 0; i < tensors.size(); ++i) {
+      if (!dropped[i]) kept.push_back(std::move(tensors[i]));
+    }
+    tensors = std::move(kept);
+  }
   if (request.record != nullptr) {
     IoTemplate recorded = template_files_of(checkpoint);
     if (recorded.files == request.record->files) recorded.destinations = std::move(request.record->destinations);
     recorded.set(s.completed_reads(destination()));
     *request.record = std::move(recorded);
   }
-  if (counters->ready != nullptr) {
+  if (counters->ready != nullptr && !conversions.empty()) {
+    counters->ready->push(tensors);
+  } else if (counters->ready != nullptr) {
     if (!arrivals) arrivals.emplace(s.plan, checkpoint);
     std::vector<std::size_t> rest;
     arrivals->rest(&rest);

@@ -554,11 +554,12 @@ class PyPrefetch {
 Loader make_loader(const std::vector<std::string>& paths, const std::string& device_spec, unsigned threads,
                    std::size_t block_size, const std::string& direct, std::size_t files_in_flight, std::size_t streams,
                    std::size_t chunk_bytes, std::optional<std::uint64_t> staging_bytes, const std::string& variant,
-                   Placement* placement) {
+                   Placement* placement, const DTypeOptions& dtype = {}) {
   if (paths.empty()) throw InvalidFileError("no path given");
   if (streams == 0 || streams > 64) throw InvalidFileError("streams must be 1..64");
   if (chunk_bytes == 0) throw InvalidFileError("chunk_bytes must be > 0");
   LoadOptions options = reader_options(threads, block_size, direct, files_in_flight, variant);
+  options.dtype = dtype;
   Device* device = device_for(device_spec, placement);
   if (staging_bytes && device == nullptr) throw InvalidFileError("staging_bytes (streaming mode) needs a device");
   options.target.device = device;
@@ -574,14 +575,26 @@ Loader make_loader(const std::vector<std::string>& paths, const std::string& dev
 std::unique_ptr<PyLoadHandle> load_async(const std::vector<std::string>& paths, const std::string& device_spec, unsigned threads,
                          std::size_t block_size, const std::string& direct, std::size_t files_in_flight,
                          std::size_t streams, std::size_t chunk_bytes, std::optional<std::uint64_t> staging_bytes,
-                         const std::string& variant, PyPrefetch* prefetch) {
+                         const std::string& variant, PyPrefetch* prefetch, const std::string& dtype,
+                         const std::vector<std::string>& keep, const std::string& keep_dtype) {
   Placement placement;
+  DTypeOptions conversion;  // Note [Conversion on load] in convert.h
+  if (!dtype.empty()) {
+    conversion.to = dtype_from_name(dtype);
+    if (!conversion.to) throw InvalidFileError("unknown dtype '" + dtype + "'");
+    conversion.keep = keep;
+    if (!keep_dtype.empty()) {
+      conversion.keep_to = dtype_from_name(keep_dtype);
+      if (!conversion.keep_to) throw InvalidFileError("unknown dtype '" + keep_dtype + "'");
+    }
+  }
   LoadHandle handle = [&] {
     py::gil_scoped_release release;
     Loader loader = make_loader(paths, device_spec, threads, block_size, direct, files_in_flight, streams, chunk_bytes,
-                                staging_bytes, variant, &placement);
-    // The prefetch's own loader, so that its blocks and budget are the ones adopted.
-    if (prefetch != nullptr && prefetch->matches(paths, placement)) return prefetch->adopt();
+                                staging_bytes, variant, &placement, conversion);
+    // The prefetch's own loader, so that its blocks and budget are the ones
+    // adopted (a conversion load adopts none: its options differ).
+    if (prefetch != nullptr && !conversion.active() && prefetch->matches(paths, placement)) return prefetch->adopt();
     return loader.load_async(paths);  // the load's thread holds what it needs
   }();
   return std::make_unique<PyLoadHandle>(std::move(handle), std::move(placement));
@@ -698,6 +711,10 @@ py::dict read_header(const std::string& path) {
 }  // namespace
 }  // namespace pinload::python
 
+namespace pinload::python {
+void bind_convert(py::module_& m);  // convert_bindings.cc
+}
+
 PYBIND11_MODULE(_core, m) {
   using namespace pinload;
   using namespace pinload::python;
@@ -709,6 +726,7 @@ PYBIND11_MODULE(_core, m) {
   m.attr("DEFAULT_CHUNK_BYTES") = kDefaultCopyChunkBytes;
   m.attr("DEFAULT_STAGING_BYTES") = kDefaultStagingBytes;
   register_errors(m);
+  bind_convert(m);
 
   py::class_<PyStateDict>(m, "StateDict", "A loaded checkpoint: tensors in pool or device memory.")
       .def("__len__", &PyStateDict::size)
@@ -759,10 +777,13 @@ PYBIND11_MODULE(_core, m) {
         py::arg("threads") = kDefaultThreads, py::arg("block_size") = kDefaultBlockSize, py::arg("direct") = "auto",
         py::arg("files_in_flight") = 2, py::arg("streams") = kDefaultCopyStreams,
         py::arg("chunk_bytes") = kDefaultCopyChunkBytes, py::arg("staging_bytes") = py::none(),
-        py::arg("variant") = "", py::arg("prefetch") = nullptr,
+        py::arg("variant") = "", py::arg("prefetch") = nullptr, py::arg("dtype") = "",
+        py::arg("keep") = std::vector<std::string>{}, py::arg("keep_dtype") = "",
         "Starts loading `paths` (bytes: files, indexes, folders) to `device` ('cpu', 'sim', 'cuda', 'cuda:N') "
         "on the device's shared pool; returns a LoadHandle at once. A `prefetch` of the same paths and device "
-        "is adopted: what it read is not read again (its own options then apply).");
+        "is adopted: what it read is not read again (its own options then apply). `dtype` ('BF16', 'F16', 'F32'; "
+        "'' as stored) converts floating tensors inside the load, except names matching a `keep` pattern "
+        "(those become `keep_dtype`, or stay as stored when it is '').");
   m.def("prefetch", &start_prefetch, py::arg("paths"), py::arg("device") = "cpu",
         py::arg("threads") = kDefaultThreads, py::arg("block_size") = kDefaultBlockSize, py::arg("direct") = "auto",
         py::arg("files_in_flight") = 2, py::arg("streams") = kDefaultCopyStreams,

@@ -1,0 +1,320 @@
+// fp8-bench: the same model stored in bf16 and converted to FP8, loaded cold
+// to bf16 tensors in one run; host conversion throughput against memcpy of
+// the same bytes; fp32 -> bf16 loads against plain fp32 loads (convert.h,
+// Note [Conversion on load]).
+//
+//   fp8-bench [--dir DIR] [--size-mib N] [--rounds R] [--threads T] [--json FILE]
+//             [--device cuda:0|sim]
+//
+// DIR (default /tmp/pinload-fp8-bench) receives bf16.safetensors (N MiB of
+// transformer-shaped bf16 weights, random), fp8.safetensors (its `pinload
+// convert`) and fp32.safetensors (N MiB of fp32), made once and reused.
+// Cases, each cold (page cache dropped: drop_caches as root, else
+// posix_fadvise DONTNEED after fsync), in rotated order, R rounds:
+//   bf16            the bf16 file as stored, pool kept (one Loader)
+//   fp8->bf16       the FP8 file with dtype=bf16, pool kept
+//   fp32            the fp32 file as stored, pool kept
+//   fp32->bf16      the fp32 file with dtype=bf16, pool kept
+//   fresh bf16 / fresh fp8->bf16   a new Loader and pool per load (new memory,
+//                   as in a fresh process), beside
+//   first-touch     mmap + touch of the bf16 bytes by T threads: the
+//                   fresh-memory limit
+// and, in memory: fp8->bf16 conversion by T threads against memcpy of the
+// same output bytes by T threads (best of R).
+// With --device, the loads go to the device (kCached: FP8 crosses to the
+// device at half the bytes and the kernel converts it there), and
+// "pinned copy" is the bf16 bytes copied from a pinned pool block with one
+// copy_to_device_async: the link's limit in the same run.
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "format/dtype_bits.h"
+#include "format/dtype_convert.h"
+#include "pinload/convert.h"
+#include "pinload/device.h"
+#include "pinload/loader.h"
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+using namespace pinload;
+
+namespace {
+
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+// A transformer-like bf16 or fp32 checkpoint of about `bytes`: blocks of
+// q, k, v, o (3072 x 3072) and two MLP matrices, plus norms and biases.
+void write_model(const std::string& path, std::uint64_t bytes, DType dtype) {
+  const unsigned esize = dtype_bits(dtype) / 8;
+  struct T {
+    std::string name;
+    std::vector<std::uint64_t> shape;
+  };
+  std::vector<T> tensors;
+  constexpr std::uint64_t d = 3072;
+  std::uint64_t total = 0;
+  for (int b = 0; total < bytes; ++b) {
+    const std::string p = "transformer_blocks." + std::to_string(b) + ".";
+    for (const char* n : {"attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0"}) {
+      tensors.push_back({p + n + ".weight", {d, d}});
+      tensors.push_back({p + n + ".bias", {d}});
+    }
+    tensors.push_back({p + "ff.net.0.proj.weight", {4 * d, d}});
+    tensors.push_back({p + "ff.net.2.weight", {d, 4 * d}});
+    tensors.push_back({p + "norm1.weight", {d}});
+    total += (4 * d * d + 4 * d + 8 * d * d + d) * esize;
+  }
+  nlohmann::ordered_json header;
+  std::uint64_t at = 0;
+  for (const T& t : tensors) {
+    std::uint64_t n = esize;
+    for (auto s : t.shape) n *= s;
+    header[t.name] = {{"dtype", std::string(dtype_name(dtype))}, {"shape", t.shape}, {"data_offsets", {at, at + n}}};
+    at += n;
+  }
+  std::string text = header.dump();
+  text.append((8 - text.size() % 8) % 8, ' ');
+  std::ofstream out(path, std::ios::binary);
+  const std::uint64_t len = text.size();
+  out.write(reinterpret_cast<const char*>(&len), 8);
+  out.write(text.data(), static_cast<std::streamsize>(text.size()));
+  std::vector<char> buffer(8u << 20);
+  std::uint64_t state = 0x9E3779B97F4A7C15ull;
+  for (std::uint64_t done = 0; done < at; done += buffer.size()) {
+    const std::size_t n = static_cast<std::size_t>(std::min<std::uint64_t>(buffer.size(), at - done));
+    for (std::size_t i = 0; i + esize <= n; i += esize) {
+      state ^= state << 13, state ^= state >> 7, state ^= state << 17;
+      // Roughly normal weights of scale 0.02: a sum of uniforms.
+      const float u = (static_cast<float>(state & 0xFFFF) + static_cast<float>((state >> 16) & 0xFFFF) +
+                       static_cast<float>((state >> 32) & 0xFFFF) - 98302.5f) / 65536.0f * 0.035f;
+      if (esize == 2) {
+        const std::uint16_t h = bits::f32_to_bf16(u);
+        std::memcpy(&buffer[i], &h, 2);
+      } else {
+        std::memcpy(&buffer[i], &u, 4);
+      }
+    }
+    out.write(buffer.data(), static_cast<std::streamsize>(n));
+  }
+}
+
+std::string drop_cache(const std::vector<std::string>& files) {
+  ::sync();
+  const int fd = ::open("/proc/sys/vm/drop_caches", O_WRONLY | O_CLOEXEC);
+  if (fd >= 0 && ::write(fd, "1", 1) == 1) {
+    ::close(fd);
+    return "drop_caches";
+  }
+  if (fd >= 0) ::close(fd);
+  for (const std::string& f : files) {
+    const int file = ::open(f.c_str(), O_RDONLY | O_CLOEXEC);
+    if (file < 0) continue;
+    ::fdatasync(file);
+    ::posix_fadvise(file, 0, 0, POSIX_FADV_DONTNEED);
+    ::close(file);
+  }
+  return "fadvise";
+}
+
+template <class Fn>
+void on_threads(unsigned threads, Fn fn) {
+  std::vector<std::jthread> pool;
+  for (unsigned t = 1; t < threads; ++t) pool.emplace_back([&, t] { fn(t); });
+  fn(0);
+}
+
+struct Series {
+  std::vector<double> seconds;
+  double best() const { return seconds.empty() ? 0 : *std::min_element(seconds.begin(), seconds.end()); }
+  double median() const {
+    if (seconds.empty()) return 0;
+    std::vector<double> s = seconds;
+    std::sort(s.begin(), s.end());
+    return s[s.size() / 2];
+  }
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string dir = "/tmp/pinload-fp8-bench";
+  std::uint64_t size_mib = 512;
+  int rounds = 3;
+  unsigned threads = kDefaultThreads;
+  std::string json_path;
+  std::string device_spec;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto value = [&] { return i + 1 < argc ? std::string(argv[++i]) : std::string(); };
+    if (a == "--dir") dir = value();
+    else if (a == "--size-mib") size_mib = std::stoull(value());
+    else if (a == "--rounds") rounds = std::stoi(value());
+    else if (a == "--threads") threads = static_cast<unsigned>(std::stoul(value()));
+    else if (a == "--json") json_path = value();
+    else if (a == "--device") device_spec = value();
+    else {
+      std::fprintf(stderr, "usage: fp8-bench [--dir DIR] [--size-mib N] [--rounds R] [--threads T] [--json FILE]\n");
+      return 2;
+    }
+  }
+  try {
+    fs::create_directories(dir);
+    const std::string bf16 = dir + "/bf16.safetensors", fp8 = dir + "/fp8.safetensors", fp32 = dir + "/fp32.safetensors";
+    if (!fs::exists(bf16)) write_model(bf16, size_mib << 20, DType::kBF16);
+    if (!fs::exists(fp32)) write_model(fp32, size_mib << 20, DType::kF32);
+    double convert_seconds = 0;
+    if (!fs::exists(fp8)) {
+      const auto t = Clock::now();
+      ConvertOptions c;
+      c.threads = threads;
+      convert_checkpoint(bf16, fp8, c);
+      convert_seconds = seconds_since(t);
+    }
+    const double size_ratio = static_cast<double>(fs::file_size(fp8)) / static_cast<double>(fs::file_size(bf16));
+
+    std::unique_ptr<Device> device = device_spec.empty() ? nullptr : open_device(device_spec);
+    LoadOptions plain;
+    plain.threads = threads;
+    plain.target.device = device.get();
+    LoadOptions to_bf16 = plain;
+    to_bf16.dtype.to = DType::kBF16;
+    const Loader bf16_loader(plain), fp8_loader(to_bf16), fp32_loader(plain), fp32_bf16_loader(to_bf16);
+    struct Case {
+      std::string name;
+      const Loader* loader;  // null: a fresh Loader per load
+      LoadOptions fresh;
+      std::string file;
+    };
+    const std::vector<Case> cases = {{"bf16", &bf16_loader, {}, bf16},
+                                     {"fp8->bf16", &fp8_loader, {}, fp8},
+                                     {"fp32", &fp32_loader, {}, fp32},
+                                     {"fp32->bf16", &fp32_bf16_loader, {}, fp32},
+                                     {"fresh bf16", nullptr, plain, bf16},
+                                     {"fresh fp8->bf16", nullptr, to_bf16, fp8}};
+    // Pool kept: one untimed load per kept loader fills its pool.
+    for (const Case& c : cases) {
+      if (c.loader != nullptr) (void)c.loader->load({c.file});
+    }
+    std::map<std::string, Series> series;
+    std::string drop_method;
+    std::uint64_t bf16_bytes = 0;
+    for (int r = 0; r < rounds; ++r) {
+      for (std::size_t k = 0; k < cases.size(); ++k) {
+        const Case& c = cases[(k + static_cast<std::size_t>(r)) % cases.size()];
+        drop_method = drop_cache({bf16, fp8, fp32});
+        const auto t = Clock::now();
+        std::uint64_t total = 0;
+        if (c.loader != nullptr) {
+          total = c.loader->load({c.file}).total_bytes();
+        } else {
+          total = Loader(c.fresh).load({c.file}).total_bytes();
+        }
+        series[c.name].seconds.push_back(seconds_since(t));
+        if (c.name == "bf16") bf16_bytes = total;
+      }
+      // The fresh-memory limit: mmap and first touch of the bf16 bytes.
+      const auto t = Clock::now();
+      void* p = ::mmap(nullptr, bf16_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (p == MAP_FAILED) throw std::runtime_error("mmap failed");
+      on_threads(threads, [&](unsigned i) {
+        const std::uint64_t part = (bf16_bytes / threads + 4095) / 4096 * 4096;
+        const std::uint64_t begin = std::min<std::uint64_t>(bf16_bytes, part * i);
+        const std::uint64_t end = std::min<std::uint64_t>(bf16_bytes, begin + part);
+        for (std::uint64_t o = begin; o < end; o += 4096) static_cast<char*>(p)[o] = 1;
+      });
+      series["first-touch"].seconds.push_back(seconds_since(t));
+      ::munmap(p, bf16_bytes);
+      if (device) {
+        // The link's limit: the bf16 bytes from pinned memory in one copy.
+        static std::shared_ptr<Pool> pinned = Pool::create(device->make_pinned_backend());
+        static std::shared_ptr<Block> block = pinned->allocate(bf16_bytes);
+        static std::shared_ptr<DeviceBuffer> target = device->allocate(bf16_bytes);
+        Stream stream = device->create_stream();
+        const auto c = Clock::now();
+        device->copy_to_device_async(*target, 0, block->data(), bf16_bytes, stream);
+        stream.synchronize();
+        series["pinned copy"].seconds.push_back(seconds_since(c));
+      }
+    }
+
+    // Host conversion throughput against memcpy, in memory, same threads.
+    const std::size_t elements = std::min<std::uint64_t>(bf16_bytes / 2, 256u << 20);
+    std::vector<std::uint8_t> src(elements);
+    for (std::size_t i = 0; i < elements; ++i) src[i] = static_cast<std::uint8_t>((i * 2654435761u) >> 24) & 0x7E;
+    std::vector<std::uint16_t> out(elements), copy_src(elements, 1), copy_dst(elements);
+    for (int r = 0; r < rounds; ++r) {
+      auto t = Clock::now();
+      on_threads(threads, [&](unsigned i) {
+        const std::size_t part = elements / threads;
+        const std::size_t begin = part * i, n = i + 1 == threads ? elements - begin : part;
+        convert_elements(ElementConversion{DType::kF8_E4M3, DType::kBF16, n, 0.01f}, src.data() + begin,
+                         out.data() + begin);
+      });
+      series["convert fp8->bf16 (memory)"].seconds.push_back(seconds_since(t));
+      t = Clock::now();
+      on_threads(threads, [&](unsigned i) {
+        const std::size_t part = elements / threads;
+        const std::size_t begin = part * i, n = i + 1 == threads ? elements - begin : part;
+        std::memcpy(copy_dst.data() + begin, copy_src.data() + begin, n * 2);
+      });
+      series["memcpy (memory)"].seconds.push_back(seconds_since(t));
+    }
+
+    const double out_gb = static_cast<double>(elements) * 2 / 1e9;
+    std::printf("fp8-bench: %s%s%s, %llu MiB bf16 model, %d rounds, %u threads, cold by %s%s\n", dir.c_str(),
+                device ? " to " : "", device ? device->description().c_str() : "",
+                static_cast<unsigned long long>(size_mib), rounds, threads, drop_method.c_str(),
+                convert_seconds > 0 ? (", converted in " + std::to_string(convert_seconds) + " s").c_str() : "");
+    std::printf("%-28s %10s %10s\n", "case", "best s", "median s");
+    for (const auto& [name, s] : series) std::printf("%-28s %10.3f %10.3f\n", name.c_str(), s.best(), s.median());
+    const double load_ratio = series["fp8->bf16"].median() / series["bf16"].median();
+    const double fresh_ratio = series["fresh fp8->bf16"].median() / series["fresh bf16"].median();
+    const double convert_vs_memcpy = series["memcpy (memory)"].best() / series["convert fp8->bf16 (memory)"].best();
+    const double fp32_ratio = series["fp32->bf16"].median() / series["fp32"].median();
+    std::printf("file fp8/bf16 bytes            %.3f  (target <= 0.52)\n", size_ratio);
+    std::printf("cold load fp8->bf16 / bf16     %.3f  (target <= 0.55, pool kept, medians)\n", load_ratio);
+    std::printf("fresh load fp8->bf16 / bf16    %.3f  (first-touch of the bf16 bytes: %.3f s)\n", fresh_ratio,
+                series["first-touch"].median());
+    std::printf("conversion / memcpy throughput %.3f  (target >= 0.8; %.2f vs %.2f GB/s of output)\n",
+                convert_vs_memcpy, out_gb / series["convert fp8->bf16 (memory)"].best(),
+                out_gb / series["memcpy (memory)"].best());
+    std::printf("cold load fp32->bf16 / fp32    %.3f  (target <= 1.0, medians)\n", fp32_ratio);
+    if (device) {
+      std::printf("pinned copy of the bf16 bytes  %.2f GB/s; bf16 load %.2f GB/s, fp8->bf16 load %.2f GB/s of bf16\n",
+                  bf16_bytes / 1e9 / series["pinned copy"].best(), bf16_bytes / 1e9 / series["bf16"].best(),
+                  bf16_bytes / 1e9 / series["fp8->bf16"].best());
+    }
+    if (!json_path.empty()) {
+      nlohmann::ordered_json j;
+      j["size_mib"] = size_mib;
+      j["rounds"] = rounds;
+      j["threads"] = threads;
+      j["cold_method"] = drop_method;
+      j["device"] = device ? device->description() : "host";
+      for (const auto& [name, s] : series) j["series"][name] = s.seconds;
+      j["ratios"] = {{"file_fp8_over_bf16", size_ratio},
+                     {"load_fp8_over_bf16", load_ratio},
+                     {"fresh_fp8_over_bf16", fresh_ratio},
+                     {"convert_over_memcpy", convert_vs_memcpy},
+                     {"load_fp32_bf16_over_fp32", fp32_ratio}};
+      std::ofstream(json_path) << j.dump(2) << "\n";
+    }
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "fp8-bench: error: %s\n", e.what());
+    return 1;
+  }
+}

@@ -1,0 +1,69 @@
+// pinload convert [options] INPUT OUTPUT: an FP8 copy of a checkpoint in
+// ComfyUI's layout (convert.h, docs/fp8.md), written atomically.
+#include <chrono>
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "cli/command.h"
+#include "pinload/convert.h"
+
+namespace pinload::cli {
+namespace {
+
+struct ConvertArgs {
+  std::string input, output;
+  std::string to = "fp8-e4m3fn";
+  std::string scale = "per-tensor";
+  bool verbose = false;
+  ConvertOptions options;
+};
+
+void run_convert(ConvertArgs& args) {
+  args.options.to = args.to == "fp8-e5m2" ? DType::kF8_E5M2 : DType::kF8_E4M3;  // checked by CLI11
+  args.options.scale = args.scale == "per-row" ? ScaleMode::kPerRow : ScaleMode::kPerTensor;
+  const auto start = std::chrono::steady_clock::now();
+  const ConvertStats stats = convert_checkpoint(args.input, args.output, args.options);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  if (args.verbose) {
+    std::fprintf(stderr, "%s: %llu files, %llu tensors quantised, %llu kept; %.3f GB -> %.3f GB (%.3fx) in %.2f s\n",
+                 args.output.c_str(), static_cast<unsigned long long>(stats.files),
+                 static_cast<unsigned long long>(stats.tensors_quantized),
+                 static_cast<unsigned long long>(stats.tensors_kept), stats.bytes_in / 1e9, stats.bytes_out / 1e9,
+                 stats.bytes_in ? static_cast<double>(stats.bytes_out) / static_cast<double>(stats.bytes_in) : 0.0,
+                 seconds);
+  }
+}
+
+}  // namespace
+
+void add_convert_command(CLI::App& app) {
+  auto args = std::make_shared<ConvertArgs>();
+  CLI::App* command = app.add_subcommand(
+      "convert", "Write an FP8 copy of a checkpoint (ComfyUI layout: <layer>.weight_scale, <layer>.comfy_quant, "
+                 "_quantization_metadata), atomically");
+  command->add_option("--to", args->to, "the FP8 format")
+      ->check(CLI::IsMember({"fp8-e4m3fn", "fp8-e5m2"}))
+      ->capture_default_str();
+  command->add_option("--scale", args->scale, "one float32 scale per tensor, or per output row")
+      ->check(CLI::IsMember({"per-tensor", "per-row"}))
+      ->capture_default_str();
+  command->add_option("--keep", args->options.keep, "a tensor pattern (glob or dotted name) kept as stored")
+      ->type_name("PATTERN")
+      ->take_all()
+      ->expected(1);
+  command->add_option("--threads", args->options.threads, "converting threads")
+      ->transform(integer_range(1, 1024))
+      ->type_name("1..1024")
+      ->capture_default_str();
+  add_variant_option(*command, &args->options.resolve);
+  command->add_flag("-v,--verbose", args->verbose, "print what was converted");
+  command->add_option("INPUT", args->input, "a .safetensors file, a *.safetensors.index.json, or a folder")
+      ->required()
+      ->type_name("");
+  command->add_option("OUTPUT", args->output, "a file for a file INPUT, else a new folder")->required()->type_name("");
+  command->callback([args] { run_convert(*args); });
+}
+
+}  // namespace pinload::cli

@@ -1,0 +1,484 @@
+// convert_checkpoint (convert.h): FP8 copies in ComfyUI's layout, written
+// atomically (Note [Converted file layout]).
+#include "pinload/convert.h"
+
+#include <fcntl.h>
+#include <fnmatch.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <exception>
+#include <filesystem>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <thread>
+#include <unordered_map>
+
+#include "base/log.h"
+#include "format/dtype_convert.h"
+#include "pinload/error.h"
+
+namespace pinload {
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr std::uint64_t kDataAlignment = 4096;  // Note [Converted file layout]
+// Files of a folder copied beside the converted weights: configs and
+// tokenizers, not other weight formats.
+constexpr std::uint64_t kMaxCopiedFileBytes = 64u << 20;
+
+bool ends_with(const std::string& s, std::string_view suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+std::string fp8_format_name(DType to) { return to == DType::kF8_E5M2 ? "float8_e5m2" : "float8_e4m3fn"; }
+
+// The largest power of two dividing n, at most kDataAlignment.
+std::uint64_t size_alignment(std::uint64_t n) {
+  if (n == 0) return kDataAlignment;
+  return std::min<std::uint64_t>(n & (~n + 1), kDataAlignment);
+}
+
+// A file or folder at `path` removed when the guard goes, unless committed.
+class TempPath {
+ public:
+  explicit TempPath(fs::path path) : path_(std::move(path)) {}
+  ~TempPath() {
+    if (!committed_) {
+      std::error_code ec;
+      fs::remove_all(path_, ec);
+    }
+  }
+  TempPath(const TempPath&) = delete;
+  TempPath& operator=(const TempPath&) = delete;
+  const fs::path& path() const { return path_; }
+  void commit() { committed_ = true; }
+
+ private:
+  fs::path path_;
+  bool committed_ = false;
+};
+
+// The temporary name for `target`, next to it; stale ones of crashed runs
+// are removed.
+fs::path temp_for(const fs::path& target) {
+  const fs::path dir = target.parent_path().empty() ? fs::path(".") : target.parent_path();
+  const std::string prefix = "." + target.filename().string() + ".pinload-tmp-";
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(dir, ec)) {
+    if (entry.path().filename().string().rfind(prefix, 0) == 0) {
+      std::error_code rm;
+      fs::remove_all(entry.path(), rm);
+    }
+  }
+  return dir / (prefix + std::to_string(::getpid()));
+}
+
+class OutFile {
+ public:
+  explicit OutFile(const fs::path& path) : path_(path.string()) {
+    fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd_ < 0) throw_os_error("cannot create", errno, ErrorContext{path_});
+  }
+  ~OutFile() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  OutFile(const OutFile&) = delete;
+  OutFile& operator=(const OutFile&) = delete;
+
+  // Thread-safe: pwrite at an offset.
+  void write(const void* data, std::size_t bytes, std::uint64_t offset) const {
+    const auto* p = static_cast<const std::byte*>(data);
+    std::size_t done = 0;
+    while (done < bytes) {
+      const ssize_t n = ::pwrite(fd_, p + done, bytes - done, static_cast<off_t>(offset + done));
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) throw_os_error("write failed", n < 0 ? errno : EIO, ErrorContext{path_, {}, offset + done});
+      done += static_cast<std::size_t>(n);
+    }
+  }
+  void finish(std::uint64_t size) {
+    if (::ftruncate(fd_, static_cast<off_t>(size)) != 0) throw_os_error("ftruncate failed", errno, ErrorContext{path_});
+    if (::fsync(fd_) != 0) throw_os_error("fsync failed", errno, ErrorContext{path_});
+    const int fd = fd_;
+    fd_ = -1;
+    if (::close(fd) != 0) throw_os_error("close failed", errno, ErrorContext{path_});
+  }
+
+ private:
+  std::string path_;
+  int fd_ = -1;
+};
+
+void read_exact(Env* env, int fd, void* dst, std::size_t bytes, std::uint64_t offset, const std::string& path) {
+  auto* p = static_cast<std::byte*>(dst);
+  std::size_t done = 0;
+  while (done < bytes) {
+    const std::int64_t n = env->pread(fd, p + done, bytes - done, offset + done);
+    if (n == -EINTR || n == -EAGAIN) continue;
+    if (n < 0) throw_os_error("read failed", static_cast<int>(-n), ErrorContext{path, {}, offset + done});
+    if (n == 0) throw IoError("file ended early (truncated while converting?)", ErrorContext{path, {}, offset + done});
+    done += static_cast<std::size_t>(n);
+  }
+}
+
+// One tensor of an output file.
+struct OutTensor {
+  enum Kind { kCopy, kQuantized, kScale, kMarker };
+  std::string name;
+  DType dtype;
+  std::vector<std::uint64_t> shape;
+  std::uint64_t nbytes = 0;
+  std::uint64_t offset = 0;  // in the data section
+  Kind kind = kCopy;
+  std::size_t source = 0;    // kCopy, kQuantized: index into the source header's tensors
+  std::size_t scale = 0;     // kQuantized: index of its kScale tensor
+  std::string marker;        // kMarker: the JSON bytes
+};
+
+struct FilePlan {
+  std::vector<OutTensor> tensors;
+  std::string header;  // 8-byte length + padded JSON
+  std::uint64_t file_size = 0;
+  std::vector<std::string> quantized_names;  // source names of quantised weights
+};
+
+FilePlan plan_file(const CheckpointFile& cf, const ConvertOptions& options) {
+  FilePlan plan;
+  nlohmann::ordered_json layers = nlohmann::ordered_json::object();
+  const std::string format = fp8_format_name(options.to);
+  const auto& src = cf.header.tensors;
+  for (std::size_t i = 0; i < src.size(); ++i) {
+    const TensorInfo& t = src[i];
+    if (!quantizes(t, options.keep)) {
+      plan.tensors.push_back({t.name, t.dtype, t.shape, t.nbytes(), 0, OutTensor::kCopy, i, 0, {}});
+      continue;
+    }
+    const std::string layer = t.name.substr(0, t.name.size() - std::string_view(".weight").size());
+    plan.quantized_names.push_back(t.name);
+    const std::size_t weight = plan.tensors.size();
+    plan.tensors.push_back({t.name, options.to, t.shape, t.numel(), 0, OutTensor::kQuantized, i, weight + 1, {}});
+    std::vector<std::uint64_t> scale_shape;
+    if (options.scale == ScaleMode::kPerRow) scale_shape = {t.shape[0], 1};
+    const std::uint64_t scale_bytes = options.scale == ScaleMode::kPerRow ? t.shape[0] * 4 : 4;
+    plan.tensors.push_back({layer + ".weight_scale", DType::kF32, scale_shape, scale_bytes, 0, OutTensor::kScale, i, 0, {}});
+    const std::string marker = nlohmann::json{{"format", format}}.dump();
+    plan.tensors.push_back({layer + ".comfy_quant", DType::kU8, {marker.size()}, marker.size(), 0, OutTensor::kMarker, i,
+                            0, marker});
+    layers[layer] = {{"format", format}};
+  }
+  // Note [Converted file layout]: by decreasing size alignment, stable.
+  std::vector<std::size_t> order(plan.tensors.size());
+  for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
+    return size_alignment(plan.tensors[a].nbytes) > size_alignment(plan.tensors[b].nbytes);
+  });
+  std::uint64_t at = 0;
+  for (std::size_t i : order) {
+    plan.tensors[i].offset = at;
+    at += plan.tensors[i].nbytes;
+  }
+  nlohmann::ordered_json json = nlohmann::ordered_json::object();
+  nlohmann::ordered_json metadata = nlohmann::ordered_json::object();
+  for (const auto& [k, v] : cf.header.metadata) metadata[k] = v;
+  if (!layers.empty()) {
+    metadata["_quantization_metadata"] = nlohmann::ordered_json{{"format_version", "1.0"}, {"layers", layers}}.dump();
+  }
+  if (!metadata.empty()) json["__metadata__"] = metadata;
+  for (std::size_t i : order) {
+    const OutTensor& t = plan.tensors[i];
+    json[t.name] = {{"dtype", std::string(dtype_name(t.dtype))},
+                    {"shape", t.shape},
+                    {"data_offsets", {t.offset, t.offset + t.nbytes}}};
+  }
+  std::string text = json.dump();
+  const std::uint64_t unpadded = 8 + text.size();
+  text.append((kDataAlignment - unpadded % kDataAlignment) % kDataAlignment, ' ');
+  const std::uint64_t n = text.size();
+  plan.header.resize(8);
+  for (int b = 0; b < 8; ++b) plan.header[b] = static_cast<char>((n >> (8 * b)) & 0xFF);
+  plan.header += text;
+  plan.file_size = plan.header.size() + at;
+  return plan;
+}
+
+// Runs fn(i) for i in [0, n) on `threads` workers; rethrows the first error
+// after all have joined.
+template <class Fn>
+void parallel_for(std::size_t n, unsigned threads, Fn fn) {
+  std::atomic<std::size_t> next{0};
+  std::atomic<bool> failed{false};
+  std::mutex mu;
+  std::exception_ptr error;
+  auto worker = [&] {
+    for (;;) {
+      if (failed.load()) return;
+      const std::size_t i = next.fetch_add(1);
+      if (i >= n) return;
+      try {
+        fn(i);
+      } catch (...) {
+        std::lock_guard lock(mu);
+        if (!error) error = std::current_exception();
+        failed = true;
+        return;
+      }
+    }
+  };
+  {
+    std::vector<std::jthread> pool;
+    const std::size_t count = std::min<std::size_t>(std::max(threads, 1u), std::max<std::size_t>(n, 1));
+    for (std::size_t t = 1; t < count; ++t) pool.emplace_back(worker);
+    worker();
+  }
+  if (error) std::rethrow_exception(error);
+}
+
+void write_file(Env* env, const CheckpointFile& cf, const FilePlan& plan, const fs::path& out_path,
+                const ConvertOptions& options) {
+  ScopedFd in = open_or_throw(env, cf.path);
+  OutFile out(out_path);
+  out.write(plan.header.data(), plan.header.size(), 0);
+  const std::uint64_t in_base = cf.header.data_offset();
+  const std::uint64_t out_base = plan.header.size();
+  const std::size_t piece = std::max<std::size_t>(options.piece_bytes, 4096);
+  // Work items: the copied and quantised tensors (scales and markers are
+  // written with their weight).
+  std::vector<std::size_t> items;
+  for (std::size_t i = 0; i < plan.tensors.size(); ++i) {
+    if (plan.tensors[i].kind == OutTensor::kCopy || plan.tensors[i].kind == OutTensor::kQuantized) items.push_back(i);
+  }
+  const float max = fp8_max(options.to);
+  parallel_for(items.size(), options.threads, [&](std::size_t k) {
+    const OutTensor& o = plan.tensors[items[k]];
+    const TensorInfo& t = cf.header.tensors[o.source];
+    std::vector<std::byte> buffer(std::min<std::uint64_t>(piece, std::max<std::uint64_t>(t.nbytes(), 1)));
+    if (o.kind == OutTensor::kCopy) {
+      for (std::uint64_t at = 0; at < t.nbytes(); at += buffer.size()) {
+        const std::size_t n = static_cast<std::size_t>(std::min<std::uint64_t>(buffer.size(), t.nbytes() - at));
+        read_exact(env, in.get(), buffer.data(), n, in_base + t.begin + at, cf.path);
+        out.write(buffer.data(), n, out_base + o.offset + at);
+      }
+    } else {
+      const unsigned esize = dtype_bits(t.dtype) / 8;
+      const std::uint64_t numel = t.numel();
+      const std::uint64_t rows = t.shape[0];
+      const std::uint64_t cols = t.shape[1];
+      const std::uint64_t piece_elems = std::max<std::uint64_t>(buffer.size() / esize, 1);
+      const bool per_row = options.scale == ScaleMode::kPerRow;
+      std::vector<float> amax(per_row ? rows : 1, 0.0f);
+      // Pass 1: the absolute maxima.
+      for (std::uint64_t e = 0; e < numel; e += piece_elems) {
+        const std::uint64_t n = std::min(piece_elems, numel - e);
+        read_exact(env, in.get(), buffer.data(), n * esize, in_base + t.begin + e * esize, cf.path);
+        if (!per_row) {
+          amax[0] = std::max(amax[0], abs_max(t.dtype, buffer.data(), n));
+          continue;
+        }
+        for (std::uint64_t d = 0; d < n;) {
+          const std::uint64_t row = (e + d) / cols;
+          const std::uint64_t len = std::min(n - d, (row + 1) * cols - (e + d));
+          amax[row] = std::max(amax[row], abs_max(t.dtype, buffer.data() + d * esize, len));
+          d += len;
+        }
+      }
+      std::vector<float> scales(amax.size());
+      for (std::size_t r = 0; r < amax.size(); ++r) scales[r] = amax[r] > 0.0f ? amax[r] / max : 1.0f;
+      // Pass 2: quantise.
+      std::vector<std::uint8_t> q(static_cast<std::size_t>(piece_elems));
+      for (std::uint64_t e = 0; e < numel; e += piece_elems) {
+        const std::uint64_t n = std::min(piece_elems, numel - e);
+        read_exact(env, in.get(), buffer.data(), n * esize, in_base + t.begin + e * esize, cf.path);
+        quantize_elements(t.dtype, options.to, buffer.data(), q.data(), n, scales[0],
+                          per_row ? scales.data() : nullptr, per_row ? cols : 0, e);
+        out.write(q.data(), n, out_base + o.offset + e);
+      }
+      const OutTensor& s = plan.tensors[o.scale];
+      out.write(scales.data(), scales.size() * 4, out_base + s.offset);
+      const OutTensor& m = plan.tensors[o.scale + 1];
+      out.write(m.marker.data(), m.marker.size(), out_base + m.offset);
+    }
+    if (options.after_tensor) options.after_tensor(t.name);
+  });
+  out.finish(plan.file_size);
+}
+
+void sync_dir(const fs::path& dir) {
+  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd >= 0) {
+    ::fsync(fd);
+    ::close(fd);
+  }
+}
+
+// Rewrites an index: scale and marker entries beside each quantised weight,
+// total_size from the written shards.
+void write_index(Env* env, const std::string& index_path, const fs::path& out_path,
+                 const std::unordered_map<std::string, std::set<std::string>>& quantized_by_shard,
+                 const std::unordered_map<std::string, std::uint64_t>& data_bytes_by_shard) {
+  ScopedFd fd = open_or_throw(env, index_path);
+  const FileStat st = stat_or_throw(env, fd.get(), index_path);
+  std::string text(st.size, '\0');
+  read_exact(env, fd.get(), text.data(), text.size(), 0, index_path);
+  nlohmann::ordered_json index = nlohmann::ordered_json::parse(text, nullptr, false);
+  if (index.is_discarded() || !index.is_object() || !index.contains("weight_map") || !index["weight_map"].is_object()) {
+    throw InvalidFileError("not a safetensors index (no weight_map object)", ErrorContext{index_path});
+  }
+  nlohmann::ordered_json& map = index["weight_map"];
+  nlohmann::ordered_json added = nlohmann::ordered_json::object();
+  std::set<std::string> shards;
+  for (auto it = map.begin(); it != map.end(); ++it) {
+    if (!it.value().is_string()) continue;
+    const std::string shard = it.value().get<std::string>();
+    shards.insert(shard);
+    auto q = quantized_by_shard.find(shard);
+    if (q == quantized_by_shard.end() || !q->second.contains(it.key())) continue;
+    const std::string layer = it.key().substr(0, it.key().size() - std::string_view(".weight").size());
+    added[layer + ".weight_scale"] = shard;
+    added[layer + ".comfy_quant"] = shard;
+  }
+  for (auto it = added.begin(); it != added.end(); ++it) map[it.key()] = it.value();
+  std::uint64_t total = 0;
+  for (const std::string& s : shards) {
+    if (auto d = data_bytes_by_shard.find(s); d != data_bytes_by_shard.end()) total += d->second;
+  }
+  if (!index.contains("metadata") || !index["metadata"].is_object()) index["metadata"] = nlohmann::ordered_json::object();
+  index["metadata"]["total_size"] = total;
+  const std::string out_text = index.dump(2) + "\n";
+  OutFile out(out_path);
+  out.write(out_text.data(), out_text.size(), 0);
+  out.finish(out_text.size());
+}
+
+bool has_glob(const std::string& p) { return p.find_first_of("*?[") != std::string::npos; }
+
+}  // namespace
+
+bool keep_pattern_matches(const std::string& pattern, const std::string& name) {
+  if (pattern.empty()) return false;
+  if (has_glob(pattern)) return ::fnmatch(pattern.c_str(), name.c_str(), 0) == 0;
+  for (std::size_t at = name.find(pattern); at != std::string::npos; at = name.find(pattern, at + 1)) {
+    const std::size_t end = at + pattern.size();
+    const bool starts = at == 0 || name[at - 1] == '.' || name[at - 1] == '/';
+    const bool ends = end == name.size() || name[end] == '.';
+    if (starts && ends) return true;
+  }
+  return false;
+}
+
+bool quantizes(const TensorInfo& t, const std::vector<std::string>& keep) {
+  if (t.shape.size() != 2 || t.numel() == 0) return false;
+  if (t.dtype != DType::kF32 && t.dtype != DType::kF16 && t.dtype != DType::kBF16) return false;
+  if (!ends_with(t.name, ".weight")) return false;
+  // A dotted part naming a norm or an embedding.
+  std::size_t begin = 0;
+  for (;;) {
+    const std::size_t end = t.name.find('.', begin);
+    const std::string part = t.name.substr(begin, end == std::string::npos ? std::string::npos : end - begin);
+    if (part.find("norm") != std::string::npos || part.find("embed") != std::string::npos) return false;
+    if (end == std::string::npos) break;
+    begin = end + 1;
+  }
+  return std::none_of(keep.begin(), keep.end(), [&](const std::string& p) { return keep_pattern_matches(p, t.name); });
+}
+
+ConvertStats convert_checkpoint(const std::string& input, const std::string& output, const ConvertOptions& options,
+                                Env* env) {
+  if (env == nullptr) env = default_env();
+  if (options.to != DType::kF8_E4M3 && options.to != DType::kF8_E5M2) {
+    throw InvalidFileError("convert writes F8_E4M3 or F8_E5M2, not " + std::string(dtype_name(options.to)));
+  }
+  std::error_code ec;
+  const fs::path in_path(input);
+  const fs::path out_path(output);
+  if (fs::exists(out_path, ec) && fs::equivalent(in_path, out_path, ec)) {
+    throw InvalidFileError("the output is the input", ErrorContext{output});
+  }
+  const Checkpoint checkpoint = open_checkpoint(env, {input}, options.resolve);
+  const bool single_file = fs::is_regular_file(in_path) && ends_with(input, ".safetensors");
+  fs::path root;
+  if (!single_file) {
+    root = fs::is_directory(in_path) ? in_path : in_path.parent_path();
+    if (root.empty()) root = ".";
+    if (fs::exists(out_path, ec)) throw InvalidFileError("output folder exists already", ErrorContext{output});
+  }
+  TempPath temp(temp_for(out_path));
+  if (!single_file) fs::create_directories(temp.path());
+
+  ConvertStats stats;
+  std::unordered_map<std::string, std::set<std::string>> quantized_by_shard;   // shard path (abs) -> names
+  std::unordered_map<std::string, std::uint64_t> data_bytes_by_shard;          // shard path (abs) -> bytes
+  std::set<std::string> written;  // relative paths written (folders)
+  for (const CheckpointFile& cf : checkpoint.files) {
+    fs::path target = temp.path();
+    if (!single_file) {
+      const fs::path rel = fs::relative(fs::path(cf.path), root);
+      target = temp.path() / rel;
+      fs::create_directories(target.parent_path());
+      written.insert(rel.string());
+    }
+    const FilePlan plan = plan_file(cf, options);
+    log::debug("{}: {} tensors quantised, writing {} bytes", cf.path, plan.quantized_names.size(), plan.file_size);
+    write_file(env, cf, plan, target, options);
+    stats.files++;
+    stats.tensors_quantized += plan.quantized_names.size();
+    stats.tensors_kept += cf.header.tensors.size() - plan.quantized_names.size();
+    stats.bytes_in += cf.header.data_size();
+    stats.bytes_out += plan.file_size;
+    const std::string key = fs::weakly_canonical(cf.path).string();
+    quantized_by_shard[key].insert(plan.quantized_names.begin(), plan.quantized_names.end());
+    data_bytes_by_shard[key] = plan.file_size - plan.header.size();
+  }
+  if (!single_file) {
+    for (const std::string& index_path : checkpoint.index_files) {
+      const fs::path index_dir = fs::path(index_path).parent_path();
+      // The index names shards relative to its folder.
+      std::unordered_map<std::string, std::set<std::string>> q;
+      std::unordered_map<std::string, std::uint64_t> d;
+      for (const auto& [abs, names] : quantized_by_shard) {
+        const std::string rel = fs::relative(abs, fs::weakly_canonical(index_dir)).string();
+        q[rel] = names;
+        d[rel] = data_bytes_by_shard[abs];
+      }
+      const fs::path rel = fs::relative(fs::path(index_path), root);
+      fs::create_directories((temp.path() / rel).parent_path());
+      write_index(env, index_path, temp.path() / rel, q, d);
+      written.insert(rel.string());
+    }
+    // The folder's other small files: configs, tokenizers.
+    for (auto it = fs::recursive_directory_iterator(root); it != fs::recursive_directory_iterator(); ++it) {
+      const fs::path& p = it->path();
+      const std::string rel = fs::relative(p, root).string();
+      if (p.filename().string().find(".pinload-tmp-") != std::string::npos) {
+        if (it->is_directory()) it.disable_recursion_pending();
+        continue;
+      }
+      if (!it->is_regular_file() || written.contains(rel)) continue;
+      const std::string name = p.filename().string();
+      if (ends_with(name, ".safetensors") || name.find(".safetensors.index") != std::string::npos) continue;
+      if (it->file_size() > kMaxCopiedFileBytes) {
+        log::warn("{}: not copied to the converted folder ({} bytes: not a config)", p.string(), it->file_size());
+        continue;
+      }
+      fs::create_directories((temp.path() / rel).parent_path());
+      fs::copy_file(p, temp.path() / rel, fs::copy_options::overwrite_existing);
+    }
+    for (auto it = fs::recursive_directory_iterator(temp.path()); it != fs::recursive_directory_iterator(); ++it) {
+      if (it->is_directory()) sync_dir(it->path());
+    }
+    sync_dir(temp.path());
+  }
+  fs::rename(temp.path(), out_path, ec);
+  if (ec) throw IoError("cannot rename " + temp.path().string() + " to the output: " + ec.message(), ErrorContext{output});
+  temp.commit();
+  sync_dir(out_path.parent_path().empty() ? fs::path(".") : out_path.parent_path());
+  return stats;
+}
+
+}  // namespace pinload

@@ -1,0 +1,272 @@
+#include "format/dtype_convert.h"
+
+#include <cmath>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+#include <cstring>
+#include <string>
+#include <type_traits>
+
+#include "format/dtype_bits.h"
+#include "pinload/error.h"
+
+namespace pinload {
+namespace {
+
+// Element access through memcpy: any alignment, and the compiler vectorises it.
+template <class T>
+T load_raw(const std::uint8_t* p, std::uint64_t i) {
+  T v;
+  std::memcpy(&v, p + i * sizeof(T), sizeof(T));
+  return v;
+}
+template <class T>
+void store_raw(std::uint8_t* p, std::uint64_t i, T v) {
+  std::memcpy(p + i * sizeof(T), &v, sizeof(T));
+}
+
+// Formats by tag: widen to float, narrow from float.
+struct E4M3 { static float get(const std::uint8_t* p, std::uint64_t i) { return bits::e4m3_to_f32(p[i]); } };
+struct E5M2 { static float get(const std::uint8_t* p, std::uint64_t i) { return bits::e5m2_to_f32(p[i]); } };
+struct BF16 {
+  static float get(const std::uint8_t* p, std::uint64_t i) { return bits::bf16_to_f32(load_raw<std::uint16_t>(p, i)); }
+  static void put(std::uint8_t* p, std::uint64_t i, float f) { store_raw<std::uint16_t>(p, i, bits::f32_to_bf16(f)); }
+};
+struct F16 {
+  static float get(const std::uint8_t* p, std::uint64_t i) { return bits::f16_to_f32(load_raw<std::uint16_t>(p, i)); }
+  static void put(std::uint8_t* p, std::uint64_t i, float f) { store_raw<std::uint16_t>(p, i, bits::f32_to_f16(f)); }
+};
+struct F32 {
+  static float get(const std::uint8_t* p, std::uint64_t i) { return load_raw<float>(p, i); }
+  static void put(std::uint8_t* p, std::uint64_t i, float f) { store_raw<float>(p, i, f); }
+};
+
+#if defined(__x86_64__)
+// 32 fp8 codes to 32 16-bit outputs per step with AVX-512 VBMI byte
+// permutes: the table's low and high bytes are each two 128-entry halves
+// (permutex2var picks by the low 7 bits, the sign bit picks the half).
+__attribute__((target("avx512f,avx512bw,avx512vbmi"))) std::uint64_t lookup16_vbmi(const std::uint16_t* table,
+                                                                                    const std::uint8_t* src,
+                                                                                    std::uint8_t* dst,
+                                                                                    std::uint64_t n) {
+  alignas(64) std::uint8_t lo[256], hi[256];
+  for (int i = 0; i < 256; ++i) {
+    lo[i] = static_cast<std::uint8_t>(table[i] & 0xFF);
+    hi[i] = static_cast<std::uint8_t>(table[i] >> 8);
+  }
+  const __m512i lo0 = _mm512_load_si512(lo), lo1 = _mm512_load_si512(lo + 64);
+  const __m512i lo2 = _mm512_load_si512(lo + 128), lo3 = _mm512_load_si512(lo + 192);
+  const __m512i hi0 = _mm512_load_si512(hi), hi1 = _mm512_load_si512(hi + 64);
+  const __m512i hi2 = _mm512_load_si512(hi + 128), hi3 = _mm512_load_si512(hi + 192);
+  std::uint64_t i = 0;
+  for (; i + 64 <= n; i += 64) {
+    const __m512i idx = _mm512_loadu_si512(src + i);
+    const __mmask64 upper = _mm512_movepi8_mask(idx);
+    const __m512i l = _mm512_mask_blend_epi8(upper, _mm512_permutex2var_epi8(lo0, idx, lo1),
+                                             _mm512_permutex2var_epi8(lo2, idx, lo3));
+    const __m512i h = _mm512_mask_blend_epi8(upper, _mm512_permutex2var_epi8(hi0, idx, hi1),
+                                             _mm512_permutex2var_epi8(hi2, idx, hi3));
+    // Interleave low and high bytes within 128-bit lanes, then put the
+    // lanes back in element order.
+    const __m512i a = _mm512_unpacklo_epi8(l, h);  // lanes: e0-7, e16-23, e32-39, e48-55
+    const __m512i b = _mm512_unpackhi_epi8(l, h);  // lanes: e8-15, e24-31, e40-47, e56-63
+    const __m512i first = _mm512_permutex2var_epi64(a, _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0), b);
+    const __m512i second = _mm512_permutex2var_epi64(a, _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4), b);
+    _mm512_storeu_si512(dst + i * 2, first);
+    _mm512_storeu_si512(dst + i * 2 + 64, second);
+  }
+  return i;
+}
+
+bool have_vbmi() {
+  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vbmi");
+  return yes;
+}
+#endif
+
+// FP8 sources: 256 encodings, so each call first converts every encoding
+// once (with the scalar forms, so rounding is theirs) into a table of output
+// elements, then the loop is one table load per element.
+template <class In, class Out>
+void convert_run(const std::uint8_t* src, std::uint8_t* dst, std::uint64_t n, float scale) {
+  constexpr std::size_t kOut = std::is_same_v<Out, F32> ? 4 : 2;
+  using Element = std::conditional_t<kOut == 4, std::uint32_t, std::uint16_t>;
+  Element table[256];
+  for (unsigned code = 0; code < 256; ++code) {
+    const std::uint8_t b = static_cast<std::uint8_t>(code);
+    Out::put(reinterpret_cast<std::uint8_t*>(table), code, In::get(&b, 0) * scale);
+  }
+  if (n < 1024) {  // a short run: the table would cost more than it saves
+    for (std::uint64_t i = 0; i < n; ++i) Out::put(dst, i, In::get(src, i) * scale);
+    return;
+  }
+  std::uint64_t i = 0;
+#if defined(__x86_64__)
+  if constexpr (kOut == 2) {
+    if (have_vbmi()) i = lookup16_vbmi(table, src, dst, n);
+  }
+#endif
+  for (; i + 4 <= n; i += 4) {
+    const Element v[4] = {table[src[i]], table[src[i + 1]], table[src[i + 2]], table[src[i + 3]]};
+    std::memcpy(dst + i * kOut, v, sizeof v);
+  }
+  for (; i < n; ++i) std::memcpy(dst + i * kOut, &table[src[i]], kOut);
+}
+
+// Widening and narrowing among bf16/fp16/fp32 take no scale: x * 1 would be
+// exact, but the loop is simpler without it.
+template <class In, class Out>
+void cast_loop(const std::uint8_t* src, std::uint8_t* dst, std::uint64_t n) {
+  for (std::uint64_t i = 0; i < n; ++i) Out::put(dst, i, In::get(src, i));
+}
+
+#if defined(__x86_64__)
+// The same loop compiled for AVX-512: 16 lanes of the branch-free forms.
+template <class In, class Out>
+__attribute__((target("avx512f,avx512bw"))) void cast_loop_avx512(const std::uint8_t* src, std::uint8_t* dst,
+                                                                 std::uint64_t n) {
+  for (std::uint64_t i = 0; i < n; ++i) Out::put(dst, i, In::get(src, i));
+}
+
+bool have_avx512() {
+  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+  return yes;
+}
+#endif
+
+template <class In, class Out>
+void cast_run(const std::uint8_t* src, std::uint8_t* dst, std::uint64_t n, float) {
+#if defined(__x86_64__)
+  if (have_avx512()) {
+    cast_loop_avx512<In, Out>(src, dst, n);
+    return;
+  }
+#endif
+  cast_loop<In, Out>(src, dst, n);
+}
+
+using Run = void (*)(const std::uint8_t*, std::uint8_t*, std::uint64_t, float);
+
+template <class Out>
+Run run_for(DType from) {
+  switch (from) {
+    case DType::kF8_E4M3: return convert_run<E4M3, Out>;
+    case DType::kF8_E5M2: return convert_run<E5M2, Out>;
+    case DType::kBF16: return cast_run<BF16, Out>;
+    case DType::kF16: return cast_run<F16, Out>;
+    case DType::kF32: return cast_run<F32, Out>;
+    default: return nullptr;
+  }
+}
+
+Run run_for(DType from, DType to) {
+  switch (to) {
+    case DType::kBF16: return run_for<BF16>(from);
+    case DType::kF16: return run_for<F16>(from);
+    case DType::kF32: return run_for<F32>(from);
+    default: return nullptr;
+  }
+}
+
+unsigned element_bytes(DType d) { return dtype_bits(d) / 8; }
+
+[[noreturn]] void throw_unsupported(const char* what, DType from, DType to) {
+  throw InvalidFileError(std::string(what) + " from " + std::string(dtype_name(from)) + " to " +
+                         std::string(dtype_name(to)) + " is not supported");
+}
+
+template <class In, class Q>
+void quantize_run(const std::uint8_t* src, std::uint8_t* dst, std::uint64_t n, float scale, float max, Q q) {
+  for (std::uint64_t i = 0; i < n; ++i) {
+    float v = In::get(src, i) / scale;
+    // Clamp keeping NaN (std::fmin/fmax would drop it), as torch's clamp.
+    v = v > max ? max : (v < -max ? -max : v);
+    dst[i] = q(v);
+  }
+}
+
+template <class In>
+float abs_max_run(const std::uint8_t* src, std::uint64_t n) {
+  float m = 0.0f;
+  for (std::uint64_t i = 0; i < n; ++i) {
+    const float v = std::fabs(In::get(src, i));
+    m = v > m ? v : m;  // false for NaN: ignored
+  }
+  return m;
+}
+
+}  // namespace
+
+bool is_float_dtype(DType d) noexcept {
+  return d == DType::kF8_E4M3 || d == DType::kF8_E5M2 || d == DType::kBF16 || d == DType::kF16 || d == DType::kF32;
+}
+
+bool is_convertible(DType from, DType to) noexcept { return run_for(from, to) != nullptr; }
+
+float fp8_max(DType fp8) { return fp8 == DType::kF8_E5M2 ? 57344.0f : 448.0f; }
+
+void convert_elements(const ElementConversion& c, const void* src_v, void* dst_v) {
+  const Run run = run_for(c.from, c.to);
+  if (run == nullptr) throw_unsupported("conversion", c.from, c.to);
+  const auto* src = static_cast<const std::uint8_t*>(src_v);
+  auto* dst = static_cast<std::uint8_t*>(dst_v);
+  if (c.row_scales == nullptr || c.row_elements == 0) {
+    run(src, dst, c.elements, c.scale);
+    return;
+  }
+  // Per row: one run per (part of a) row, each with its row's scale.
+  const unsigned in = element_bytes(c.from), out = element_bytes(c.to);
+  std::uint64_t done = 0;
+  while (done < c.elements) {
+    const std::uint64_t index = c.first + done;
+    const std::uint64_t row = index / c.row_elements;
+    const std::uint64_t n = std::min(c.elements - done, (row + 1) * c.row_elements - index);
+    run(src + done * in, dst + done * out, n, c.row_scales[row]);
+    done += n;
+  }
+}
+
+void quantize_elements(DType from, DType to, const void* src_v, std::uint8_t* dst, std::uint64_t elements,
+                       float scale, const float* row_scales, std::uint64_t row_elements, std::uint64_t first) {
+  if (to != DType::kF8_E4M3 && to != DType::kF8_E5M2) throw_unsupported("quantisation", from, to);
+  const auto* src = static_cast<const std::uint8_t*>(src_v);
+  const float max = fp8_max(to);
+  auto one = [&](const std::uint8_t* s, std::uint8_t* d, std::uint64_t n, float sc) {
+    auto q4 = [](float v) { return bits::f32_to_e4m3(v); };
+    auto q5 = [](float v) { return bits::f32_to_e5m2(v); };
+    const bool e4 = to == DType::kF8_E4M3;
+    switch (from) {
+      case DType::kBF16: e4 ? quantize_run<BF16>(s, d, n, sc, max, q4) : quantize_run<BF16>(s, d, n, sc, max, q5); break;
+      case DType::kF16: e4 ? quantize_run<F16>(s, d, n, sc, max, q4) : quantize_run<F16>(s, d, n, sc, max, q5); break;
+      case DType::kF32: e4 ? quantize_run<F32>(s, d, n, sc, max, q4) : quantize_run<F32>(s, d, n, sc, max, q5); break;
+      default: throw_unsupported("quantisation", from, to);
+    }
+  };
+  if (row_scales == nullptr || row_elements == 0) {
+    one(src, dst, elements, scale);
+    return;
+  }
+  const unsigned in = element_bytes(from);
+  std::uint64_t done = 0;
+  while (done < elements) {
+    const std::uint64_t index = first + done;
+    const std::uint64_t row = index / row_elements;
+    const std::uint64_t n = std::min(elements - done, (row + 1) * row_elements - index);
+    one(src + done * in, dst + done, n, row_scales[row]);
+    done += n;
+  }
+}
+
+float abs_max(DType from, const void* src_v, std::uint64_t elements) {
+  const auto* src = static_cast<const std::uint8_t*>(src_v);
+  switch (from) {
+    case DType::kBF16: return abs_max_run<BF16>(src, elements);
+    case DType::kF16: return abs_max_run<F16>(src, elements);
+    case DType::kF32: return abs_max_run<F32>(src, elements);
+    default: throw InvalidFileError("abs_max of " + std::string(dtype_name(from)) + " is not supported");
+  }
+}
+
+}  // namespace pinload

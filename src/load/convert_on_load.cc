@@ -1,0 +1,275 @@
+#include "load/convert_on_load.h"
+
+#include <algorithm>
+#include <cerrno>
+#include <map>
+#include <optional>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <string>
+#include <unordered_map>
+
+#include "format/dtype_convert.h"
+#include "pinload/error.h"
+
+namespace pinload::detail {
+namespace {
+
+constexpr std::uint64_t kOutAlignment = 64;  // each converted tensor in its output block
+
+bool ends_with(const std::string& s, std::string_view suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+bool is_fp8(DType d) { return d == DType::kF8_E4M3 || d == DType::kF8_E5M2; }
+
+std::string shape_text(const std::vector<std::uint64_t>& shape) {
+  std::string s = "[";
+  for (std::size_t i = 0; i < shape.size(); ++i) s += (i ? "," : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+struct Where {
+  std::size_t file;
+  std::size_t tensor;
+};
+
+// The layers a file's _quantization_metadata declares quantised, prefixed.
+void declared_layers(const CheckpointFile& cf, std::set<std::string>* out) {
+  for (const auto& [key, value] : cf.header.metadata) {
+    if (key != "_quantization_metadata") continue;
+    const nlohmann::json j = nlohmann::json::parse(value, nullptr, false);
+    if (j.is_discarded() || !j.is_object() || !j.contains("layers") || !j["layers"].is_object()) return;
+    for (auto it = j["layers"].begin(); it != j["layers"].end(); ++it) out->insert(cf.name_prefix + it.key());
+  }
+}
+
+// Reads a small tensor's bytes through the env.
+class ScaleReader {
+ public:
+  explicit ScaleReader(Env* env) : env_(env) {}
+  std::vector<float> read(const CheckpointFile& cf, const TensorInfo& t) {
+    auto it = fds_.find(cf.path);
+    if (it == fds_.end()) it = fds_.emplace(cf.path, open_or_throw(env_, cf.path)).first;
+    std::vector<float> values(t.numel());
+    auto* p = reinterpret_cast<std::byte*>(values.data());
+    const std::uint64_t at = cf.header.data_offset() + t.begin;
+    std::uint64_t done = 0;
+    while (done < t.nbytes()) {
+      const std::int64_t n = env_->pread(it->second.get(), p + done, t.nbytes() - done, at + done);
+      if (n == -EINTR || n == -EAGAIN) continue;
+      if (n < 0) throw_os_error("read failed", static_cast<int>(-n), ErrorContext{cf.path, t.name, at + done});
+      if (n == 0) throw IoError("file ended inside a scale tensor", ErrorContext{cf.path, t.name, at + done});
+      done += static_cast<std::uint64_t>(n);
+    }
+    return values;
+  }
+
+ private:
+  Env* env_;
+  std::map<std::string, ScopedFd> fds_;
+};
+
+}  // namespace
+
+ElementConversion TensorConversion::conversion(std::uint64_t first, std::uint64_t count) const noexcept {
+  ElementConversion c;
+  c.from = from;
+  c.to = to;
+  c.elements = count;
+  c.scale = scale;
+  c.row_scales = row_scales.empty() ? nullptr : row_scales.data();
+  c.row_elements = row_scales.empty() ? 0 : row_elements;
+  c.first = first;
+  return c;
+}
+
+ConversionPlan plan_conversions(Env* env, const Checkpoint& checkpoint, const DTypeOptions& options) {
+  ConversionPlan plan;
+  const std::size_t n = checkpoint.files.size();
+  plan.by_file.resize(n);
+  plan.out_bytes.assign(n, 0);
+  plan.role.resize(n);
+  if (!options.to) return plan;
+  if (!is_convertible(DType::kF32, *options.to)) {
+    throw InvalidFileError("dtype must be BF16, F16 or F32, not " + std::string(dtype_name(*options.to)));
+  }
+  const DType keep_to = options.keep_to.value_or(DType::kF32);
+  if (!is_convertible(DType::kF32, keep_to)) {
+    throw InvalidFileError("keep dtype must be BF16, F16 or F32, not " + std::string(dtype_name(keep_to)));
+  }
+  std::unordered_map<std::string, Where> by_name;
+  std::set<std::string> declared;
+  for (std::size_t f = 0; f < n; ++f) {
+    const CheckpointFile& cf = checkpoint.files[f];
+    plan.role[f].assign(cf.header.tensors.size(), kKeptTensor);
+    for (std::size_t t = 0; t < cf.header.tensors.size(); ++t) by_name[cf.name_prefix + cf.header.tensors[t].name] = {f, t};
+    declared_layers(cf, &declared);
+  }
+  auto kept = [&](const std::string& name) {
+    return std::any_of(options.keep.begin(), options.keep.end(),
+                       [&](const std::string& p) { return keep_pattern_matches(p, name); });
+  };
+  auto add = [&](TensorConversion tc) {
+    const std::size_t f = tc.file;
+    tc.out_offset = (plan.out_bytes[f] + kOutAlignment - 1) / kOutAlignment * kOutAlignment;
+    plan.out_bytes[f] = tc.out_offset + tc.out_bytes();
+    plan.role[f][tc.tensor] = static_cast<std::int64_t>(plan.tensors.size());
+    plan.tensors.push_back(std::move(tc));
+  };
+  ScaleReader reader(env);
+  // FP8 tensors first: they decide which scales and markers are used up.
+  for (std::size_t f = 0; f < n; ++f) {
+    const CheckpointFile& cf = checkpoint.files[f];
+    for (std::size_t i = 0; i < cf.header.tensors.size(); ++i) {
+      const TensorInfo& t = cf.header.tensors[i];
+      if (!is_fp8(t.dtype)) continue;
+      const std::string name = cf.name_prefix + t.name;
+      TensorConversion tc;
+      tc.file = f;
+      tc.tensor = i;
+      tc.from = t.dtype;
+      tc.to = kept(name) ? keep_to : *options.to;
+      tc.in_begin = cf.header.data_offset() + t.begin;
+      tc.elements = t.numel();
+      const bool is_weight = ends_with(name, ".weight");
+      const std::string layer = is_weight ? name.substr(0, name.size() - 7) : name;
+      const Where* scale = nullptr;
+      if (is_weight) {
+        for (const char* suffix : {".weight_scale", ".scale_weight"}) {
+          if (auto it = by_name.find(layer + suffix); it != by_name.end()) {
+            scale = &it->second;
+            break;
+          }
+        }
+      }
+      const auto marker = by_name.find(layer + ".comfy_quant");
+      if (scale == nullptr) {
+        if (marker != by_name.end() || declared.contains(layer)) {
+          throw InvalidFileError("quantised layer '" + layer + "' has no scale (expected '" + layer +
+                                 ".weight_scale', F32)", ErrorContext{cf.path, name});
+        }
+      } else {
+        const CheckpointFile& sf = checkpoint.files[scale->file];
+        const TensorInfo& s = sf.header.tensors[scale->tensor];
+        const std::string sname = sf.name_prefix + s.name;
+        if (s.dtype != DType::kF32) {
+          throw InvalidFileError("scale '" + sname + "' of FP8 weight '" + name + "' is " +
+                                 std::string(dtype_name(s.dtype)) + "; FP8 scales must be F32",
+                                 ErrorContext{sf.path, sname});
+        }
+        const std::uint64_t rows = t.shape.empty() ? 1 : t.shape[0];
+        const std::uint64_t count = s.numel();
+        const bool row_shape = s.shape == std::vector<std::uint64_t>{rows} ||
+                               s.shape == std::vector<std::uint64_t>{rows, 1};
+        if (count == 1 && s.shape.size() <= 2) {
+          tc.scale = reader.read(sf, s)[0];
+        } else if (t.shape.size() >= 2 && row_shape && rows > 0) {
+          tc.row_scales = reader.read(sf, s);
+          tc.row_elements = t.numel() / rows;
+        } else {
+          throw InvalidFileError("scale '" + sname + "' has shape " + shape_text(s.shape) + "; FP8 weight '" + name +
+                                     "' of shape " + shape_text(t.shape) + " needs [] or [1] (per tensor) or [" +
+                                     std::to_string(rows) + ", 1] (per row)",
+                                 ErrorContext{sf.path, sname});
+        }
+        plan.role[scale->file][scale->tensor] = kDroppedTensor;
+        if (marker != by_name.end()) plan.role[marker->second.file][marker->second.tensor] = kDroppedTensor;
+      }
+      add(std::move(tc));
+    }
+  }
+  // Then the other floating tensors.
+  for (std::size_t f = 0; f < n; ++f) {
+    const CheckpointFile& cf = checkpoint.files[f];
+    for (std::size_t i = 0; i < cf.header.tensors.size(); ++i) {
+      const TensorInfo& t = cf.header.tensors[i];
+      if (is_fp8(t.dtype) || !is_float_dtype(t.dtype) || plan.role[f][i] != kKeptTensor) continue;
+      const std::string name = cf.name_prefix + t.name;
+      const std::optional<DType> target = kept(name) ? options.keep_to : options.to;
+      if (!target || *target == t.dtype) continue;
+      TensorConversion tc;
+      tc.file = f;
+      tc.tensor = i;
+      tc.from = t.dtype;
+      tc.to = *target;
+      tc.in_begin = cf.header.data_offset() + t.begin;
+      tc.elements = t.numel();
+      add(std::move(tc));
+    }
+  }
+  for (std::size_t k = 0; k < plan.tensors.size(); ++k) plan.by_file[plan.tensors[k].file].push_back(k);
+  for (auto& list : plan.by_file) {
+    std::sort(list.begin(), list.end(),
+              [&](std::size_t a, std::size_t b) { return plan.tensors[a].in_begin < plan.tensors[b].in_begin; });
+  }
+  return plan;
+}
+
+void convert_chunk(const ConversionPlan& plan, const ReadChunk& c, const std::byte* chunk_data,
+                   const std::vector<std::shared_ptr<Block>>& out_blocks) {
+  const std::vector<std::size_t>& list = plan.by_file[c.file];
+  if (list.empty()) return;
+  const std::uint64_t chunk_end = c.offset + c.valid;
+  // The first tensor ending after the chunk's start (tensors do not overlap).
+  auto it = std::partition_point(list.begin(), list.end(), [&](std::size_t k) {
+    const TensorConversion& t = plan.tensors[k];
+    return t.in_begin + t.in_bytes() <= c.offset;
+  });
+  for (; it != list.end(); ++it) {
+    const TensorConversion& t = plan.tensors[*it];
+    if (t.in_begin >= chunk_end) break;
+    const unsigned in_size = dtype_bits(t.from) / 8;
+    const unsigned out_size = dtype_bits(t.to) / 8;
+    const std::uint64_t lo = std::max(t.in_begin, c.offset);
+    const std::uint64_t hi = std::min(t.in_begin + t.in_bytes(), chunk_end);
+    const std::uint64_t first = (lo - t.in_begin + in_size - 1) / in_size;  // whole elements only
+    const std::uint64_t last = (hi - t.in_begin) / in_size;
+    if (last <= first) continue;
+    std::byte* out = out_blocks[c.file]->data() + t.out_offset + first * out_size;
+    convert_elements(t.conversion(first, last - first), chunk_data + (t.in_begin + first * in_size - c.offset), out);
+  }
+}
+
+void convert_straddlers(const ConversionPlan& plan, const ReadPlan& read_plan,
+                        const std::vector<std::shared_ptr<Block>>& file_blocks,
+                        const std::vector<std::shared_ptr<Block>>& out_blocks) {
+  std::vector<std::vector<std::uint64_t>> starts(read_plan.files.size());
+  for (const ReadChunk& c : read_plan.chunks) starts[c.file].push_back(c.offset);
+  for (const TensorConversion& t : plan.tensors) {
+    const unsigned in_size = dtype_bits(t.from) / 8;
+    if (in_size == 1) continue;
+    const unsigned out_size = dtype_bits(t.to) / 8;
+    const std::uint64_t end = t.in_begin + t.in_bytes();
+    const std::uint64_t read_begin = read_plan.files[t.file].read_begin;
+    for (std::uint64_t b : starts[t.file]) {
+      if (b <= t.in_begin || b >= end || (b - t.in_begin) % in_size == 0) continue;
+      const std::uint64_t k = (b - t.in_begin) / in_size;
+      convert_elements(t.conversion(k, 1), file_blocks[t.file]->data() + (t.in_begin + k * in_size - read_begin),
+                       out_blocks[t.file]->data() + t.out_offset + k * out_size);
+    }
+  }
+}
+
+void convert_on_device(const ConversionPlan& plan, const Checkpoint& checkpoint, Device& device, Stream& stream,
+                       const std::vector<std::shared_ptr<DeviceBuffer>>& in,
+                       const std::vector<std::shared_ptr<DeviceBuffer>>& out) {
+  // Per-row scales go up from their host copies (read at planning): the
+  // scale tensor's own bytes on the device need not be 4-byte aligned.
+  std::vector<std::shared_ptr<DeviceBuffer>> row_scales;
+  for (const TensorConversion& t : plan.tensors) {
+    ElementConversion c = t.conversion(0, t.elements);
+    if (!t.row_scales.empty()) {
+      const std::size_t bytes = t.row_scales.size() * sizeof(float);
+      std::shared_ptr<DeviceBuffer> scales = device.allocate(bytes);
+      device.copy_to_device_async(*scales, 0, t.row_scales.data(), bytes, stream);
+      c.row_scales = static_cast<const float*>(scales->data());
+      row_scales.push_back(std::move(scales));
+    }
+    const std::uint64_t src_offset = t.in_begin - checkpoint.files[t.file].header.data_offset();
+    device.convert_async(*out[t.file], t.out_offset, *in[t.file], src_offset, c, stream);
+  }
+  stream.synchronize();
+}
+
+}  // namespace pinload::detail

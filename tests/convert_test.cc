@@ -1,0 +1,142 @@
+// The FP8 converter's failure paths and the device conversion contract
+// (convert.h, Device::convert_async) on the CPU stand-in. Bit-exactness
+// against torch is in tests/python/test_fp8.py.
+#include "pinload/convert.h"
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <filesystem>
+#include <random>
+#include <stdexcept>
+
+#include "format/dtype_bits.h"
+#include "format/dtype_convert.h"
+#include "pinload/device.h"
+#include "pinload/error.h"
+#include "pinload/loader.h"
+#include "test_files.h"
+
+namespace pinload {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::TempDir;
+
+std::string bf16_checkpoint(const TempDir& dir, int layers) {
+  std::mt19937_64 rng(7);
+  std::vector<testing::TensorSpec> specs;
+  for (int i = 0; i < layers; ++i) specs.push_back({"blocks." + std::to_string(i) + ".weight", "BF16", {64, 32}});
+  testing::FileImage image = testing::make_image(specs, rng);
+  // Finite bf16 values: clear each element's exponent top bit.
+  for (std::size_t i = 1; i < image.data.size(); i += 2) image.data[i] &= 0xBF;
+  const std::string path = dir.file("in.safetensors");
+  testing::write_file(path, image.bytes());
+  return path;
+}
+
+bool any_temp_in(const fs::path& dir) {
+  for (const auto& e : fs::directory_iterator(dir)) {
+    if (e.path().filename().string().find(".pinload-tmp-") != std::string::npos) return true;
+  }
+  return false;
+}
+
+TEST(ConvertTest, FailureMidConvertLeavesNoOutputAndNoTemporary) {
+  TempDir dir;
+  const std::string in = bf16_checkpoint(dir, 8);
+  ConvertOptions options;
+  options.threads = 2;
+  int written = 0;
+  options.after_tensor = [&](const std::string&) {
+    if (++written == 3) throw IoError("disk full (injected)");
+  };
+  EXPECT_THROW(convert_checkpoint(in, dir.file("out.safetensors"), options), IoError);
+  EXPECT_FALSE(fs::exists(dir.file("out.safetensors")));
+  EXPECT_FALSE(any_temp_in(dir.path()));
+}
+
+TEST(ConvertTest, ReplacesAnExistingOutputFileAtomically) {
+  TempDir dir;
+  const std::string in = bf16_checkpoint(dir, 2);
+  testing::write_file(dir.file("out.safetensors"), {1, 2, 3});
+  const ConvertStats stats = convert_checkpoint(in, dir.file("out.safetensors"));
+  EXPECT_EQ(stats.tensors_quantized, 2u);
+  EXPECT_EQ(fs::file_size(dir.file("out.safetensors")), stats.bytes_out);
+  const StateDict sd = Loader().load({dir.file("out.safetensors")});
+  EXPECT_EQ(sd.at("blocks.0.weight").dtype(), DType::kF8_E4M3);
+  EXPECT_EQ(sd.at("blocks.0.weight_scale").dtype(), DType::kF32);
+  EXPECT_EQ(sd.at("blocks.1.comfy_quant").dtype(), DType::kU8);
+}
+
+TEST(ConvertTest, RefusesTheInputAsOutputAndNonFp8Targets) {
+  TempDir dir;
+  const std::string in = bf16_checkpoint(dir, 1);
+  EXPECT_THROW(convert_checkpoint(in, in), InvalidFileError);
+  ConvertOptions bf16;
+  bf16.to = DType::kBF16;
+  EXPECT_THROW(convert_checkpoint(in, dir.file("o.safetensors"), bf16), InvalidFileError);
+}
+
+TEST(ConvertTest, KeepPatterns) {
+  EXPECT_TRUE(keep_pattern_matches("time_embed", "unet.time_embed.0.weight"));
+  EXPECT_TRUE(keep_pattern_matches("time_embed", "time_embed.weight"));
+  EXPECT_FALSE(keep_pattern_matches("time_embed", "time_embedding.weight"));
+  EXPECT_TRUE(keep_pattern_matches("vae/*", "vae/decoder.conv.weight"));
+  EXPECT_TRUE(keep_pattern_matches("decoder.conv", "vae/decoder.conv.weight"));
+  EXPECT_FALSE(keep_pattern_matches("", "a"));
+}
+
+// The stand-in's conversions run in stream order, after the copy before them.
+TEST(DeviceConvertTest, SimConvertsAfterTheCopyOnItsStream) {
+  std::unique_ptr<Device> device = make_sim_device(SimDeviceOptions{.copy_delay = std::chrono::milliseconds(20)});
+  Stream stream = device->create_stream();
+  std::vector<std::uint8_t> fp8(256);
+  for (int i = 0; i < 256; ++i) fp8[i] = static_cast<std::uint8_t>(i);
+  auto in = device->allocate(256);
+  auto out = device->allocate(256 * 2);
+  device->copy_to_device_async(*in, 0, fp8.data(), fp8.size(), stream);
+  ElementConversion c{DType::kF8_E4M3, DType::kBF16, 256, 2.0f};
+  device->convert_async(*out, 0, *in, 0, c, stream);
+  std::vector<std::uint16_t> got(256);
+  device->copy_to_host(got.data(), *out, 0, 512);
+  std::vector<std::uint16_t> want(256);
+  convert_elements(c, fp8.data(), want.data());
+  EXPECT_EQ(got, want);
+  EXPECT_EQ(got[0x38], bits::f32_to_bf16(2.0f));  // 0x38 is 1.0 in e4m3fn
+}
+
+TEST(DeviceConvertTest, RangesAndPairsAreChecked) {
+  std::unique_ptr<Device> device = make_sim_device();
+  Stream stream = device->create_stream();
+  auto in = device->allocate(64);
+  auto out = device->allocate(64);
+  EXPECT_THROW(device->convert_async(*out, 0, *in, 0, {DType::kF8_E4M3, DType::kBF16, 64}, stream),
+               InvalidFileError);  // 128 output bytes
+  EXPECT_THROW(device->convert_async(*out, 0, *in, 0, {DType::kBF16, DType::kF8_E4M3, 4}, stream),
+               InvalidFileError);  // not a load conversion
+  std::unique_ptr<Device> other = make_sim_device();
+  auto foreign = other->allocate(64);
+  EXPECT_THROW(device->convert_async(*out, 0, *foreign, 0, {DType::kF8_E4M3, DType::kBF16, 4}, stream),
+               InvalidFileError);
+}
+
+TEST(DeviceConvertTest, FailedConversionFailsTheStream) {
+  // A conversion queued after a failed copy is skipped; the stream reports the failure.
+  std::unique_ptr<Device> device = make_sim_device(
+      SimDeviceOptions{.before_copy = [](std::size_t) { throw std::runtime_error("injected copy failure"); }});
+  Stream stream = device->create_stream();
+  std::vector<std::uint8_t> src(16, 0x38);
+  auto in = device->allocate(16);
+  auto out = device->allocate(32);
+  device->copy_to_device_async(*in, 0, src.data(), 16, stream);
+  EXPECT_THROW(
+      {
+        device->convert_async(*out, 0, *in, 0, {DType::kF8_E4M3, DType::kBF16, 16}, stream);
+        stream.synchronize();
+      },
+      DeviceError);
+}
+
+}  // namespace
+}  // namespace pinload
