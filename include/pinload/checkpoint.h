@@ -10,6 +10,7 @@
 //   - a diffusers pipeline folder (with model_index.json), whose component
 //     subfolders are resolved as above. Tensor names are then prefixed with
 //     "<component>/" so that components cannot collide.
+// Each may be remote (s3://, http(s)://: remote.h); an s3:// folder is listed.
 #pragma once
 
 #include <cstdint>
@@ -17,6 +18,7 @@
 #include <vector>
 
 #include "pinload/env.h"
+#include "pinload/remote.h"
 #include "pinload/safetensors.h"
 
 namespace pinload {
@@ -26,6 +28,7 @@ struct CheckpointFile {
   std::string name_prefix;  // "" or "<component>/"
   FileStat stat;
   Header header;
+  std::string version;  // remote objects: the ETag the header was read at
 };
 
 struct Checkpoint {
@@ -37,6 +40,7 @@ struct Checkpoint {
 
 struct ResolveOptions {
   std::string variant;  // "" = the plain files; "fp16" = *.fp16.safetensors
+  RemoteOptions remote;  // s3:// and http(s):// paths, and their loads
 };
 
 // Reads and validates one file's header through `env`. Throws InvalidFileError,

@@ -44,6 +44,12 @@ class Env {
   virtual int stat(int fd, FileStat* out) = 0;
   // posix_fadvise(2): 0 or -errno.
   virtual int fadvise(int fd, std::uint64_t offset, std::uint64_t length, int advice) = 0;
+  // The f_type of fstatfs(2) for an open file (NFS_SUPER_MAGIC, FUSE's, ...):
+  // 0 or -errno.
+  virtual int filesystem_type(int fd, std::int64_t* magic) {
+    (void)fd, (void)magic;
+    return -ENOSYS;
+  }
   // Fraction in [0, 1] of the file's pages resident in the page cache,
   // estimated from `samples` probes spread over the file; -1 when unknown.
   virtual double resident_fraction(int fd, std::uint64_t size, int samples) = 0;
@@ -130,6 +136,7 @@ class EnvWrapper : public Env {
   double resident_fraction(int fd, std::uint64_t size, int samples) override {
     return target_->resident_fraction(fd, size, samples);
   }
+  int filesystem_type(int fd, std::int64_t* magic) override { return target_->filesystem_type(fd, magic); }
   const void* map_file(int fd, std::size_t bytes, int* err) override { return target_->map_file(fd, bytes, err); }
   int populate_read(const void* address, std::size_t bytes) override {
     return target_->populate_read(address, bytes);

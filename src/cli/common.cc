@@ -50,7 +50,7 @@ CLI::Validator integer_range(long long min, long long max) {
 }
 
 void add_paths(CLI::App& command, std::vector<std::string>* paths) {
-  command.add_option("PATH", *paths, "a .safetensors file, a *.safetensors.index.json, or a folder")
+  command.add_option("PATH", *paths, "a .safetensors file, a *.safetensors.index.json, or a folder; local or s3://, http(s)://")
       ->required()
       ->type_name("");
 }
@@ -127,6 +127,11 @@ void add_reader_options(CLI::App& command, LoadOptions* options) {
           ""))
       ->type_name("auto|none|N")
       ->default_str("auto");
+  command.add_option("--connections", options->resolve.remote.connections,
+                     "parallel connections (and readers) for s3:// and http(s):// paths (docs/remote.md)")
+      ->transform(integer_range(1, 1024))
+      ->type_name("1..1024")
+      ->default_str("PINLOAD_CONNECTIONS or 16");
   add_variant_option(command, &options->resolve);
 }
 

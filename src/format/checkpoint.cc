@@ -6,6 +6,7 @@
 #include <set>
 #include <unordered_map>
 
+#include "format/checkpoint_storage.h"
 #include "format/json_strict.h"
 #include "pinload/error.h"
 
@@ -59,26 +60,14 @@ std::optional<std::string> safetensors_variant(const std::string& name, bool* is
   return looks_like_variant ? tail : std::string{};
 }
 
-std::string read_small_file(Env* env, const std::string& path, std::uint64_t limit) {
-  ScopedFd fd = open_or_throw(env, path);
-  FileStat st = stat_or_throw(env, fd.get(), path);
-  if (st.size > limit) {
-    throw InvalidFileError("file of " + std::to_string(st.size) + " bytes exceeds the limit of " +
-                               std::to_string(limit) + " for an index", ErrorContext{path});
-  }
-  std::string text(st.size, '\0');
-  pread_exact(env, fd.get(), text.data(), text.size(), 0, path);
-  return text;
-}
-
 struct IndexFile {
   std::string path;
   std::vector<std::string> shards;  // absolute-ish paths, first-appearance order
   std::unordered_map<std::string, std::string> weight_map;  // tensor -> shard path
 };
 
-IndexFile read_index(Env* env, const std::string& path) {
-  const std::string text = read_small_file(env, path, kMaxHeaderSize);
+IndexFile read_index(detail::Storage& storage, const std::string& path) {
+  const std::string text = storage.read_small(path, kMaxHeaderSize);
   Json root = parse_strict_json(text.data(), text.data() + text.size(), path, 0, "index JSON");
   if (!root.is_object()) throw InvalidFileError("index must be a JSON object", ErrorContext{path});
   auto it = root.find("weight_map");
@@ -87,7 +76,7 @@ IndexFile read_index(Env* env, const std::string& path) {
   }
   IndexFile index;
   index.path = path;
-  const fs::path dir = fs::path(path).parent_path();
+  const std::string dir = storage.parent(path);
   std::set<std::string> seen;
   for (auto& [tensor, shard] : it->items()) {
     if (!shard.is_string()) {
@@ -98,7 +87,7 @@ IndexFile read_index(Env* env, const std::string& path) {
       throw InvalidFileError("weight_map names shard '" + name + "' outside the index's folder",
                              ErrorContext{path, tensor});
     }
-    const std::string shard_path = (dir / name).string();
+    const std::string shard_path = storage.join(dir, name);
     if (seen.insert(shard_path).second) index.shards.push_back(shard_path);
     index.weight_map.emplace(tensor, shard_path);
   }
@@ -140,46 +129,52 @@ void check_index(const IndexFile& index, std::span<const CheckpointFile> shards)
 class Resolver {
  public:
   Resolver(Env* env, const ResolveOptions& options, Checkpoint* out)
-      : env_(env), options_(options), out_(out) {}
+      : local_(detail::local_storage(env)), options_(options), out_(out) {}
 
   void add_path(const std::string& path, const std::string& prefix) {
-    std::error_code ec;
-    const fs::file_status status = fs::status(path, ec);
-    if (ec || !fs::exists(status)) throw NotFoundError("no such file or folder", ErrorContext{path});
-    if (fs::is_directory(status)) {
-      add_folder(path, prefix);
+    detail::Storage& storage = storage_for(path);
+    const detail::PathKind kind = storage.kind(path);
+    if (kind == detail::PathKind::kMissing) throw NotFoundError("no such file or folder", ErrorContext{path});
+    if (kind == detail::PathKind::kFolder) {
+      add_folder(storage, path, prefix);
     } else if (ends_with(path, ".json")) {
-      add_index(path, prefix);
+      add_index(storage, path, prefix);
     } else {
-      add_file(path, prefix);
+      add_file(storage, path, prefix);
     }
   }
 
  private:
-  void add_file(const std::string& path, const std::string& prefix) {
-    CheckpointFile file = read_checkpoint_file(env_, path);
+  detail::Storage& storage_for(const std::string& path) {
+    if (!is_remote_path(path)) return *local_;
+    if (!remote_) remote_ = detail::remote_storage(options_.remote);
+    return *remote_;
+  }
+
+  void add_file(detail::Storage& storage, const std::string& path, const std::string& prefix) {
+    CheckpointFile file = storage.read_header(path);
     file.name_prefix = prefix;
     out_->files.push_back(std::move(file));
   }
 
-  void add_index(const std::string& path, const std::string& prefix) {
-    IndexFile index = read_index(env_, path);
+  void add_index(detail::Storage& storage, const std::string& path, const std::string& prefix) {
+    IndexFile index = read_index(storage, path);
     const std::size_t first = out_->files.size();
-    for (const std::string& shard : index.shards) add_file(shard, prefix);
+    for (const std::string& shard : index.shards) add_file(storage, shard, prefix);
     check_index(index, std::span<const CheckpointFile>(out_->files).subspan(first));
     out_->index_files.push_back(path);
   }
 
-  void add_folder(const std::string& path, const std::string& prefix) {
-    if (fs::exists(fs::path(path) / "model_index.json")) {
-      add_pipeline(path);
+  void add_folder(detail::Storage& storage, const std::string& path, const std::string& prefix) {
+    std::vector<std::string> names, folders;
+    storage.list(path, &names, &folders);
+    if (std::binary_search(names.begin(), names.end(), "model_index.json")) {
+      add_pipeline(storage, path, folders);
       return;
     }
     std::vector<std::string> files, indexes;
     std::set<std::string> other_variants;
-    for (const auto& entry : fs::directory_iterator(path)) {
-      if (!entry.is_regular_file()) continue;
-      const std::string name = entry.path().filename().string();
+    for (const std::string& name : names) {
       bool is_index = false;
       auto variant = safetensors_variant(name, &is_index);
       if (!variant) continue;
@@ -187,7 +182,7 @@ class Resolver {
         other_variants.insert(*variant);
         continue;
       }
-      (is_index ? indexes : files).push_back(entry.path().string());
+      (is_index ? indexes : files).push_back(storage.join(path, name));
     }
     if (files.empty() && indexes.empty()) {
       std::string hint;
@@ -203,37 +198,31 @@ class Resolver {
       throw InvalidFileError("folder holds several index files; name one", ErrorContext{path});
     }
     if (indexes.size() == 1) {
-      add_index(indexes.front(), prefix);
+      add_index(storage, indexes.front(), prefix);
       return;
     }
-    for (const std::string& file : files) add_file(file, prefix);
+    for (const std::string& file : files) add_file(storage, file, prefix);
   }
 
-  void add_pipeline(const std::string& path) {
-    std::vector<std::string> components;
-    for (const auto& entry : fs::directory_iterator(path)) {
-      if (entry.is_directory()) components.push_back(entry.path().filename().string());
-    }
-    std::sort(components.begin(), components.end());
+  void add_pipeline(detail::Storage& storage, const std::string& path, const std::vector<std::string>& components) {
     bool any = false;
     for (const std::string& component : components) {
-      const fs::path dir = fs::path(path) / component;
-      bool has_weights = false;
-      for (const auto& entry : fs::directory_iterator(dir)) {
+      const std::string dir = storage.join(path, component);
+      std::vector<std::string> names, folders;
+      storage.list(dir, &names, &folders);
+      const bool has_weights = std::any_of(names.begin(), names.end(), [](const std::string& name) {
         bool is_index = false;
-        if (entry.is_regular_file() && safetensors_variant(entry.path().filename().string(), &is_index)) {
-          has_weights = true;
-          break;
-        }
-      }
+        return safetensors_variant(name, &is_index).has_value();
+      });
       if (!has_weights) continue;  // tokenizer/, scheduler/
-      add_folder(dir.string(), component + "/");
+      add_folder(storage, dir, component + "/");
       any = true;
     }
     if (!any) throw NotFoundError("pipeline folder has no component with .safetensors files", ErrorContext{path});
   }
 
-  Env* env_;
+  std::unique_ptr<detail::Storage> local_;
+  std::unique_ptr<detail::Storage> remote_;
   const ResolveOptions& options_;
   Checkpoint* out_;
 };
@@ -253,6 +242,7 @@ std::uint64_t Checkpoint::tensor_count() const {
 }
 
 CheckpointFile read_checkpoint_file(Env* env, const std::string& path) {
+  if (is_remote_path(path)) return detail::read_remote_checkpoint_file(RemoteOptions{}, path);
   CheckpointFile file;
   file.path = path;
   ScopedFd fd = open_or_throw(env, path);

@@ -3,6 +3,7 @@
 #include <sched.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/statfs.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -71,6 +72,13 @@ class PosixEnv final : public Env {
   std::int64_t pread(int fd, void* buffer, std::size_t bytes, std::uint64_t offset) override {
     ssize_t n = ::pread(fd, buffer, bytes, static_cast<off_t>(offset));
     return n >= 0 ? n : -errno;
+  }
+
+  int filesystem_type(int fd, std::int64_t* magic) override {
+    struct statfs sf {};
+    if (::fstatfs(fd, &sf) != 0) return -errno;
+    *magic = static_cast<std::int64_t>(sf.f_type);
+    return 0;
   }
 
   int stat(int fd, FileStat* out) override {

@@ -83,11 +83,40 @@ bool copy_mapped_chunk(Env* env, const OpenFile& f, const ReadChunk& c, std::byt
   return copied;
 }
 
+// Whether `fd` is on NFS, SMB/CIFS or a FUSE mount (Note [Network filesystems]).
+bool on_network_filesystem(Env* env, int fd, const std::string& path) {
+  std::int64_t magic = 0;
+  if (env->filesystem_type(fd, &magic) != 0) return false;
+  constexpr std::int64_t kNfs = 0x6969, kSmb = 0x517B, kCifs = 0xFF534D42, kSmb2 = 0xFE534D42, kFuse = 0x65735546,
+                         kCeph = 0x00C36400, kLustre = 0x0BD00BD0;
+  const bool network = magic == kNfs || magic == kSmb || magic == kCifs || magic == kSmb2 || magic == kFuse ||
+                       magic == kCeph || magic == kLustre;
+  if (network) log::debug("{}: on a network filesystem (f_type {:#x}): buffered reads, one reader per connection", path, magic);
+  return network;
+}
+
 // Opens a file for the load and decides direct or buffered (Note [Direct I/O]).
 void open_for_load(Env* env, const CheckpointFile& cf, const LoadOptions& options, OpenFile* f) {
   f->path = cf.path;
+  if (is_remote_path(cf.path)) {  // Note [Remote reads]
+    f->stat = cf.stat;
+    f->remote = remote::client_for(options.resolve.remote);
+    f->object = remote::ObjectInfo{cf.path, cf.stat.size, cf.version, cf.stat.mtime_ns};
+    if (const remote::ObjectCache* cache = f->remote->cache()) {  // Note [Remote cache]
+      if (std::string hit = cache->lookup(f->object); !hit.empty()) {
+        CheckpointFile local = cf;
+        local.path = std::move(hit);
+        f->remote.reset();
+        open_for_load(env, local, options, f);
+        return;
+      }
+      f->cache_writer = cache->begin(f->object, cf.header.data_offset() / kFallbackDirectAlign * kFallbackDirectAlign);
+    }
+    return;
+  }
   f->buffered_fd = open_or_throw(env, cf.path);
   f->stat = stat_or_throw(env, f->buffered_fd.get(), cf.path);
+  f->network_fs = on_network_filesystem(env, f->buffered_fd.get(), cf.path);
   if (f->stat.size != cf.stat.size) {
     throw IoError("file changed size from " + std::to_string(cf.stat.size) + " to " +
                   std::to_string(f->stat.size) + " bytes after its header was read",
@@ -115,6 +144,7 @@ void open_for_load(Env* env, const CheckpointFile& cf, const LoadOptions& option
     }
     why_direct = fmt::format("{:.0f}% in page cache, under {:.0f}%", resident * 100, options.resident_threshold * 100);
   }
+  if (f->network_fs && options.direct == DirectIo::kAuto) return;  // buffered, many readers
   // Reads land at page-aligned places in pool blocks (Note [Direct I/O]).
   if (f->stat.dio_mem_align > kFallbackDirectAlign) {
     const std::string why = "O_DIRECT needs " + std::to_string(f->stat.dio_mem_align) +
@@ -176,6 +206,11 @@ void read_with_pread(Env* env, OpenFile& f, const FileRead& plan, const ReadChun
 // Executes one chunk: reads [offset, offset + valid) of the file to `dest`.
 void read_chunk(Env* env, OpenFile& f, const FileRead& plan, const ReadChunk& c, DirectIo mode,
                 CachedReadChooser* chooser, Loader::Counters* counters, std::byte* dest) {
+  if (f.remote) {
+    f.remote->read(f.object, c.offset, c.valid, dest);
+    if (f.cache_writer) f.cache_writer->write(c.offset, dest, c.valid, *f.remote);
+    return;
+  }
   const bool direct = f.direct.load(std::memory_order_relaxed);
   if (direct || !f.mapping.valid()) {
     read_with_pread(env, f, plan, c, mode, counters, dest, direct);
@@ -306,6 +341,8 @@ std::unique_ptr<ReadSession> open_session(Env* env, const LoadOptions& options, 
     r.alignment = std::max(f->stat.dio_offset_align, kFallbackDirectAlign);
     (f->direct ? counters->files_direct : counters->files_buffered)++;
     if (!f->direct && f->mapping.valid()) counters->files_mapped++;
+    if (f->remote) s->remote_threads = f->remote->connections();
+    if (f->network_fs) s->min_threads = effective_connections(options.resolve.remote);
     reads.push_back(std::move(r));
     s->files.push_back(std::move(f));
   }
@@ -379,6 +416,7 @@ void execute(ReadSession& s, const std::vector<std::size_t>& todo, unsigned thre
       abort.request_stop();
     }
   };
+  threads = s.remote_threads != 0 ? s.remote_threads : std::max(threads, s.min_threads);  // Note [Remote reads]
   const std::size_t thread_count = std::min<std::size_t>(std::max(threads, 1u), std::max<std::size_t>(todo.size(), 1));
   {
     std::vector<std::jthread> workers;

@@ -22,6 +22,8 @@
 #include <vector>
 
 #include "io/cached_read_chooser.h"
+#include "io/remote/object_cache.h"
+#include "io/remote/remote_client.h"
 #include "pinload/checkpoint.h"
 #include "pinload/io_template.h"
 #include "pinload/loader.h"
@@ -102,6 +104,11 @@ struct OpenFile {
   std::mutex mu;  // guards opening buffered_fd
   std::shared_ptr<Block> block;                 // host and kCached loads
   std::shared_ptr<DeviceBuffer> device_buffer;  // device loads: the data section
+  // Remote files (Note [Remote reads]): no descriptors; chunks are ranged GETs.
+  std::shared_ptr<remote::RemoteClient> remote;
+  remote::ObjectInfo object;
+  std::unique_ptr<remote::ObjectCache::Writer> cache_writer;  // Note [Remote cache]
+  bool network_fs = false;  // NFS, SMB/CIFS or FUSE: Note [Network filesystems] in remote.h
 
   // The descriptor for buffered reads, opened on first use.
   int buffered(Env* env);
@@ -116,6 +123,10 @@ struct ReadSession {
   std::vector<std::unique_ptr<OpenFile>> files;
   ReadPlan plan;
   bool streaming = false;  // each chunk into a staging block instead of its file's block
+  // Readers: remote files take exactly one per connection (Note [Remote
+  // reads]); files on network filesystems at least one per connection.
+  unsigned remote_threads = 0;
+  unsigned min_threads = 0;
   std::shared_ptr<Pool> staging_pool;
   // Streaming only: chunks read but not yet handed to a copy (prefetched).
   std::vector<std::shared_ptr<Block>> staged;

@@ -1,0 +1,191 @@
+#!/usr/bin/env python3
+"""Remote sources: pinload over HTTP(S) and S3 next to the same run's peers.
+
+One command (servers on loopback, started and stopped here):
+
+    python3 bench/remote_bench.py --pinload build/pinload [--size-mib 512] [--json out.json]
+
+Rows (each rate is model bytes / wall seconds of one process, cold client):
+  nconnect   nginx with `limit_rate` per connection (50m): pinload with 1 and
+             16 connections, and the server's aggregate limit measured by a
+             parallel ranged client (curl -Z, 16 ranges) in the same run;
+  s3         SeaweedFS (`weed server -s3`, SigV4): pinload, the best raw
+             parallel ranged GET (curl -Z --aws-sigv4, 16 ranges), boto3
+             download then safetensors.torch.load_file, and
+             runai-model-streamer's S3 path where it is installed;
+  cpu        CPU seconds (user + sys of the process) per GB over HTTP and HTTPS;
+  rss        peak RSS of a host load against the model's size.
+The machine's other load is not controlled: quote the ratios of one run.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "tests" / "remote"))
+import servers  # noqa: E402
+
+BUCKET = "bench"
+
+
+def make_model(path, mib):
+    """A safetensors file of `mib` MiB of random bytes in 64 MiB tensors."""
+    import numpy as np
+    from safetensors.numpy import save_file
+    rng = np.random.default_rng(0)
+    tensors, left, i = {"tiny": np.zeros(1024, dtype=np.float32)} if mib == 0 else {}, mib, 0
+    while left > 0:
+        n = min(left, 64)
+        tensors[f"model.layers.{i}.mlp.down_proj.weight"] = rng.integers(0, 255, size=(n * 1024, 1024), dtype=np.uint8)
+        left -= n
+        i += 1
+    save_file(tensors, str(path))
+
+
+def measured(args, env=None):
+    """(wall s, cpu s, peak RSS bytes) of one child process; raises on failure."""
+    full = dict(os.environ)
+    full.update(env or {})
+    start = time.monotonic()
+    proc = subprocess.Popen(args, env=full, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.monotonic() - start
+    err = proc.stderr.read().decode(errors="replace")
+    proc.stderr.close()
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise RuntimeError(f"{args[0]} failed: {err[-2000:]}")
+    return wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss * 1024
+
+
+def curl_parallel(url, size, parts, extra=()):
+    """curl -Z with `parts` ranges of one object, bodies to /dev/null."""
+    args = ["curl", "-s", "-Z", "--parallel-max", str(parts)]
+    step = (size + parts - 1) // parts
+    for k in range(parts):
+        first = k * step
+        if first >= size:
+            break
+        if k > 0:
+            args.append("--next")  # per-URL options (range, output) start again
+        args += ["-f", *extra, "-r", f"{first}-{min(size, first + step) - 1}", "-o", "/dev/null", url]
+    return args
+
+
+def best(fn, repeat):
+    runs = [fn() for _ in range(repeat)]
+    return min(runs, key=lambda r: r[0])
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--pinload", default=str(HERE.parent / "build" / "pinload"))
+    ap.add_argument("--size-mib", type=int, default=512)
+    ap.add_argument("--rate", default="50m", help="nginx limit_rate per connection")
+    ap.add_argument("--connections", type=int, default=16)
+    ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--json")
+    opts = ap.parse_args()
+    pinload = opts.pinload
+    n = opts.connections
+    work = Path(tempfile.mkdtemp(prefix="pinload-remote-bench-"))
+    model = work / "root" / "model.safetensors"
+    model.parent.mkdir()
+    # In a child: the parent's RSS would count in every child's ru_maxrss (fork).
+    subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]); import remote_bench as b; "
+                    "b.make_model(sys.argv[2], int(sys.argv[3])); b.make_model(sys.argv[4], 0)",
+                    str(HERE), str(model), str(opts.size_mib), str(model.parent / "tiny.safetensors")], check=True)
+    size = model.stat().st_size
+    rows = {}
+
+    def rate(wall):
+        return size / wall / 1e6  # MB/s
+
+    def pin(url, connections, env=None):
+        return measured([pinload, "load", "--connections", str(connections), url], env)
+
+    # -- the nconnect effect: a per-connection cap --------------------------
+    capped = servers.Nginx(str(model.parent), limit_rate=opts.rate)
+    try:
+        url = capped.url + "/model.safetensors"
+        one = best(lambda: pin(url, 1), opts.repeat)
+        many = best(lambda: pin(url, n), opts.repeat)
+        aggregate = best(lambda: measured(curl_parallel(url, size, n)), opts.repeat)
+        rows["nconnect"] = {"pinload_1_MBps": rate(one[0]), f"pinload_{n}_MBps": rate(many[0]),
+                            f"curl_parallel_{n}_MBps": rate(aggregate[0]),
+                            "cap_per_connection": opts.rate}
+    finally:
+        capped.cleanup()
+
+    # -- CPU per GB over HTTP and HTTPS, and peak RSS -----------------------
+    plain = servers.Nginx(str(model.parent))
+    cert, key = servers.self_signed_cert(str(work))
+    tls = servers.Nginx(str(model.parent), ssl=(cert, key))
+    try:
+        http = best(lambda: pin(plain.url + "/model.safetensors", n), opts.repeat)
+        https = best(lambda: pin(tls.url + "/model.safetensors", n, {"AWS_CA_BUNDLE": cert}), opts.repeat)
+        curl_http = best(lambda: measured(curl_parallel(plain.url + "/model.safetensors", size, n)), opts.repeat)
+        rows["cpu"] = {"http_MBps": rate(http[0]), "http_cpu_s_per_GB": http[1] / (size / 1e9),
+                       "https_MBps": rate(https[0]), "https_cpu_s_per_GB": https[1] / (size / 1e9),
+                       "curl_parallel_http_MBps": rate(curl_http[0]),
+                       "curl_parallel_http_cpu_s_per_GB": curl_http[1] / (size / 1e9)}
+        tiny = measured([pinload, "load", plain.url + "/tiny.safetensors"])
+        rows["rss"] = {"model_MB": size / 1e6, "pinload_http_peak_rss_MB": http[2] / 1e6,
+                       "ratio": http[2] / size, "baseline_rss_MB (a 4 KiB model)": tiny[2] / 1e6,
+                       "ratio_above_baseline": (http[2] - tiny[2]) / size}
+    finally:
+        plain.cleanup()
+        tls.cleanup()
+
+    # -- S3 on SeaweedFS -----------------------------------------------------
+    weed = servers.Seaweed()
+    try:
+        client = weed.client()
+        client.create_bucket(Bucket=BUCKET)
+        client.upload_file(str(model), BUCKET, "model.safetensors")
+        env = weed.env()
+        s3 = best(lambda: pin(f"s3://{BUCKET}/model.safetensors", n, env), opts.repeat)
+        raw = best(lambda: measured(curl_parallel(
+            f"{weed.endpoint}/{BUCKET}/model.safetensors", size, n,
+            ["--aws-sigv4", f"aws:amz:{servers.REGION}:s3", "--user", f"{servers.ACCESS_KEY}:{servers.SECRET_KEY}",
+             "-H", "x-amz-content-sha256: e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"])),
+            opts.repeat)
+        download = work / "downloaded.safetensors"
+        script = ("import boto3, sys\nfrom botocore.config import Config\n"
+                  "from safetensors.torch import load_file\n"
+                  "c = boto3.client('s3', config=Config(s3={'addressing_style': 'path'}))\n"
+                  f"c.download_file('{BUCKET}', 'model.safetensors', '{download}')\n"
+                  f"sd = load_file('{download}')\n")
+        boto = best(lambda: measured([sys.executable, "-c", script], env), opts.repeat)
+        rows["s3"] = {"pinload_MBps": rate(s3[0]), "pinload_cpu_s_per_GB": s3[1] / (size / 1e9),
+                      "pinload_peak_rss_MB": s3[2] / 1e6,
+                      f"curl_parallel_{n}_MBps": rate(raw[0]), "boto3_download_then_load_MBps": rate(boto[0])}
+        runai = ("from runai_model_streamer import SafetensorsStreamer\n"
+                 "with SafetensorsStreamer() as s:\n"
+                 f"    s.stream_file('s3://{BUCKET}/model.safetensors')\n"
+                 "    for name, t in s.get_tensors(): pass\n")
+        try:
+            r = best(lambda: measured([sys.executable, "-c", runai],
+                                      {**env, "RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING": "0",
+                                       "AWS_EC2_METADATA_DISABLED": "true"}), opts.repeat)
+            rows["s3"]["runai_streamer_MBps"] = rate(r[0])
+        except RuntimeError as e:
+            rows["s3"]["runai_streamer"] = "not run: " + str(e).strip().splitlines()[-1][:200]
+    finally:
+        weed.cleanup()
+
+    result = {"size_bytes": size, "connections": n, "machine": os.uname().nodename, "cpus": os.cpu_count(),
+              "loadavg_at_end": os.getloadavg(), "rows": rows}
+    text = json.dumps(result, indent=2)
+    print(text)
+    if opts.json:
+        Path(opts.json).write_text(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+#include "format/checkpoint_storage.h"
+
+#include <algorithm>
+#include <filesystem>
+#include <functional>
+
+#include "io/remote/remote_client.h"
+#include "pinload/error.h"
+#include "pinload/remote.h"
+
+namespace pinload::detail {
+namespace fs = std::filesystem;
+namespace {
+
+class LocalStorage final : public Storage {
+ public:
+  explicit LocalStorage(Env* env) : env_(env) {}
+
+  PathKind kind(const std::string& path) override {
+    std::error_code ec;
+    const fs::file_status status = fs::status(path, ec);
+    if (ec || !fs::exists(status)) return PathKind::kMissing;
+    return fs::is_directory(status) ? PathKind::kFolder : PathKind::kFile;
+  }
+
+  void list(const std::string& folder, std::vector<std::string>* files, std::vector<std::string>* folders) override {
+    for (const auto& entry : fs::directory_iterator(folder)) {
+      if (entry.is_regular_file()) files->push_back(entry.path().filename().string());
+      else if (entry.is_directory()) folders->push_back(entry.path().filename().string());
+    }
+    std::sort(files->begin(), files->end());
+    std::sort(folders->begin(), folders->end());
+  }
+
+  std::string read_small(const std::string& path, std::uint64_t limit) override {
+    ScopedFd fd = open_or_throw(env_, path);
+    FileStat st = stat_or_throw(env_, fd.get(), path);
+    if (st.size > limit) {
+      throw InvalidFileError("file of " + std::to_string(st.size) + " bytes exceeds the limit of " +
+                                 std::to_string(limit) + " for an index", ErrorContext{path});
+    }
+    std::string text(st.size, '\0');
+    pread_exact(env_, fd.get(), text.data(), text.size(), 0, path);
+    return text;
+  }
+
+  CheckpointFile read_header(const std::string& path) override { return read_checkpoint_file(env_, path); }
+
+  std::string join(const std::string& folder, const std::string& name) const override {
+    return (fs::path(folder) / name).string();
+  }
+  std::string parent(const std::string& path) const override { return fs::path(path).parent_path().string(); }
+
+ private:
+  Env* env_;
+};
+
+bool ends_with(std::string_view s, std::string_view suffix) {
+  return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
+}
+
+std::string as_folder(std::string path) {
+  if (!path.ends_with('/')) path += '/';
+  return path;
+}
+
+class RemoteStorage final : public Storage {
+ public:
+  explicit RemoteStorage(const RemoteOptions& options) : options_(options), client_(remote::client_for(options)) {}
+
+  PathKind kind(const std::string& path) override {
+    const bool s3 = path.starts_with("s3://");
+    const std::optional<remote::Location> loc = remote::parse_location(path);
+    if (path.ends_with('/') || (s3 && loc->key.empty())) return PathKind::kFolder;
+    // Files by their names; reading the header says whether they exist.
+    if (!s3 || ends_with(path, ".safetensors") || ends_with(path, ".json")) return PathKind::kFile;
+    if (client_->stat(path)) return PathKind::kFile;
+    std::vector<std::string> files, folders;
+    try {
+      list(path, &files, &folders);
+    } catch (const NotFoundError&) {
+      return PathKind::kMissing;
+    }
+    return files.empty() && folders.empty() ? PathKind::kMissing : PathKind::kFolder;
+  }
+
+  void list(const std::string& folder, std::vector<std::string>* files, std::vector<std::string>* folders) override {
+    remote::Listing listing = client_->list(as_folder(folder));
+    *files = std::move(listing.files);
+    *folders = std::move(listing.folders);
+  }
+
+  std::string read_small(const std::string& path, std::uint64_t limit) override {
+    return client_->read_small(path, limit);
+  }
+
+  CheckpointFile read_header(const std::string& path) override { return read_remote_checkpoint_file(options_, path); }
+
+  std::string join(const std::string& folder, const std::string& name) const override {
+    return as_folder(folder) + name;
+  }
+  std::string parent(const std::string& path) const override {
+    const std::size_t slash = path.rfind('/');
+    return slash == std::string::npos ? path : path.substr(0, slash);
+  }
+
+ private:
+  RemoteOptions options_;
+  std::shared_ptr<remote::RemoteClient> client_;
+};
+
+}  // namespace
+
+std::unique_ptr<Storage> local_storage(Env* env) { return std::make_unique<LocalStorage>(env); }
+std::unique_ptr<Storage> remote_storage(const RemoteOptions& options) { return std::make_unique<RemoteStorage>(options); }
+
+CheckpointFile read_remote_checkpoint_file(const RemoteOptions& options, const std::string& path) {
+  std::shared_ptr<remote::RemoteClient> client = remote::client_for(options);
+  CheckpointFile file;
+  file.path = path;
+  std::byte prefix[kHeaderPrefixSize] = {};
+  std::uint64_t got = 0;
+  const remote::ObjectInfo info = client->open(path, prefix, sizeof prefix, &got);
+  file.stat.size = info.size;
+  file.stat.mtime_ns = info.mtime_ns;
+  // Loads compare files by (size, mtime, inode): the ETag stands in for the inode.
+  file.stat.inode = std::hash<std::string>{}(info.etag);
+  file.version = info.etag;
+  const std::string shown = remote::display_url(path);
+  const std::uint64_t n = parse_header_prefix(
+      std::span<const std::byte>(prefix, got >= kHeaderPrefixSize ? kHeaderPrefixSize : 0), info.size, shown);
+  std::vector<std::byte> json(n);  // n <= kMaxHeaderSize and n <= size
+  remote::ObjectInfo at_version = info;
+  client->read(at_version, kHeaderPrefixSize, n, json.data());
+  file.header = parse_header(json, info.size, shown);
+  return file;
+}
+
+}  // namespace pinload::detail

@@ -1,0 +1,71 @@
+// Internal: the optional local write-through cache of remote objects.
+//
+// Note [Remote cache]
+// With RemoteOptions::cache_dir set, each remote file a load reads is also
+// written, range by range as its chunks arrive, to "<dir>/<key>.part-<id>"
+// (pwrite at the chunk's offset), so nothing is fetched twice. When every
+// byte has arrived, the header bytes before the first chunk are fetched, the
+// file is fsynced and renamed to "<dir>/<key>.safetensors": a crashed or
+// failed load leaves only a .part file, never a torn cache entry. The key
+// hashes the path, the ETag and the size, so an object that changes on the
+// server misses. A later load still reads the header from the server (that
+// is what says which version is current) and then reads the data from the
+// cached file like any local file (O_DIRECT under DirectIo::kAuto). Entries
+// are evicted oldest-used first (mtime, touched on each hit) once the folder
+// holds more than cache_bytes. A cache that cannot be written is logged and
+// skipped; it never fails a load.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "io/remote/remote_client.h"
+
+namespace pinload::remote {
+
+// Thread safety: every method may be called from many threads.
+class ObjectCache {
+ public:
+  ObjectCache(std::string dir, std::uint64_t budget_bytes);
+
+  // The cached file holding `object`'s version, or "" (touched for the LRU).
+  std::string lookup(const ObjectInfo& object) const;
+
+  // Collects the bytes [first, object.size) of `object` as they arrive.
+  class Writer {
+   public:
+    ~Writer();  // removes the .part file unless committed
+    Writer(const Writer&) = delete;
+    Writer& operator=(const Writer&) = delete;
+    // Writes [offset, +bytes); once every byte from `first` has arrived, the
+    // header is fetched through `client` and the entry committed. Never throws.
+    void write(std::uint64_t offset, const std::byte* data, std::uint64_t bytes, RemoteClient& client);
+
+   private:
+    friend class ObjectCache;
+    Writer(const ObjectCache* cache, ObjectInfo object, std::uint64_t first, std::string part, std::string final_path,
+           int fd);
+    void commit(RemoteClient& client);
+    const ObjectCache* cache_;
+    ObjectInfo object_;
+    std::uint64_t first_;
+    std::string part_, final_;
+    int fd_;
+    std::atomic<std::uint64_t> arrived_{0};
+    std::atomic<bool> failed_{false};
+    bool committed_ = false;
+  };
+  // A writer for `object`, or null where the cache cannot be written.
+  std::unique_ptr<Writer> begin(const ObjectInfo& object, std::uint64_t first) const;
+
+ private:
+  std::string key_path(const ObjectInfo& object) const;
+  void evict(const std::string& keep) const;
+  std::string dir_;
+  std::uint64_t budget_;
+};
+
+}  // namespace pinload::remote

@@ -1,0 +1,110 @@
+// Internal: ranged reads of remote objects with libcurl.
+//
+// Note [Remote reads]
+// A remote file is read like a local one: the plan cuts it into block_size
+// chunks and the chunk executor's workers read them. A chunk is one ranged
+// GET ("Range: bytes=a-b", "If-Match: <ETag>"), whose body libcurl's write
+// callback copies straight into the chunk's place in its pool block: no file,
+// no second buffer. `connections` workers (RemoteOptions) each hold a curl
+// easy handle from the client's pool for the length of one range; a handle
+// keeps its connection open (keep-alive) for the next range. The header is a
+// first small range (8 bytes, whose Content-Range gives the object's size and
+// whose ETag fixes the version read), then the N header bytes.
+//
+// Note [Remote faults]
+// Every response is checked: a 206 whose Content-Range is not the range asked
+// (or whose total is not the object's size), a body longer or shorter than
+// it, or a 200 to a ranged request (a server that ignores Range) is an
+// IoError at once, as are 4xx (404/410: NotFoundError; 412: the object changed
+// since its header was read), TLS failures and an ETag other than the one the
+// header was read at. 500/502/503/504/429, connection failures, resets and
+// stalls (under 1 KiB/s for low_speed_time_s) are retried `retries` times
+// with exponential backoff; a reset mid-body asks again for the missing tail
+// only (the bytes that arrived are kept). Errors name the URL (without
+// credentials or query) and the byte range; no message or log line holds a
+// credential.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "io/remote/remote_url.h"
+#include "pinload/remote.h"
+
+namespace pinload::remote {
+
+// One version of a remote object. Plain data.
+struct ObjectInfo {
+  std::string path;  // s3://bucket/key or the URL, as named
+  std::uint64_t size = 0;
+  std::string etag;  // "" when the server sends none
+  std::int64_t mtime_ns = 0;
+};
+
+class ObjectCache;  // object_cache.h
+
+struct Listing {
+  std::vector<std::string> files;    // names directly under the prefix
+  std::vector<std::string> folders;  // sub-prefixes' names, without '/'
+};
+
+// Thread safety: every method may be called from many threads at once; each
+// call holds one pooled connection while it runs. Failure: throws IoError,
+// NotFoundError or InvalidFileError naming the path and byte range.
+class RemoteClient {
+ public:
+  RemoteClient(const RemoteOptions& options, S3Config s3);
+  ~RemoteClient();
+  RemoteClient(const RemoteClient&) = delete;
+  RemoteClient& operator=(const RemoteClient&) = delete;
+
+  // Reads the first min(want, size) bytes of `path` into `dest` (*got says
+  // how many) and returns which object version they came from.
+  ObjectInfo open(const std::string& path, std::byte* dest, std::uint64_t want, std::uint64_t* got);
+  // Exactly [offset, offset + length) of `object`'s version into `dest`.
+  void read(const ObjectInfo& object, std::uint64_t offset, std::uint64_t length, std::byte* dest);
+  // A whole object of at most `limit` bytes.
+  std::string read_small(const std::string& path, std::uint64_t limit, ObjectInfo* info = nullptr);
+  // nullopt where the object does not exist.
+  std::optional<ObjectInfo> stat(const std::string& path);
+  // The objects and sub-prefixes directly under an S3 folder `path` (which
+  // ends in '/'). Other schemes: InvalidFileError.
+  Listing list(const std::string& path);
+
+  const RemoteOptions& options() const { return options_; }
+  // The write-through cache (Note [Remote cache]); null unless cache_dir is set.
+  const ObjectCache* cache() const { return cache_.get(); }
+  unsigned connections() const { return connections_; }
+
+  struct Handle;  // a pooled curl easy handle
+
+ private:
+  class Lease;
+  struct Range;
+  Handle* acquire();
+  void release(Handle* h);
+  // One ranged GET with retries (Note [Remote faults]); returns the object's
+  // headers. `probe`: the object's size is unknown and may be below the range.
+  ObjectInfo get_range(const std::string& path, std::uint64_t offset, std::uint64_t length, std::byte* dest,
+                       const ObjectInfo* expect, bool probe, std::uint64_t* got);
+  std::string request_url(const std::string& path) const;
+
+  RemoteOptions options_;
+  S3Config s3_;
+  unsigned connections_;
+  std::string ca_file_;
+  std::shared_ptr<ObjectCache> cache_;
+  std::mutex mu_;
+  std::vector<Handle*> idle_;  // guarded by mu_
+};
+
+// The process's client for `options` under the AWS_* environment as it is
+// now; clients are kept (with their open connections) for later loads.
+std::shared_ptr<RemoteClient> client_for(const RemoteOptions& options);
+
+}  // namespace pinload::remote

@@ -1,0 +1,321 @@
+#include "io/remote/remote_url.h"
+
+#include <algorithm>
+#include <cctype>
+#include <charconv>
+#include <cstdlib>
+#include <ctime>
+
+#include "pinload/error.h"
+#include "pinload/remote.h"
+
+namespace pinload {
+
+bool is_remote_path(std::string_view path) noexcept {
+  return path.starts_with("s3://") || path.starts_with("http://") || path.starts_with("https://");
+}
+
+}  // namespace pinload
+
+namespace pinload::remote {
+namespace {
+
+std::string_view trim(std::string_view s) {
+  while (!s.empty() && std::isspace(static_cast<unsigned char>(s.front()))) s.remove_prefix(1);
+  while (!s.empty() && std::isspace(static_cast<unsigned char>(s.back()))) s.remove_suffix(1);
+  return s;
+}
+
+std::optional<std::uint64_t> parse_u64(std::string_view s) {
+  std::uint64_t v = 0;
+  if (s.empty()) return std::nullopt;
+  auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
+  if (ec != std::errc{} || end != s.data() + s.size()) return std::nullopt;
+  return v;
+}
+
+std::string xml_unescape(std::string_view s) {
+  std::string out;
+  out.reserve(s.size());
+  for (std::size_t i = 0; i < s.size(); ++i) {
+    if (s[i] != '&') {
+      out += s[i];
+      continue;
+    }
+    const std::size_t semi = s.find(';', i);
+    if (semi == std::string_view::npos) {
+      out += s[i];
+      continue;
+    }
+    const std::string_view entity = s.substr(i + 1, semi - i - 1);
+    if (entity == "amp") out += '&';
+    else if (entity == "lt") out += '<';
+    else if (entity == "gt") out += '>';
+    else if (entity == "quot") out += '"';
+    else if (entity == "apos") out += '\'';
+    else if (entity.starts_with("#x") || entity.starts_with("#")) {
+      const bool hex = entity.starts_with("#x");
+      unsigned code = 0;
+      const std::string_view digits = entity.substr(hex ? 2 : 1);
+      auto [end, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), code, hex ? 16 : 10);
+      if (ec != std::errc{} || end != digits.data() + digits.size() || code > 0x7f) {
+        out.append(s.substr(i, semi - i + 1));  // non-ASCII references: left as written
+      } else {
+        out += static_cast<char>(code);
+      }
+    } else {
+      out.append(s.substr(i, semi - i + 1));
+    }
+    i = semi;
+  }
+  return out;
+}
+
+// The text of each <tag>...</tag> in `xml` from `from` up to `until`.
+std::vector<std::string_view> elements(std::string_view xml, std::string_view tag) {
+  std::vector<std::string_view> out;
+  const std::string open = "<" + std::string(tag) + ">";
+  const std::string close = "</" + std::string(tag) + ">";
+  std::size_t at = 0;
+  while ((at = xml.find(open, at)) != std::string_view::npos) {
+    const std::size_t begin = at + open.size();
+    const std::size_t end = xml.find(close, begin);
+    if (end == std::string_view::npos) break;
+    out.push_back(xml.substr(begin, end - begin));
+    at = end + close.size();
+  }
+  return out;
+}
+
+std::string first_element(std::string_view xml, std::string_view tag) {
+  auto all = elements(xml, tag);
+  return all.empty() ? std::string{} : xml_unescape(all.front());
+}
+
+}  // namespace
+
+std::optional<Location> parse_location(std::string_view path) {
+  Location loc;
+  if (path.starts_with("s3://")) {
+    loc.scheme = Location::Scheme::kS3;
+    const std::string_view rest = path.substr(5);
+    const std::size_t slash = rest.find('/');
+    loc.bucket = std::string(rest.substr(0, slash));
+    loc.key = slash == std::string_view::npos ? std::string{} : std::string(rest.substr(slash + 1));
+    if (loc.bucket.empty()) throw InvalidFileError("S3 path has no bucket", ErrorContext{std::string(path)});
+    return loc;
+  }
+  if (path.starts_with("http://") || path.starts_with("https://")) {
+    const std::size_t host = path.find("://") + 3;
+    if (host >= path.size() || path[host] == '/') {
+      throw InvalidFileError("URL has no host", ErrorContext{display_url(path)});
+    }
+    loc.scheme = Location::Scheme::kHttp;
+    loc.url = std::string(path);
+    return loc;
+  }
+  return std::nullopt;
+}
+
+std::string display_url(std::string_view url) {
+  std::string out(url.substr(0, url.find('?')));
+  const std::size_t scheme = out.find("://");
+  if (scheme != std::string::npos) {
+    const std::size_t host = scheme + 3;
+    const std::size_t path = out.find('/', host);
+    const std::size_t at = out.rfind('@', path == std::string::npos ? out.size() : path);
+    if (at != std::string::npos && at >= host) out.erase(host, at + 1 - host);
+  }
+  return out;
+}
+
+std::string uri_encode(std::string_view s, bool keep_slash) {
+  static constexpr char kHex[] = "0123456789ABCDEF";
+  std::string out;
+  out.reserve(s.size());
+  for (char ch : s) {
+    const auto c = static_cast<unsigned char>(ch);
+    if (std::isalnum(c) || c == '-' || c == '_' || c == '.' || c == '~' || (keep_slash && c == '/')) {
+      out += ch;
+    } else {
+      out += '%';
+      out += kHex[c >> 4];
+      out += kHex[c & 15];
+    }
+  }
+  return out;
+}
+
+std::optional<ContentRange> parse_content_range(std::string_view value) {
+  value = trim(value);
+  if (!value.starts_with("bytes ")) return std::nullopt;
+  value = trim(value.substr(6));
+  const std::size_t slash = value.find('/');
+  if (slash == std::string_view::npos) return std::nullopt;
+  ContentRange r;
+  const std::string_view span = value.substr(0, slash), total = value.substr(slash + 1);
+  if (total != "*") {
+    r.total = parse_u64(total);
+    if (!r.total) return std::nullopt;
+  }
+  if (span == "*") {
+    r.satisfied = false;
+    return r;
+  }
+  const std::size_t dash = span.find('-');
+  if (dash == std::string_view::npos) return std::nullopt;
+  auto first = parse_u64(span.substr(0, dash)), last = parse_u64(span.substr(dash + 1));
+  if (!first || !last || *last < *first || (r.total && *last >= *r.total)) return std::nullopt;
+  r.first = *first;
+  r.last = *last;
+  return r;
+}
+
+ListPage parse_list_page(std::string_view xml) {
+  if (xml.find("<ListBucketResult") == std::string_view::npos) {
+    throw InvalidFileError("bucket listing is not a ListBucketResult");
+  }
+  ListPage page;
+  for (std::string_view contents : elements(xml, "Contents")) {
+    ListPage::Object o;
+    o.key = first_element(contents, "Key");
+    o.size = parse_u64(first_element(contents, "Size")).value_or(0);
+    page.objects.push_back(std::move(o));
+  }
+  for (std::string_view common : elements(xml, "CommonPrefixes")) page.prefixes.push_back(first_element(common, "Prefix"));
+  page.truncated = first_element(xml, "IsTruncated") == "true";
+  page.next_token = first_element(xml, "NextContinuationToken");
+  if (page.truncated && page.next_token.empty()) {
+    throw InvalidFileError("truncated bucket listing without a continuation token");
+  }
+  return page;
+}
+
+std::string s3_error_code(std::string_view xml) {
+  if (xml.find("<Error") == std::string_view::npos) return {};
+  return first_element(xml, "Code");
+}
+
+Ini parse_ini(std::string_view text) {
+  Ini ini;
+  std::string section;
+  while (!text.empty()) {
+    const std::size_t nl = text.find('\n');
+    std::string_view line = trim(text.substr(0, nl));
+    text = nl == std::string_view::npos ? std::string_view{} : text.substr(nl + 1);
+    if (line.empty() || line.front() == '#' || line.front() == ';') continue;
+    if (line.front() == '[' && line.back() == ']') {
+      section = std::string(trim(line.substr(1, line.size() - 2)));
+      ini[section];
+      continue;
+    }
+    const std::size_t eq = line.find('=');
+    if (eq == std::string_view::npos) continue;
+    std::string key(trim(line.substr(0, eq)));
+    std::transform(key.begin(), key.end(), key.begin(), [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+    ini[section][key] = std::string(trim(line.substr(eq + 1)));
+  }
+  return ini;
+}
+
+S3Config resolve_s3_config(const std::function<const char*(const char*)>& getenv,
+                           const std::function<std::optional<std::string>(const std::string&)>& read_file) {
+  auto env = [&](const char* name) -> std::string {
+    const char* v = getenv(name);
+    return v != nullptr ? std::string(v) : std::string{};
+  };
+  const std::string home = env("HOME");
+  const std::string profile = env("AWS_PROFILE").empty() ? "default" : env("AWS_PROFILE");
+  auto load_ini = [&](const char* var, const char* fallback) {
+    std::string path = env(var);
+    if (path.empty() && !home.empty()) path = home + fallback;
+    if (path.empty()) return Ini{};
+    std::optional<std::string> text = read_file(path);
+    return text ? parse_ini(*text) : Ini{};
+  };
+  const Ini credentials = load_ini("AWS_SHARED_CREDENTIALS_FILE", "/.aws/credentials");
+  const Ini config = load_ini("AWS_CONFIG_FILE", "/.aws/config");
+  // ~/.aws/config names profiles "[profile x]", except "[default]".
+  auto config_section = [&]() -> const std::map<std::string, std::string>* {
+    for (const std::string& name : {"profile " + profile, profile}) {
+      if (auto it = config.find(name); it != config.end()) return &it->second;
+    }
+    return nullptr;
+  }();
+  auto from_files = [&](const std::string& key) -> std::string {
+    if (auto it = credentials.find(profile); it != credentials.end()) {
+      if (auto v = it->second.find(key); v != it->second.end()) return v->second;
+    }
+    if (config_section != nullptr) {
+      if (auto v = config_section->find(key); v != config_section->end()) return v->second;
+    }
+    return {};
+  };
+
+  S3Config c;
+  if (!env("AWS_ACCESS_KEY_ID").empty() && !env("AWS_SECRET_ACCESS_KEY").empty()) {
+    c.access_key = env("AWS_ACCESS_KEY_ID");
+    c.secret_key = env("AWS_SECRET_ACCESS_KEY");
+    c.session_token = env("AWS_SESSION_TOKEN");
+  } else if (!from_files("aws_access_key_id").empty()) {
+    c.access_key = from_files("aws_access_key_id");
+    c.secret_key = from_files("aws_secret_access_key");
+    c.session_token = from_files("aws_session_token");
+  }
+  std::string region = env("AWS_REGION");
+  if (region.empty()) region = env("AWS_DEFAULT_REGION");
+  if (region.empty()) region = from_files("region");
+  if (!region.empty()) c.region = region;
+  std::string endpoint = env("AWS_ENDPOINT_URL_S3");
+  if (endpoint.empty()) endpoint = env("AWS_ENDPOINT_URL");
+  if (endpoint.empty()) endpoint = from_files("endpoint_url");
+  if (endpoint.empty()) {
+    c.endpoint = "https://s3." + c.region + ".amazonaws.com";
+    c.path_style = false;
+  } else {
+    while (endpoint.ends_with('/')) endpoint.pop_back();
+    c.endpoint = endpoint;
+    c.path_style = true;
+  }
+  return c;
+}
+
+std::string s3_object_url(const S3Config& config, const std::string& bucket, const std::string& key) {
+  const std::string path = "/" + uri_encode(key, true);
+  if (config.path_style) return config.endpoint + "/" + uri_encode(bucket, false) + (key.empty() ? "" : path);
+  const std::size_t host = config.endpoint.find("://") + 3;
+  return config.endpoint.substr(0, host) + bucket + "." + config.endpoint.substr(host) + path;
+}
+
+std::string s3_list_url(const S3Config& config, const std::string& bucket, const std::string& prefix,
+                        const std::string& token) {
+  // SigV4 wants the query sorted by name and encoded; libcurl 7.88 signs it as given.
+  std::string query;
+  if (!token.empty()) query += "continuation-token=" + uri_encode(token, false) + "&";
+  query += "delimiter=%2F&list-type=2&prefix=" + uri_encode(prefix, false);
+  // Path-style "endpoint/bucket?..."; virtual-hosted "https://bucket.host/?...".
+  return s3_object_url(config, bucket, "") + "?" + query;
+}
+
+std::int64_t parse_http_date(std::string_view value) {
+  std::tm tm{};
+  const std::string text(trim(value));
+  if (strptime(text.c_str(), "%a, %d %b %Y %H:%M:%S", &tm) == nullptr) return 0;
+  return static_cast<std::int64_t>(timegm(&tm)) * 1'000'000'000;
+}
+
+static unsigned effective_connections_from(const char* env_value, unsigned option) {
+  if (option != 0) return option;
+  if (env_value != nullptr) {
+    if (auto v = parse_u64(env_value); v && *v > 0 && *v <= 1024) return static_cast<unsigned>(*v);
+  }
+  return kDefaultConnections;
+}
+
+}  // namespace pinload::remote
+
+namespace pinload {
+unsigned effective_connections(const RemoteOptions& options) {
+  return remote::effective_connections_from(std::getenv("PINLOAD_CONNECTIONS"), options.connections);
+}
+}  // namespace pinload

@@ -1,0 +1,91 @@
+// Internal: remote paths, and the small text formats of S3 and HTTP, as plain
+// functions (no I/O), so that each is tested on its own.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace pinload::remote {
+
+// What a remote path names. Copyable plain data.
+struct Location {
+  enum class Scheme { kS3, kHttp };
+  Scheme scheme = Scheme::kHttp;
+  std::string bucket;  // s3
+  std::string key;     // s3: without the leading '/'; may end in '/'
+  std::string url;     // http(s): as given
+};
+
+// nullopt where `path` is not remote; throws InvalidFileError for a remote
+// path without a bucket or host.
+std::optional<Location> parse_location(std::string_view path);
+
+// `url` without user:password@ and without ?query (presigned URLs carry
+// signatures there): what messages and logs show.
+std::string display_url(std::string_view url);
+
+// RFC 3986 percent-encoding of all but unreserved characters (and '/' when
+// keep_slash), as SigV4's canonical form wants.
+std::string uri_encode(std::string_view s, bool keep_slash);
+
+// "bytes FIRST-LAST/TOTAL" or "bytes */TOTAL" (a 416's); TOTAL may be "*".
+struct ContentRange {
+  bool satisfied = true;
+  std::uint64_t first = 0, last = 0;  // inclusive, when satisfied
+  std::optional<std::uint64_t> total;
+};
+std::optional<ContentRange> parse_content_range(std::string_view value);
+
+// One page of a ListObjectsV2 answer.
+struct ListPage {
+  struct Object {
+    std::string key;
+    std::uint64_t size = 0;
+  };
+  std::vector<Object> objects;
+  std::vector<std::string> prefixes;  // CommonPrefixes
+  bool truncated = false;
+  std::string next_token;
+};
+// Throws InvalidFileError where `xml` is not a ListBucketResult.
+ListPage parse_list_page(std::string_view xml);
+
+// The <Code> of an S3 error document, or "".
+std::string s3_error_code(std::string_view xml);
+
+// An INI file as ~/.aws/credentials and ~/.aws/config write it:
+// section -> key -> value, keys lowercased, "#" and ";" comments.
+using Ini = std::map<std::string, std::map<std::string, std::string>>;
+Ini parse_ini(std::string_view text);
+
+// Where S3 requests go and how they are signed.
+struct S3Config {
+  std::string endpoint;  // "http(s)://host[:port]", no trailing '/'
+  bool path_style = true;  // endpoint/bucket/key; false: bucket.endpoint/key (AWS)
+  std::string region = "us-east-1";
+  std::string access_key, secret_key, session_token;  // access_key "": anonymous
+  bool anonymous() const { return access_key.empty(); }
+  bool operator==(const S3Config&) const = default;
+};
+
+// Resolves the S3 configuration the way AWS tools do (remote.h) from
+// `getenv` and the files it names (read_file returns nullopt for a missing
+// file).
+S3Config resolve_s3_config(const std::function<const char*(const char*)>& getenv,
+                           const std::function<std::optional<std::string>(const std::string&)>& read_file);
+
+// The request URL of an object (or of a bucket, key ""), and of a bucket
+// listing of `prefix` after `token`.
+std::string s3_object_url(const S3Config& config, const std::string& bucket, const std::string& key);
+std::string s3_list_url(const S3Config& config, const std::string& bucket, const std::string& prefix,
+                        const std::string& token);
+
+// "Tue, 01 Dec 2026 15:51:16 GMT" as nanoseconds since the epoch; 0 if unparsable.
+std::int64_t parse_http_date(std::string_view value);
+
+}  // namespace pinload::remote

@@ -1,0 +1,95 @@
+"""The Python package over remote sources: tensors equal the reference
+reader's, device loads (sim, streaming), prefetch and ModelCache through the
+same chunk executor, and no leaked sockets, threads or blocks after 200
+failing loads."""
+
+import os
+import shutil
+import threading
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pinload = pytest.importorskip("pinload")
+import pinload.torch as pt  # noqa: E402
+from safetensors.torch import load_file as reference_load  # noqa: E402
+
+from conftest import BUCKET  # noqa: E402
+from fault_proxy import FaultProxy  # noqa: E402
+from test_remote_load import big_file  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def remote_model(tmp_path_factory, weed, served_root):
+    path = big_file(tmp_path_factory.mktemp("py") / "py.safetensors", 1, seed=21)
+    weed.client().upload_file(str(path), BUCKET, "py/model.safetensors")
+    shutil.copy(path, served_root / "py.safetensors")
+    return path
+
+
+def assert_same(got, path):
+    expected = reference_load(str(path))
+    assert list(got) == list(expected)
+    for name, t in expected.items():
+        assert torch.equal(got[name].cpu(), t), name
+
+
+def test_host_and_sim_device_loads_over_s3(remote_model, s3_env):
+    url = f"s3://{BUCKET}/py/model.safetensors"
+    assert_same(pt.load_file(url, block_size="256K"), remote_model)
+    assert_same(pt.load_file(url, device="sim", block_size="256K"), remote_model)
+    # Streaming: staging budget of two blocks, far below the model.
+    assert_same(pt.load_file(url, device="sim", block_size="256K", staging_bytes="1M"), remote_model)
+
+
+def test_prefetch_then_load_over_http(remote_model, nginx):
+    url = f"{nginx.url}/py.safetensors"
+    handle = pinload.prefetch([url], block_size="256K")
+    assert_same(pt.load_file(url, block_size="256K", prefetch=handle), remote_model)
+
+
+def test_model_cache_over_http(remote_model, nginx):
+    url = f"{nginx.url}/py.safetensors"
+    from pinload.cache import ModelCache
+
+    cache = ModelCache("64M", block_size="256K")
+    assert_same(cache.get(url), remote_model)
+    assert_same(cache.get(url), remote_model)  # from the cache
+
+
+def count_fds():
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_no_leaks_after_200_failing_loads(remote_model, nginx):
+    url_path = "/py.safetensors"
+    # Data ranges fail: 404 at once for most, a reset mid-body with no
+    # retries left for every fifth.
+    def fault(r):
+        if r["range"] is not None and r["range"][1] - r["range"][0] > 4096:
+            return {"drop_after": 1000} if r["n"] % 5 == 0 else {"status": 404}
+
+    proxy = FaultProxy(nginx.port, fault)
+    os.environ["PINLOAD_REMOTE_RETRIES"] = "0"
+    try:
+        url = proxy.url + url_path
+
+        def fail_once():
+            with pytest.raises(pinload.Error) as info:
+                pt.load_file(url, block_size="256K")
+            assert url in str(info.value)
+
+        for _ in range(10):  # fills the connection pool
+            fail_once()
+        fds, threads = count_fds(), threading.active_count()
+        tasks = len(os.listdir("/proc/self/task"))
+        in_use = pinload.pool_stats("cpu")["in_use"]
+        for _ in range(200):
+            fail_once()
+        assert count_fds() <= fds + 2
+        assert threading.active_count() == threads
+        assert len(os.listdir("/proc/self/task")) <= tasks
+        assert pinload.pool_stats("cpu")["in_use"] == in_use
+    finally:
+        os.environ.pop("PINLOAD_REMOTE_RETRIES", None)
+        proxy.stop()

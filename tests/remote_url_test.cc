@@ -1,0 +1,160 @@
+// Remote paths and the text formats of S3 and HTTP (remote_url.h), no I/O.
+#include "io/remote/remote_url.h"
+
+#include <gtest/gtest.h>
+
+#include <map>
+
+#include "pinload/error.h"
+#include "pinload/remote.h"
+
+namespace pinload::remote {
+namespace {
+
+TEST(RemoteUrl, RecognisesRemotePaths) {
+  EXPECT_TRUE(is_remote_path("s3://b/k"));
+  EXPECT_TRUE(is_remote_path("https://h/x"));
+  EXPECT_TRUE(is_remote_path("http://h/x"));
+  EXPECT_FALSE(is_remote_path("/data/s3://x"));
+  EXPECT_FALSE(is_remote_path("model.safetensors"));
+  EXPECT_FALSE(parse_location("./x").has_value());
+  auto loc = parse_location("s3://bucket/a/b c.safetensors");
+  ASSERT_TRUE(loc);
+  EXPECT_EQ(loc->bucket, "bucket");
+  EXPECT_EQ(loc->key, "a/b c.safetensors");
+  EXPECT_THROW(parse_location("s3:///key"), InvalidFileError);
+  EXPECT_THROW(parse_location("http:///x"), InvalidFileError);
+}
+
+TEST(RemoteUrl, DisplayDropsCredentialsAndQuery) {
+  EXPECT_EQ(display_url("https://user:secret@host:8/a/b?X-Amz-Signature=abc"), "https://host:8/a/b");
+  EXPECT_EQ(display_url("http://host/a@b"), "http://host/a@b");
+  EXPECT_EQ(display_url("s3://b/k"), "s3://b/k");
+}
+
+TEST(RemoteUrl, EncodesLikeSigV4) {
+  EXPECT_EQ(uri_encode("a b/c~d+e", true), "a%20b/c~d%2Be");
+  EXPECT_EQ(uri_encode("a/b", false), "a%2Fb");
+}
+
+TEST(RemoteUrl, ParsesContentRange) {
+  auto r = parse_content_range("bytes 0-7/100");
+  ASSERT_TRUE(r);
+  EXPECT_TRUE(r->satisfied);
+  EXPECT_EQ(r->first, 0u);
+  EXPECT_EQ(r->last, 7u);
+  EXPECT_EQ(r->total, 100u);
+  r = parse_content_range("bytes */0");
+  ASSERT_TRUE(r);
+  EXPECT_FALSE(r->satisfied);
+  EXPECT_EQ(r->total, 0u);
+  r = parse_content_range("bytes 5-9/*");
+  ASSERT_TRUE(r);
+  EXPECT_FALSE(r->total.has_value());
+  EXPECT_FALSE(parse_content_range("bytes 9-5/100"));
+  EXPECT_FALSE(parse_content_range("bytes 0-100/100"));  // last past the end
+  EXPECT_FALSE(parse_content_range("items 0-1/2"));
+  EXPECT_FALSE(parse_content_range("bytes 0-x/2"));
+}
+
+TEST(RemoteUrl, ParsesListObjectsV2) {
+  const char* xml =
+      "<?xml version=\"1.0\"?><ListBucketResult><Name>b</Name><Prefix>m/</Prefix>"
+      "<Contents><Key>m/a&amp;b.safetensors</Key><Size>123</Size></Contents>"
+      "<Contents><Key>m/model_index.json</Key><Size>7</Size></Contents>"
+      "<CommonPrefixes><Prefix>m/unet/</Prefix></CommonPrefixes>"
+      "<IsTruncated>true</IsTruncated><NextContinuationToken>tok/1</NextContinuationToken></ListBucketResult>";
+  ListPage page = parse_list_page(xml);
+  ASSERT_EQ(page.objects.size(), 2u);
+  EXPECT_EQ(page.objects[0].key, "m/a&b.safetensors");
+  EXPECT_EQ(page.objects[0].size, 123u);
+  ASSERT_EQ(page.prefixes.size(), 1u);
+  EXPECT_EQ(page.prefixes[0], "m/unet/");
+  EXPECT_TRUE(page.truncated);
+  EXPECT_EQ(page.next_token, "tok/1");
+  EXPECT_THROW(parse_list_page("<Error><Code>AccessDenied</Code></Error>"), InvalidFileError);
+  EXPECT_THROW(parse_list_page("<ListBucketResult><IsTruncated>true</IsTruncated></ListBucketResult>"),
+               InvalidFileError);
+  EXPECT_EQ(s3_error_code("<Error><Code>SignatureDoesNotMatch</Code></Error>"), "SignatureDoesNotMatch");
+  EXPECT_EQ(s3_error_code("not xml"), "");
+}
+
+TEST(RemoteUrl, ParsesIni) {
+  Ini ini = parse_ini("# c\n[default]\naws_access_key_id = AK\n AWS_Secret_Access_Key=SK \n; x\n[profile p]\nregion=eu-west-1\n");
+  EXPECT_EQ(ini["default"]["aws_access_key_id"], "AK");
+  EXPECT_EQ(ini["default"]["aws_secret_access_key"], "SK");
+  EXPECT_EQ(ini["profile p"]["region"], "eu-west-1");
+}
+
+struct FakeEnv {
+  std::map<std::string, std::string> vars;
+  std::map<std::string, std::string> files;
+  S3Config resolve() const {
+    return resolve_s3_config(
+        [&](const char* n) -> const char* {
+          auto it = vars.find(n);
+          return it == vars.end() ? nullptr : it->second.c_str();
+        },
+        [&](const std::string& f) -> std::optional<std::string> {
+          auto it = files.find(f);
+          if (it == files.end()) return std::nullopt;
+          return it->second;
+        });
+  }
+};
+
+TEST(RemoteUrl, S3ConfigFromEnvironment) {
+  FakeEnv e;
+  e.vars = {{"AWS_ACCESS_KEY_ID", "AK"}, {"AWS_SECRET_ACCESS_KEY", "SK"}, {"AWS_SESSION_TOKEN", "T"},
+            {"AWS_DEFAULT_REGION", "eu-central-1"}, {"AWS_ENDPOINT_URL", "http://127.0.0.1:9000/"},
+            {"AWS_ENDPOINT_URL_S3", "http://127.0.0.1:8333"}};
+  S3Config c = e.resolve();
+  EXPECT_EQ(c.access_key, "AK");
+  EXPECT_EQ(c.secret_key, "SK");
+  EXPECT_EQ(c.session_token, "T");
+  EXPECT_EQ(c.region, "eu-central-1");
+  EXPECT_EQ(c.endpoint, "http://127.0.0.1:8333");  // the S3-specific one wins
+  EXPECT_TRUE(c.path_style);
+  EXPECT_EQ(s3_object_url(c, "bkt", "a b/m.safetensors"), "http://127.0.0.1:8333/bkt/a%20b/m.safetensors");
+  EXPECT_EQ(s3_list_url(c, "bkt", "m/", ""), "http://127.0.0.1:8333/bkt?delimiter=%2F&list-type=2&prefix=m%2F");
+  EXPECT_EQ(s3_list_url(c, "bkt", "", "t=1"),
+            "http://127.0.0.1:8333/bkt?continuation-token=t%3D1&delimiter=%2F&list-type=2&prefix=");
+}
+
+TEST(RemoteUrl, S3ConfigFromProfileFiles) {
+  FakeEnv e;
+  e.vars = {{"HOME", "/h"}, {"AWS_PROFILE", "p"}};
+  e.files = {{"/h/.aws/credentials", "[default]\naws_access_key_id=D\naws_secret_access_key=DS\n"
+                                      "[p]\naws_access_key_id=PK\naws_secret_access_key=PS\n"},
+             {"/h/.aws/config", "[profile p]\nregion = ap-south-1\nendpoint_url = https://oss.example\n"}};
+  S3Config c = e.resolve();
+  EXPECT_EQ(c.access_key, "PK");
+  EXPECT_EQ(c.secret_key, "PS");
+  EXPECT_EQ(c.region, "ap-south-1");
+  EXPECT_EQ(c.endpoint, "https://oss.example");
+}
+
+TEST(RemoteUrl, S3ConfigAnonymousOnAws) {
+  FakeEnv e;
+  e.vars = {{"AWS_REGION", "us-west-2"}};
+  S3Config c = e.resolve();
+  EXPECT_TRUE(c.anonymous());
+  EXPECT_FALSE(c.path_style);
+  EXPECT_EQ(s3_object_url(c, "bkt", "k"), "https://bkt.s3.us-west-2.amazonaws.com/k");
+  EXPECT_EQ(s3_list_url(c, "bkt", "p/", ""),
+            "https://bkt.s3.us-west-2.amazonaws.com/?delimiter=%2F&list-type=2&prefix=p%2F");
+}
+
+TEST(RemoteUrl, HttpDates) {
+  EXPECT_EQ(parse_http_date("Thu, 01 Jan 1970 00:00:10 GMT"), 10'000'000'000);
+  EXPECT_EQ(parse_http_date("garbage"), 0);
+}
+
+TEST(RemoteUrl, Connections) {
+  RemoteOptions o;
+  o.connections = 3;
+  EXPECT_EQ(effective_connections(o), 3u);
+}
+
+}  // namespace
+}  // namespace pinload::remote
