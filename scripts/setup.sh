@@ -10,7 +10,7 @@ APT_PACKAGES=(cmake ninja-build g++ clang libclang-rt-14-dev pkg-config
               liburing-dev libnuma-dev pybind11-dev libcli11-dev fio)
 # torch (the PyPI wheel, CUDA build) and the Hugging Face libraries are for
 # the Python package's tests; each is installed only when it does not import.
-PY_PACKAGES=(numpy safetensors pytest ml_dtypes torch diffusers transformers accelerate)
+PY_PACKAGES=(numpy safetensors pytest ml_dtypes tqdm mypy torch diffusers transformers accelerate)
 
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
