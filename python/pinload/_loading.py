@@ -61,7 +61,8 @@ class LoadProgress:
             self.bar.total = p["bytes_total"] / 1e9
         done = p["bytes_done"]
         if done > self.done:
-            self.bar.update((done - self.done) / 1e9)
+            self.bar.update(done / 1e9 - self.bar.n)
+            self.bar.n = done / 1e9  # exact, not a sum of float steps: 100% at the end
             self.done = done
 
     def finish(self) -> None:

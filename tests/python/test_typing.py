@@ -21,7 +21,7 @@ EXPECTED = {
     "patch_diffusers": "def (",
     "pool_stats": "def (device:",
     "torch.load_model": "def (model:",
-    "numpy.load_file": "-> builtins.dict[builtins.str,",
+    "numpy.load_file": "-> dict[str, numpy.ndarray",
 }
 
 
