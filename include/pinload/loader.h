@@ -149,6 +149,18 @@ struct LoadProgress {
   std::uint64_t bytes_copied = 0;    // to the device, completed
 };
 
+// How a load_async handle gives its tensors out (Note [Ready tensors]).
+enum class HandOut {
+  // Through next_ready() as they arrive, and all of them again from wait().
+  kWhole,
+  // Only through next_ready(): the load keeps no tensor it has handed out,
+  // and drops a host file's block as soon as that file is read, so the
+  // block goes back to the pool once the caller has dropped the file's
+  // tensors (streaming consumers: pinload.iter_tensors). wait() returns an
+  // empty state dict.
+  kStream,
+};
+
 class LoadHandle;
 class Prefetch;
 struct IoTemplate;
@@ -186,9 +198,9 @@ class Loader {
   // headers are not read again. An empty prefetch throws InvalidFileError.
   StateDict load(Prefetch& prefetch, LoadRequest request = {}) const;
   // Starts a load on a thread of its own and returns at once.
-  LoadHandle load_async(std::vector<std::string> paths) const;
+  LoadHandle load_async(std::vector<std::string> paths, HandOut hand_out = HandOut::kWhole) const;
   // load(prefetch) on a thread of its own, which owns the prefetch.
-  LoadHandle load_async(Prefetch prefetch) const;
+  LoadHandle load_async(Prefetch prefetch, HandOut hand_out = HandOut::kWhole) const;
 
   const std::shared_ptr<Pool>& pool() const noexcept { return pool_; }
   // kStreaming's staging pool (null for other loads).

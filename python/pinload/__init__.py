@@ -21,6 +21,7 @@ and ``.message``.
 from __future__ import annotations
 
 import pkgutil
+from typing import TYPE_CHECKING
 
 # A build tree keeps the compiled module in <build>/python/pinload/ and the sources in python/pinload/:
 # with both on sys.path, this package spans the two folders.
@@ -73,7 +74,15 @@ _LAZY = {
 }
 
 
-_SUBMODULES = ("torch", "skip_init", "hooks", "cache")
+_SUBMODULES = ("torch", "numpy", "skip_init", "hooks", "cache")
+
+if TYPE_CHECKING:
+    # What type checkers see: the lazy names above, with their real signatures (at run time they
+    # are imported on first use, by __getattr__ below).
+    from . import cache, hooks, numpy, skip_init, torch  # noqa: F401
+    from .cache import ModelCache
+    from .hooks import patch_diffusers, patch_transformers
+    from .torch import iter_tensors, load_file, load_files, safe_open
 
 
 def __getattr__(name: str):

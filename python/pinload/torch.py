@@ -14,7 +14,8 @@ Options accepted by every load (keyword-only):
 - ``files_in_flight`` (2): shards read at once; ``variant``: "fp16" loads ``*.fp16.safetensors``;
 - ``streams`` (2), ``chunk_bytes`` (8 MiB): host-to-device copy streams and chunk size;
 - ``staging_bytes``: streaming mode for device loads (host memory capped at this many bytes);
-- ``progress`` (False): a progress bar on stderr when the load takes over a second on a terminal;
+- ``progress`` (False): a tqdm progress bar on stderr (GB and GB/s, as the CLI's) when the load
+  takes over a second on a terminal;
 - ``prefetch``: a ``pinload.prefetch(...)`` handle of the same paths and device, adopted: what it
   has read is not read again (the prefetch's own options then apply).
 """
@@ -23,18 +24,18 @@ from __future__ import annotations
 
 import collections
 import os
-import sys
 import threading
-import time
 import warnings
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from . import _core
-from ._core import Error, InvalidFileError, NotFoundError
+from . import _core, _loading
+from . import _safetensors_compat as _compat
+from ._core import InvalidFileError, NotFoundError
 
-__all__ = ["DTYPES", "iter_tensors", "load_file", "load_files", "safe_open"]
+__all__ = ["DTYPES", "iter_tensors", "load", "load_file", "load_files", "load_model", "safe_open", "save",
+           "save_file", "save_model"]
 
 PathLike = Union[str, "os.PathLike[str]", bytes]
 Device = Union[str, int, "torch.device", None]
@@ -69,8 +70,11 @@ def _build_dtypes() -> Dict[str, Optional[torch.dtype]]:
     }
     for name, attr in optional.items():
         table[name] = getattr(torch, attr, None)
-    # Sub-byte types: torch has no unpacked equivalent.
-    for name in ("F4", "F6_E2M3", "F6_E3M2"):
+    # Sub-byte types: torch has no unpacked equivalent. F4 comes as torch's packed
+    # float4_e2m1fn_x2 (two values a byte, the last dimension halved), as safetensors returns it,
+    # where torch has that type (2.8 on).
+    table["F4"] = getattr(torch, "float4_e2m1fn_x2", None)
+    for name in ("F6_E2M3", "F6_E3M2"):
         table[name] = None
     return table
 
@@ -162,98 +166,20 @@ def _resolve_device(device: Device) -> Tuple[str, Optional[torch.device]]:
 # ---- loads ----
 
 
-class _ProgressBar:
-    """``[#####.....] 1.23/4.56 GB 2.34 GB/s`` on stderr, redrawn at most 10 times a second."""
-
-    def __init__(self, stream) -> None:
-        self.stream = stream
-        self.last_draw = 0.0
-        self.drawn = False
-
-    def draw(self, done: int, total: int, seconds: float, force: bool = False) -> None:
-        now = time.monotonic()
-        if not force and now - self.last_draw < 0.1:
-            return
-        self.last_draw = now
-        width = 30
-        filled = width if total == 0 else min(width, int(width * done / total))
-        rate = done / 1e9 / seconds if seconds > 0 else 0.0
-        self.stream.write(
-            f"\rpinload [{'#' * filled}{'.' * (width - filled)}] {done / 1e9:.2f}/{total / 1e9:.2f} GB {rate:.2f} GB/s"
-        )
-        self.stream.flush()
-        self.drawn = True
-
-    def finish(self, done: int, total: int, seconds: float) -> None:
-        if self.drawn:
-            self.draw(done, total, seconds, force=True)
-            self.stream.write("\n")
-            self.stream.flush()
+_LoadProgress = _loading.LoadProgress
+_wait = _loading.wait
+_as_paths = _loading.as_paths
 
 
-def _stderr_is_terminal() -> bool:
-    try:
-        return sys.stderr is not None and sys.stderr.isatty()
-    except (AttributeError, ValueError):
-        return False
+def _start(paths: List[str], spec: str, options: _Options, cached_read: str = "auto",
+           stream: bool = False) -> "_core.LoadHandle":
+    return _loading.start(paths, spec, options, cached_read=cached_read, stream=stream)
 
 
-class _LoadProgress:
-    """Draws a load's progress bar on stderr once it has run for a second (only on a terminal)."""
-
-    def __init__(self, handle: "_core.LoadHandle", progress: bool) -> None:
-        self.handle = handle
-        self.bar = _ProgressBar(sys.stderr) if progress and _stderr_is_terminal() else None
-        self.start = time.monotonic()
-        self.poll = 0.05 if self.bar is not None else 0.2  # short waits: signals get through between them
-
-    def tick(self) -> None:
-        if self.bar is not None and time.monotonic() - self.start >= 1.0:
-            p = self.handle.progress()
-            self.bar.draw(p["bytes_done"], p["bytes_total"], time.monotonic() - self.start)
-
-    def finish(self) -> None:
-        if self.bar is not None:
-            p = self.handle.progress()
-            self.bar.finish(p["bytes_done"], p["bytes_total"], time.monotonic() - self.start)
-
-
-def _wait(handle: "_core.LoadHandle", progress: bool) -> "_core.StateDict":
-    """Waits for a load (Ctrl-C cancels it) and returns its state dict."""
-    shown = _LoadProgress(handle, progress)
-    try:
-        while not handle.wait(shown.poll):
-            shown.tick()
-    except BaseException:
-        handle.cancel()
-        handle.wait(None)
-        raise
-    shown.finish()
-    return handle.result()
-
-
-def _as_paths(paths: Union[PathLike, Iterable[PathLike]]) -> List[str]:
-    if isinstance(paths, (str, bytes, os.PathLike)):
-        paths = [paths]
-    out = [os.fsdecode(os.fspath(p)) for p in paths]
-    if not out:
-        raise ValueError("no path given")
-    return out
-
-
-def _start(paths: List[str], spec: str, options: _Options) -> "_core.LoadHandle":
-    return _core.load_async(
-        [os.fsencode(p) for p in paths],
-        spec,
-        **options.load_kwargs(),
-        prefetch=options.prefetch,
-        **options.convert_kwargs(),
-    )
-
-
-def _load(paths: List[str], device: Device, options: _Options) -> Tuple["_core.StateDict", Optional[torch.device]]:
+def _load(paths: List[str], device: Device, options: _Options,
+          cached_read: str = "auto") -> Tuple["_core.StateDict", Optional[torch.device]]:
     spec, move_to = _resolve_device(device)
-    return _wait(_start(paths, spec, options), options.progress), move_to
+    return _wait(_start(paths, spec, options, cached_read), options.progress), move_to
 
 
 def _check_dtypes(sd: "_core.StateDict", file: Optional[str]) -> None:
@@ -264,6 +190,8 @@ def _check_dtypes(sd: "_core.StateDict", file: Optional[str]) -> None:
 def _to_torch(dtype: str, shape: List[int], capsule: Any, torch_device: str, move_to: Optional[torch.device],
               name: str, file: Optional[str]) -> torch.Tensor:
     torch_dtype = _torch_dtype(dtype, name, file)
+    if dtype == "F4":  # packed: two values a byte (the parser checked the last dimension is even)
+        shape = list(shape[:-1]) + [shape[-1] // 2]
     if capsule is None:  # no bytes (a zero-size tensor): nothing to alias
         tensor = torch.empty(shape, dtype=torch_dtype, device=torch_device)
     else:
@@ -280,11 +208,14 @@ def _describe(paths: List[str]) -> str:
 def _yield_all(sd: "_core.StateDict", move_to: Optional[torch.device],
                file: str) -> Iterator[Tuple[str, torch.Tensor]]:
     _check_dtypes(sd, file)
-    torch_device = sd.torch_device
-    # One capsule per tensor, dropped as soon as it is converted: a file's block goes back to the
-    # pool once the caller has dropped every tensor of that file.
-    entries = collections.deque(sd.export_all())
-    del sd
+    return _yield_entries(collections.deque(sd.export_all()), sd.torch_device, move_to, file)
+
+
+def _yield_entries(entries: "collections.deque", torch_device: str, move_to: Optional[torch.device],
+                   file: str) -> Iterator[Tuple[str, torch.Tensor]]:
+    # One capsule per tensor, dropped as soon as it is converted (the state dict that exported
+    # them is gone): a file's block goes back to the pool once the caller has dropped every tensor
+    # of that file.
     while entries:
         name, dtype, shape, capsule = entries.popleft()
         tensor = _to_torch(dtype, shape, capsule, torch_device, move_to, name, file)
@@ -301,7 +232,8 @@ def _stream(paths: List[str], device: Device, options: _Options) -> Iterator[Tup
     """Yields tensors as the load hands them out (Note [Ready tensors] in loader.h); stopping early,
     or an error, cancels the load."""
     spec, move_to = _resolve_device(device)
-    handle = _start(paths, spec, options)
+    # HandOut::kStream: the load keeps none of the tensors it hands out (loader.h).
+    handle = _start(paths, spec, options, stream=True)
     shown = _LoadProgress(handle, options.progress)
     file = _describe(paths)
     try:
@@ -310,7 +242,10 @@ def _stream(paths: List[str], device: Device, options: _Options) -> Iterator[Tup
             if batch is None:
                 break
             shown.tick()
-            yield from _yield_all(batch, move_to, file)
+            _check_dtypes(batch, file)
+            entries, torch_device = collections.deque(batch.export_all()), batch.torch_device
+            del batch  # the capsules alone hold the tensors now
+            yield from _yield_entries(entries, torch_device, move_to, file)
     except BaseException:
         handle.cancel()
         handle.wait(None)
@@ -318,15 +253,88 @@ def _stream(paths: List[str], device: Device, options: _Options) -> Iterator[Tup
     shown.finish()
 
 
-def load_file(filename: PathLike, device: Device = "cpu", **options: Any) -> Dict[str, torch.Tensor]:
+def load_file(filename: PathLike, device: Device = "cpu", *, backend: Optional[str] = None,
+              **options: Any) -> Dict[str, torch.Tensor]:
     """Loads a safetensors file: a drop-in for ``safetensors.torch.load_file``.
 
     ``device``: "cpu" (the default), "cuda", "cuda:N", an int or a torch.device; "sim" (pinload's
     CPU stand-in device, for tests). Device loads go through pinload's pipelined device target
-    (cached mode; streaming mode with ``staging_bytes``). Returns name -> tensor in file order.
-    Options: see the module docstring. Raises pinload.Error subclasses.
+    (cached mode; streaming mode with ``staging_bytes``). ``backend``: "mmap" or "pread", how a
+    file already in the page cache is read (default: pinload's own choice; a cold file is read with
+    O_DIRECT either way); any other value is an error. Returns name -> tensor in file order.
+    Options: see the module docstring. Raises pinload.Error subclasses (SafetensorError too).
     """
-    return dict(_iterate(_as_paths(filename), device, _Options(**options)))
+    path = _compat.filename_of(filename)
+    cached_read = _compat.cached_read_of(backend)
+    try:
+        sd, move_to = _load([path], device, _Options(**options), cached_read)
+    except NotFoundError as e:
+        raise _compat.missing_file(e, path) from None
+    return dict(_yield_all(sd, move_to, path))
+
+
+def load(data: bytes, **options: Any) -> Dict[str, torch.Tensor]:
+    """Loads a safetensors file from its bytes: a drop-in for ``safetensors.torch.load``.
+
+    The bytes go through pinload's reader and parser like a file's (written to a temporary file
+    first, removed before this returns); the tensors do not alias ``data``.
+    """
+    from .numpy import _load_bytes
+
+    return _load_bytes(data, load_file, **options)
+
+
+def load_model(model: "torch.nn.Module", filename: PathLike, strict: bool = True, device: Device = "cpu", *,
+               backend: Optional[str] = None, **options: Any) -> Tuple[List[str], List[str]]:
+    """Loads a file into ``model``: a drop-in for ``safetensors.torch.load_model``, the tensors read
+    by pinload. Names the model shares (tied weights) are resolved as the reference does (its
+    ``_remove_duplicate_names``, where safetensors is installed). Returns (missing, unexpected);
+    ``strict``: raise RuntimeError when either is not empty."""
+    state_dict = load_file(filename, device=device, backend=backend, **options)
+    try:
+        from safetensors.torch import _remove_duplicate_names
+    except ImportError:
+        to_removes: Dict[str, List[str]] = {}
+    else:
+        to_removes = _remove_duplicate_names(model.state_dict(), preferred_names=list(state_dict.keys()))
+    missing_keys, unexpected = model.load_state_dict(state_dict, strict=False)
+    missing = set(missing_keys)
+    for group in to_removes.values():
+        for name in group:
+            if name not in missing:
+                unexpected.append(name)
+            else:
+                missing.remove(name)
+    if strict and (missing or unexpected):
+        error = f"Error(s) in loading state_dict for {model.__class__.__name__}:"
+        if missing:
+            error += "\n    Missing key(s) in state_dict: " + ", ".join(f'"{k}"' for k in sorted(missing))
+        if unexpected:
+            error += "\n    Unexpected key(s) in state_dict: " + ", ".join(f'"{k}"' for k in sorted(unexpected))
+        raise RuntimeError(error)
+    return sorted(missing), unexpected
+
+
+def save(tensors: Dict[str, torch.Tensor], metadata: Optional[Dict[str, str]] = None) -> bytes:
+    """safetensors.torch.save: pinload reads, the reference writes (needs safetensors)."""
+    from safetensors.torch import save as reference_save
+
+    return reference_save(tensors, metadata=metadata)
+
+
+def save_file(tensors: Dict[str, torch.Tensor], filename: PathLike, metadata: Optional[Dict[str, str]] = None) -> None:
+    """safetensors.torch.save_file: pinload reads, the reference writes (needs safetensors)."""
+    from safetensors.torch import save_file as reference_save_file
+
+    reference_save_file(tensors, filename, metadata=metadata)
+
+
+def save_model(model: "torch.nn.Module", filename: str, metadata: Optional[Dict[str, str]] = None,
+               force_contiguous: bool = True) -> None:
+    """safetensors.torch.save_model: pinload reads, the reference writes (needs safetensors)."""
+    from safetensors.torch import save_model as reference_save_model
+
+    reference_save_model(model, filename, metadata=metadata, force_contiguous=force_contiguous)
 
 
 def load_files(index_or_paths: Union[PathLike, Sequence[PathLike]], device: Device = "cpu",
@@ -359,7 +367,9 @@ def iter_tensors(paths: Union[PathLike, Sequence[PathLike]], device: Device = "c
 
 class _Slice:
     """What ``safe_open.get_slice`` returns: shape and dtype without a load; indexing loads the file
-    (once) and returns the indexed part as a contiguous tensor."""
+    (once) and returns the indexed part as a contiguous tensor (torch's indexing, as the reference
+    does for "pt") or array (the reference's own rules for "np": an index past a dimension's end is
+    an error; see _safetensors_compat)."""
 
     __slots__ = ("_file", "_name")
 
@@ -373,8 +383,13 @@ class _Slice:
     def get_dtype(self) -> str:
         return self._file.get_dtype(self._name)
 
-    def __getitem__(self, index) -> torch.Tensor:
-        return self._file.get_tensor(self._name)[index].contiguous()
+    def __getitem__(self, index) -> Any:
+        whole = self._file.get_tensor(self._name)
+        if self._file._numpy:
+            import numpy as np
+
+            return np.ascontiguousarray(whole[_compat.reference_index(index, self.get_shape())])
+        return whole[index].contiguous()  # torch's indexing, as the reference's "pt" slices
 
     def __repr__(self) -> str:
         return f"<pinload slice {self._name!r} {self.get_dtype()} {self.get_shape()}>"
@@ -388,23 +403,40 @@ class safe_open:
     file in one parallel sweep into the device's shared pool; later calls alias that load. Tensors
     stay valid after the handle is closed. Usable as a context manager; thread-safe.
 
-    ``device``: as ``load_file``. ``backend`` is accepted for compatibility with safetensors and
-    ignored. Other keyword arguments are load options (see the module docstring).
+    ``framework``: "pt" (torch tensors) or "np"/"numpy" (numpy arrays over the same memory, no
+    copy). ``device``: as ``load_file`` ("cpu" only for numpy). ``backend``: "mmap" or "pread", as
+    ``load_file``; anything else is an error. Other keyword arguments are load options (see the
+    module docstring). Errors are worded as the reference's (a closed handle: "File is closed"; a
+    missing tensor: "File does not contain tensor X"; a missing file: "No such file or directory:
+    X") and are pinload.Error subclasses, SafetensorError too where safetensors is installed.
     """
 
     def __init__(self, filename: PathLike, framework: str = "pt", device: Device = "cpu", *,
                  backend: Optional[str] = None, **options: Any) -> None:
-        self._path = os.fsdecode(os.fspath(filename))
-        if framework not in ("pt", "torch", "pytorch"):
+        self._path = _compat.filename_of(filename)
+        self._closed = True  # until the header is read
+        if framework in ("np", "numpy"):
+            self._numpy = True
+            if device not in ("cpu", None) and str(device) != "cpu":
+                raise _error(InvalidFileError, f"numpy arrays live in host memory; device must be 'cpu', not {device!r}",
+                             file=self._path)
+        elif framework in ("pt", "torch", "pytorch"):
+            self._numpy = False
+        else:
             raise _error(InvalidFileError,
-                         f"framework {framework!r} is not supported: pinload returns torch tensors (framework='pt')",
+                         f"framework {framework!r} is not supported: pinload returns torch tensors (framework='pt') "
+                         "or numpy arrays (framework='np')",
                          file=self._path)
+        self._cached_read = _compat.cached_read_of(backend)
         self._device = device
         self._options = _Options(**options)
         spec, _ = _resolve_device(device)
         if spec != "cpu":
             _core.pool_stats(spec)  # opens the device now: an unusable one fails here, not at get_tensor
-        header = _core.read_header(os.fsencode(self._path))
+        try:
+            header = _core.read_header(os.fsencode(self._path))
+        except NotFoundError as e:
+            raise _compat.missing_file(e, self._path) from None
         self._offset_order: List[str] = [t[0] for t in header["tensors"]]
         self._info: Dict[str, Tuple[str, List[int]]] = {t[0]: (t[1], t[2]) for t in header["tensors"]}
         self._metadata: Optional[Dict[str, str]] = header["metadata"]
@@ -429,20 +461,20 @@ class safe_open:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise _error(Error, "file is closed", file=self._path)
+            raise _compat.closed(self._path)
 
     def _info_of(self, name: str) -> Tuple[str, List[int]]:
         self._check_open()
         info = self._info.get(name)
         if info is None:
-            raise _error(NotFoundError, "no such tensor in the file", file=self._path, tensor=name)
+            raise _compat.missing_tensor(self._path, name)
         return info
 
     def _state_dict(self) -> "_core.StateDict":
         with self._lock:
             self._check_open()
             if self._sd is None:
-                self._sd, self._move_to = _load([self._path], self._device, self._options)
+                self._sd, self._move_to = _load([self._path], self._device, self._options, self._cached_read)
                 self._loaded()
             return self._sd
 
@@ -466,18 +498,31 @@ class safe_open:
         self._check_open()
         return None if self._metadata is None else dict(self._metadata)
 
-    def get_tensor(self, name: str) -> torch.Tensor:
+    def _check_dtype(self, dtype: str, name: str) -> None:
+        if self._numpy:
+            from .numpy import numpy_dtype
+
+            numpy_dtype(dtype, name, self._path)
+        else:
+            _torch_dtype(dtype, name, self._path)
+
+    def get_tensor(self, name: str) -> Any:
+        """The tensor (framework "pt") or array (framework "np") ``name``."""
         dtype, shape = self._info_of(name)
-        _torch_dtype(dtype, name, self._path)
+        self._check_dtype(dtype, name)
         sd = self._state_dict()
         _, dtype, shape, capsule = sd.export(name)
+        if self._numpy:
+            from .numpy import to_numpy
+
+            return to_numpy(dtype, shape, capsule, name, self._path)
         return _to_torch(dtype, shape, capsule, sd.torch_device, self._move_to, name, self._path)
 
-    def get_tensors(self) -> Dict[str, torch.Tensor]:
+    def get_tensors(self) -> Dict[str, Any]:
         """Every tensor, in file order."""
         self._check_open()
         for name in self._offset_order:
-            _torch_dtype(self._info[name][0], name, self._path)
+            self._check_dtype(self._info[name][0], name)
         return {name: self.get_tensor(name) for name in self._offset_order}
 
     def get_slice(self, name: str) -> _Slice:

@@ -30,7 +30,7 @@ std::string progress_line(std::uint64_t done, std::uint64_t total, double second
   std::string bar(static_cast<std::size_t>(filled), '#');
   bar.append(static_cast<std::size_t>(kBarWidth - filled), ' ');
   const double rate = seconds > 0 ? done / 1e9 / seconds : 0.0;
-  char rate_text[32] = "    ?";
+  char rate_text[32] = "?";
   std::string remaining = "?";
   if (rate > 0) {
     std::snprintf(rate_text, sizeof rate_text, "%5.2f", rate);

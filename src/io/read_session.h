@@ -44,6 +44,7 @@ struct Loader::Counters {
   std::atomic<std::uint64_t> files_mapped{0};
   std::atomic<std::uint64_t> bytes_copied{0};
   detail::ReadyQueue* ready = nullptr;  // set by load_async
+  bool stream = false;                  // HandOut::kStream: keep nothing handed out
 
   LoadProgress snapshot() const noexcept {
     LoadProgress p;

@@ -92,13 +92,15 @@ class Arrivals {
   }
 
   // Chunk `c` has arrived: appends the tensors that became ready to *ready.
-  void arrived(const ReadChunk& c, std::vector<std::size_t>* ready) {
+  // True when it was the last chunk of its file to arrive.
+  bool arrived(const ReadChunk& c, std::vector<std::size_t>* ready) {
     File& f = files_[c.file];
     std::lock_guard lock(f.mu);
     f.arrived[c.index] = true;
     while (f.prefix < f.arrived.size() && f.arrived[f.prefix]) ++f.prefix;
     const std::uint64_t covered = f.prefix == f.arrived.size() ? UINT64_MAX : f.starts[f.prefix];
     while (f.next < f.by_end.size() && f.by_end[f.next].first <= covered) ready->push_back(f.by_end[f.next++].second);
+    return f.prefix == f.arrived.size();
   }
 
   // Every tensor not handed out yet (a file with no chunks; the end of a load).
@@ -311,7 +313,7 @@ StateDict Loader::run(const Checkpoint& checkpoint, const LoadRequest& request, 
   auto hand_out = [&](const std::vector<std::size_t>& ready) {
     std::vector<Tensor> out;
     out.reserve(ready.size());
-    for (std::size_t i : ready) out.push_back(tensors[i]);
+    for (std::size_t i : ready) out.push_back(counters->stream ? std::move(tensors[i]) : tensors[i]);
     counters->ready->push(std::move(out));
   };
   // After each chunk: its tensors that became ready, and its copy to the
@@ -326,8 +328,11 @@ StateDict Loader::run(const Checkpoint& checkpoint, const LoadRequest& request, 
     }
     if (arrivals) {
       std::vector<std::size_t> ready;
-      arrivals->arrived(c, &ready);
+      const bool file_read = arrivals->arrived(c, &ready);
       if (!ready.empty()) hand_out(ready);
+      // HandOut::kStream: the file's tensors are all out and no reader
+      // touches its block again, so the callers' tensors alone hold it.
+      if (file_read && counters->stream) s.files[c.file]->block.reset();
     }
     if (!engine) return;
     const FileRead& r = s.plan.files[c.file];
@@ -398,6 +403,7 @@ StateDict Loader::run(const Checkpoint& checkpoint, const LoadRequest& request, 
     arrivals->rest(&rest);
     hand_out(rest);
   }
+  if (counters->stream) return StateDict();
   return StateDict(std::move(tensors), std::move(metadata));
 }
 
@@ -419,9 +425,10 @@ struct LoadHandle::State {
   }
 };
 
-LoadHandle Loader::load_async(std::vector<std::string> paths) const {
+LoadHandle Loader::load_async(std::vector<std::string> paths, HandOut hand_out) const {
   auto state = std::make_shared<LoadHandle::State>();
   state->counters.ready = &state->ready;
+  state->counters.stream = hand_out == HandOut::kStream;
   // The thread holds copies of what it needs; `this` need not outlive it.
   state->thread = std::jthread([loader = *this, paths = std::move(paths), s = state.get()] {
     try {
@@ -437,9 +444,10 @@ LoadHandle Loader::load_async(std::vector<std::string> paths) const {
   return LoadHandle(std::move(state));
 }
 
-LoadHandle Loader::load_async(Prefetch prefetch) const {
+LoadHandle Loader::load_async(Prefetch prefetch, HandOut hand_out) const {
   auto state = std::make_shared<LoadHandle::State>();
   state->counters.ready = &state->ready;
+  state->counters.stream = hand_out == HandOut::kStream;
   state->thread = std::jthread([loader = *this, p = std::move(prefetch), s = state.get()]() mutable {
     try {
       s->result = loader.adopt(p, LoadRequest{s->stop.get_token()}, &s->counters);

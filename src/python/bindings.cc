@@ -195,6 +195,18 @@ void raise_error(const Error& e) {
   PyErr_SetObject(type.ptr(), instance.ptr());
 }
 
+// Note [SafetensorError]: pinload's errors derive from
+// safetensors.SafetensorError where safetensors can be imported, so that code
+// written against the reference (`except SafetensorError`) catches them when
+// it switches to pinload's drop-in; without safetensors, from Exception.
+py::object error_base_class() {
+  try {
+    return py::module_::import("safetensors").attr("SafetensorError");
+  } catch (const py::error_already_set&) {
+    return py::reinterpret_borrow<py::object>(PyExc_Exception);
+  }
+}
+
 py::object make_error_type(py::module_& m, const char* name, const char* doc, py::object bases) {
   const std::string qualified = std::string("pinload.") + name;
   PyObject* type = PyErr_NewExceptionWithDoc(qualified.c_str(), doc, bases.ptr(), nullptr);
@@ -208,8 +220,9 @@ void register_errors(py::module_& m) {
   ErrorTypes& t = error_types();
   t.base = make_error_type(m, "Error",
                            "Base class of every pinload error. Attributes: code (str), message (the text without "
-                           "the context), file, tensor, begin, end (None where they do not apply).",
-                           py::reinterpret_borrow<py::object>(PyExc_Exception));
+                           "the context), file, tensor, begin, end (None where they do not apply). A "
+                           "safetensors.SafetensorError too when safetensors is installed.",
+                           error_base_class());
   for (const char* attr : {"file", "tensor", "begin", "end", "message"}) t.base.attr(attr) = py::none();
   t.base.attr("code") = py::str("error");
   struct Spec {
@@ -535,10 +548,10 @@ class PyPrefetch {
     return prefetch_ && paths == paths_ && placement.device == placement_.device;
   }
   // Starts the load that adopts it; the prefetch is consumed.
-  LoadHandle adopt() {
+  LoadHandle adopt(HandOut hand_out) {
     last_ = prefetch_->progress();
     std::unique_ptr<Prefetch> p = std::move(prefetch_);
-    return loader_.load_async(std::move(*p));
+    return loader_.load_async(std::move(*p), hand_out);
   }
   const Placement& placement() const { return placement_; }
   const std::vector<std::string>& paths() const { return paths_; }
@@ -555,12 +568,19 @@ class PyPrefetch {
 Loader make_loader(const std::vector<std::string>& paths, const std::string& device_spec, unsigned threads,
                    std::size_t block_size, const std::string& direct, std::size_t files_in_flight, std::size_t streams,
                    std::size_t chunk_bytes, std::optional<std::uint64_t> staging_bytes, const std::string& variant,
-                   Placement* placement, const DTypeOptions& dtype = {}) {
+                   Placement* placement, const DTypeOptions& dtype = {}, const std::string& cached_read = "auto") {
   if (paths.empty()) throw InvalidFileError("no path given");
   if (streams == 0 || streams > 64) throw InvalidFileError("streams must be 1..64");
   if (chunk_bytes == 0) throw InvalidFileError("chunk_bytes must be > 0");
   LoadOptions options = reader_options(threads, block_size, direct, files_in_flight, variant);
   options.dtype = dtype;
+  if (cached_read == "map") {
+    options.cached_read = CachedRead::kMap;
+  } else if (cached_read == "pread") {
+    options.cached_read = CachedRead::kPread;
+  } else if (cached_read != "auto") {
+    throw InvalidFileError("cached_read must be 'auto', 'map' or 'pread', not '" + cached_read + "'");
+  }
   Device* device = device_for(device_spec, placement);
   if (staging_bytes && device == nullptr) throw InvalidFileError("staging_bytes (streaming mode) needs a device");
   options.target.device = device;
@@ -577,8 +597,10 @@ std::unique_ptr<PyLoadHandle> load_async(const std::vector<std::string>& paths, 
                          std::size_t block_size, const std::string& direct, std::size_t files_in_flight,
                          std::size_t streams, std::size_t chunk_bytes, std::optional<std::uint64_t> staging_bytes,
                          const std::string& variant, PyPrefetch* prefetch, const std::string& dtype,
-                         const std::vector<std::string>& keep, const std::string& keep_dtype) {
+                         const std::vector<std::string>& keep, const std::string& keep_dtype,
+                         const std::string& cached_read, bool stream) {
   Placement placement;
+  const HandOut hand_out = stream ? HandOut::kStream : HandOut::kWhole;
   DTypeOptions conversion;  // Note [Conversion on load] in convert.h
   if (!dtype.empty()) {
     conversion.to = dtype_from_name(dtype);
@@ -592,11 +614,11 @@ std::unique_ptr<PyLoadHandle> load_async(const std::vector<std::string>& paths, 
   LoadHandle handle = [&] {
     py::gil_scoped_release release;
     Loader loader = make_loader(paths, device_spec, threads, block_size, direct, files_in_flight, streams, chunk_bytes,
-                                staging_bytes, variant, &placement, conversion);
+                                staging_bytes, variant, &placement, conversion, cached_read);
     // The prefetch's own loader, so that its blocks and budget are the ones
     // adopted (a conversion load adopts none: its options differ).
-    if (prefetch != nullptr && !conversion.active() && prefetch->matches(paths, placement)) return prefetch->adopt();
-    return loader.load_async(paths);  // the load's thread holds what it needs
+    if (prefetch != nullptr && !conversion.active() && prefetch->matches(paths, placement)) return prefetch->adopt(hand_out);
+    return loader.load_async(paths, hand_out);  // the load's thread holds what it needs
   }();
   return std::make_unique<PyLoadHandle>(std::move(handle), std::move(placement));
 }
@@ -824,11 +846,15 @@ PYBIND11_MODULE(_core, m) {
         py::arg("chunk_bytes") = kDefaultCopyChunkBytes, py::arg("staging_bytes") = py::none(),
         py::arg("variant") = "", py::arg("prefetch") = nullptr, py::arg("dtype") = "",
         py::arg("keep") = std::vector<std::string>{}, py::arg("keep_dtype") = "",
+        py::arg("cached_read") = "auto", py::arg("stream") = false,
         "Starts loading `paths` (bytes: files, indexes, folders) to `device` ('cpu', 'sim', 'cuda', 'cuda:N') "
         "on the device's shared pool; returns a LoadHandle at once. A `prefetch` of the same paths and device "
         "is adopted: what it read is not read again (its own options then apply). `dtype` ('BF16', 'F16', 'F32'; "
         "'' as stored) converts floating tensors inside the load, except names matching a `keep` pattern "
-        "(those become `keep_dtype`, or stay as stored when it is '').");
+        "(those become `keep_dtype`, or stay as stored when it is ''). cached_read: how a file "
+        "in the page cache is read ('auto', 'map', 'pread'). stream=True: tensors come only from next_ready() "
+        "and the load keeps none of them (HandOut::kStream), so each file's block goes back to the pool once "
+        "the caller has dropped its tensors; result() is then empty.");
   m.def("prefetch", &start_prefetch, py::arg("paths"), py::arg("device") = "cpu",
         py::arg("threads") = kDefaultThreads, py::arg("block_size") = kDefaultBlockSize, py::arg("direct") = "auto",
         py::arg("files_in_flight") = 2, py::arg("streams") = kDefaultCopyStreams,

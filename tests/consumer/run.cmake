@@ -6,8 +6,16 @@ execute_process(COMMAND ${CMAKE_COMMAND} --install ${BUILD_DIR} --prefix ${WORK_
 if(rc)
   message(FATAL_ERROR "install failed: ${rc}")
 endif()
+# TORCH_PREFIX (set where pinload has the torch adapter): torch's CMake prefix;
+# the consumer must then find pinload::torch and build examples/load_to_torch.cc.
+set(prefix_path "${WORK_DIR}/prefix")
+set(torch_args -DWITH_TORCH=OFF)
+if(TORCH_PREFIX)
+  list(APPEND prefix_path "${TORCH_PREFIX}")
+  set(torch_args -DWITH_TORCH=ON -DEXAMPLES_DIR=${EXAMPLES_DIR} -DTORCH_CUDA_ARCH_LIST=9.0)
+endif()
 execute_process(COMMAND ${CMAKE_COMMAND} -S ${SOURCE_DIR} -B ${WORK_DIR}/build -G Ninja
-                        -DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix RESULT_VARIABLE rc)
+                        "-DCMAKE_PREFIX_PATH=${prefix_path}" ${torch_args} RESULT_VARIABLE rc)
 if(rc)
   message(FATAL_ERROR "configure failed: ${rc}")
 endif()
@@ -19,4 +27,13 @@ execute_process(COMMAND ${WORK_DIR}/build/app RESULT_VARIABLE rc OUTPUT_VARIABLE
 message(STATUS "${out}")
 if(NOT out MATCHES "consumer ok")
   message(FATAL_ERROR "consumer did not run: ${rc}")
+endif()
+if(TORCH_PREFIX)
+  # The example loads a checkpoint the tests wrote; any checkpoint proves it links and runs.
+  execute_process(COMMAND ${WORK_DIR}/build/torch_example ${CHECKPOINT} RESULT_VARIABLE rc OUTPUT_VARIABLE out
+                  ERROR_VARIABLE err)
+  message(STATUS "${out}${err}")
+  if(rc)
+    message(FATAL_ERROR "the torch example failed: ${rc}")
+  endif()
 endif()

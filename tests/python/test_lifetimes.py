@@ -118,3 +118,41 @@ def test_pool_is_shared_per_device(model_file):
     assert pinload.pool_stats()["allocations"] == before + 3
     pinload.trim_pool()  # idle memory back to the OS; in-use blocks stay
     assert pinload.pool_stats()["in_use"] == in_use()
+
+
+def test_iter_tensors_returns_each_shard_once_dropped(tmp_path):
+    """A 4-shard Llama-shaped checkpoint streamed with files_in_flight=1, each tensor dropped at
+    once: a shard's block goes back to the pool once its tensors are gone, so while the last
+    shard's tensors arrive only that shard's block is in use (not the whole checkpoint's)."""
+    gen = torch.Generator().manual_seed(3)
+    shards, weight_map = [], {}
+    for s in range(4):
+        tensors = {f"model.layers.{s}.self_attn.{p}_proj.weight": torch.randn(256, 256, generator=gen)
+                   for p in ("q", "k", "v", "o")}
+        name = f"model-{s + 1:05d}-of-00004.safetensors"
+        st.save_file(tensors, str(tmp_path / name))
+        weight_map.update({t: name for t in tensors})
+        shards.append(tensors)
+    index = tmp_path / "model.safetensors.index.json"
+    import json
+
+    index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    want = {k: v for shard in shards for k, v in shard.items()}
+    shard_bytes = sum(t.numel() * 4 for t in shards[0].values())
+    gc.collect()
+    base = in_use()
+    by_shard = {}
+    seen = set()
+    for name, tensor in pinload.iter_tensors(index, files_in_flight=1, threads=2):
+        assert torch.equal(tensor, want[name]), name
+        seen.add(name)
+        shard = int(name.split(".")[2])
+        by_shard.setdefault(shard, []).append(in_use() - base)
+        del tensor
+    assert seen == set(want)
+    # Blocks are reserved when the load starts (the peak is the whole checkpoint) ...
+    assert max(by_shard[0]) >= 3.5 * shard_bytes
+    # ... and each comes back once its shard has been consumed: at the last shard, one block.
+    assert max(by_shard[3]) <= 1.5 * shard_bytes, by_shard
+    gc.collect()
+    assert in_use() == base

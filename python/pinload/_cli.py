@@ -1,0 +1,41 @@
+"""The ``pinload`` console script (pyproject.toml [project.scripts]): runs the C++ command-line
+program shipped in the wheel (``pinload/bin/pinload``), or the one of a build tree
+(``<build>/pinload`` next to ``<build>/python/pinload/_core*.so``). ``python -m pinload`` runs it too.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+
+def binary() -> Optional[Path]:
+    """Where the pinload program is: $PINLOAD_CLI, the wheel's copy, or a build tree's."""
+    from . import _core
+
+    if os.environ.get("PINLOAD_CLI"):
+        return Path(os.environ["PINLOAD_CLI"])
+    core = Path(_core.__file__).resolve()
+    for candidate in (core.parent / "bin" / "pinload", core.parents[2] / "pinload"):
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return candidate
+    return None
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Replaces this process with the pinload program (its exit code and output are the program's)."""
+    args = sys.argv[1:] if argv is None else argv
+    path = binary()
+    if path is None:
+        sys.stderr.write("pinload: error: the pinload program is not installed next to the Python package\n")
+        return 2
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(str(path), ["pinload", *args])
+    return 0  # not reached
+
+
+if __name__ == "__main__":
+    sys.exit(main())
