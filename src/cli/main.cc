@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "cli/load_option_args.h"
+#include "cli/printable.h"
 #include "cli/progress.h"
 #include "cli/size_arg.h"
 #include "pinload/checkpoint.h"
@@ -29,7 +30,8 @@ constexpr const char* kUsage =
     "                    [--direct auto|on|off] [--cached-read auto|map|pread] [--variant V]\n"
     "                    [--device cpu|sim|cuda:N] [--streams K] [--chunk-size BYTES]\n"
     "                    [--staging-bytes BYTES]"
-    " [--numa-node auto|none|N] PATH...\n"
+    " [--numa-node auto|none|N]\n"
+    "                    [--pool-bytes BYTES] PATH...\n"
     "PATH: a .safetensors file, a *.safetensors.index.json, or a folder.\n";
 
 struct UsageError : std::runtime_error {
@@ -87,6 +89,10 @@ Args parse_args(int argc, char** argv) {
       args.load.target.mode = DeviceMode::kStreaming;
     }
     else if (a == "--numa-node") args.load.numa.node = parse_numa_node(value());
+    else if (a == "--pool-bytes") {
+      args.load.pool_bytes = parse_size(value());
+      if (args.load.pool_bytes == 0) throw UsageError("--pool-bytes must be > 0");
+    }
     else if (a == "--direct") {
       const auto d = parse_direct_arg(value());
       if (!d) throw UsageError("--direct takes auto, on or off");
@@ -162,14 +168,17 @@ int run_inspect(const Args& args) {
     return 0;
   }
   for (const CheckpointFile& f : checkpoint.files) {
-    std::cout << f.path << ": " << f.header.tensors.size() << " tensors, " << f.header.data_size()
+    // Note [Printable text]: names, metadata and paths escaped.
+    std::cout << printable(f.path) << ": " << f.header.tensors.size() << " tensors, " << f.header.data_size()
               << " data bytes, header " << f.header.json_size << " bytes\n";
     for (const TensorInfo& t : f.header.tensors) {
       const std::uint64_t base = f.header.data_offset();
-      std::cout << "  " << f.name_prefix << t.name << "\t" << dtype_name(t.dtype) << "\t" << shape_text(t.shape)
+      std::cout << "  " << printable(f.name_prefix + t.name) << "\t" << dtype_name(t.dtype) << "\t" << shape_text(t.shape)
                 << "\t" << t.nbytes() << " B\t[" << base + t.begin << ", " << base + t.end << ")\n";
     }
-    for (const auto& [k, v] : f.header.metadata) std::cout << "  metadata " << k << " = " << v << "\n";
+    for (const auto& [k, v] : f.header.metadata) {
+      std::cout << "  metadata " << printable(k) << " = " << printable(v) << "\n";
+    }
   }
   std::cout << "total: " << checkpoint.tensor_count() << " tensors, " << checkpoint.data_bytes() << " bytes in "
             << checkpoint.files.size() << " file(s)\n";
@@ -209,7 +218,7 @@ int run_load(const Args& args) {
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (args.digest) {
       for (const Tensor& t : sd) {
-        std::cout << t.name() << '\t' << dtype_name(t.dtype()) << '\t' << shape_text(t.shape()) << '\t'
+        std::cout << printable(t.name()) << '\t' << dtype_name(t.dtype()) << '\t' << shape_text(t.shape()) << '\t'
                   << tensor_digest(t, device.get()) << '\n';
       }
     }
@@ -219,7 +228,7 @@ int run_load(const Args& args) {
                    "%s: %zu tensors, %.3f GB in %.3f s = %.2f GB/s (%llu direct, %llu buffered files, %llu of them mapped)\n"
                    "pool[%s]: reserved %.1f MiB, in use %.1f MiB, peak %.1f MiB, %llu allocations "
                    "(%llu from free lists, %llu OS reservations)\n",
-                   path.c_str(), sd.size(), p.bytes_total / 1e9, seconds, p.bytes_total / 1e9 / seconds,
+                   printable(path).c_str(), sd.size(), p.bytes_total / 1e9, seconds, p.bytes_total / 1e9 / seconds,
                    static_cast<unsigned long long>(p.files_direct), static_cast<unsigned long long>(p.files_buffered),
                    static_cast<unsigned long long>(p.files_mapped),
                    std::string(loader.pool()->backend_name()).c_str(), s.reserved_bytes / 1048576.0,
@@ -242,36 +251,6 @@ int run_load(const Args& args) {
   }
   std::cout.flush();
   return 0;
-}
-
-// One printable line: control bytes and invalid UTF-8 become \xNN.
-std::string printable(const std::string& text) {
-  std::string out;
-  static constexpr char kHex[] = "0123456789abcdef";
-  auto escape = [&](unsigned char c) {
-    out += "\\x";
-    out += kHex[c >> 4];
-    out += kHex[c & 15];
-  };
-  for (std::size_t i = 0; i < text.size();) {
-    const auto c = static_cast<unsigned char>(text[i]);
-    if (c < 0x20 || c == 0x7f) {
-      escape(c);
-      ++i;
-      continue;
-    }
-    std::size_t len = c < 0x80 ? 1 : (c >> 5) == 6 ? 2 : (c >> 4) == 14 ? 3 : (c >> 3) == 30 ? 4 : 0;
-    bool valid = len != 0 && i + len <= text.size();
-    for (std::size_t k = 1; valid && k < len; ++k) valid = (static_cast<unsigned char>(text[i + k]) >> 6) == 2;
-    if (!valid) {
-      escape(c);
-      ++i;
-      continue;
-    }
-    out.append(text, i, len);
-    i += len;
-  }
-  return out;
 }
 
 }  // namespace

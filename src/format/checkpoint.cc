@@ -60,8 +60,8 @@ std::optional<std::string> safetensors_variant(const std::string& name, bool* is
 }
 
 std::string read_small_file(Env* env, const std::string& path, std::uint64_t limit) {
-  ScopedFd fd = open_or_throw(env, path);
-  FileStat st = stat_or_throw(env, fd.get(), path);
+  FileStat st;
+  ScopedFd fd = open_regular_or_throw(env, path, &st);
   if (st.size > limit) {
     throw InvalidFileError("file of " + std::to_string(st.size) + " bytes exceeds the limit of " +
                                std::to_string(limit) + " for an index", ErrorContext{path});
@@ -137,6 +137,16 @@ void check_index(const IndexFile& index, std::span<const CheckpointFile> shards)
   }
 }
 
+const char* special_file_name(fs::file_type type) {
+  switch (type) {
+    case fs::file_type::fifo: return "FIFO";
+    case fs::file_type::socket: return "socket";
+    case fs::file_type::character: return "character device";
+    case fs::file_type::block: return "block device";
+    default: return "special file";
+  }
+}
+
 class Resolver {
  public:
   Resolver(Env* env, const ResolveOptions& options, Checkpoint* out)
@@ -145,7 +155,16 @@ class Resolver {
   void add_path(const std::string& path, const std::string& prefix) {
     std::error_code ec;
     const fs::file_status status = fs::status(path, ec);
+    // ENOENT and ENOTDIR are "not found"; ELOOP, EACCES on a parent, ... are not.
+    if (ec && ec != std::errc::no_such_file_or_directory && ec != std::errc::not_a_directory) {
+      throw_os_error("cannot stat", ec.value(), ErrorContext{path});
+    }
     if (ec || !fs::exists(status)) throw NotFoundError("no such file or folder", ErrorContext{path});
+    if (!fs::is_directory(status) && !fs::is_regular_file(status)) {
+      // Note [Special files]: refused before open(), which would block on a FIFO.
+      throw InvalidFileError(std::string("is a ") + special_file_name(status.type()) + ", not a regular file or folder",
+                             ErrorContext{path});
+    }
     if (fs::is_directory(status)) {
       add_folder(path, prefix);
     } else if (ends_with(path, ".json")) {
@@ -255,8 +274,7 @@ std::uint64_t Checkpoint::tensor_count() const {
 CheckpointFile read_checkpoint_file(Env* env, const std::string& path) {
   CheckpointFile file;
   file.path = path;
-  ScopedFd fd = open_or_throw(env, path);
-  file.stat = stat_or_throw(env, fd.get(), path);
+  ScopedFd fd = open_regular_or_throw(env, path, &file.stat);
   std::byte prefix[kHeaderPrefixSize] = {};
   if (file.stat.size >= kHeaderPrefixSize) pread_exact(env, fd.get(), prefix, sizeof prefix, 0, path);
   const std::uint64_t n = parse_header_prefix(std::span<const std::byte>(prefix, file.stat.size >= kHeaderPrefixSize ? kHeaderPrefixSize : 0),
@@ -271,7 +289,13 @@ Checkpoint open_checkpoint(Env* env, const std::vector<std::string>& paths, cons
   if (paths.empty()) throw InvalidFileError("no checkpoint path given");
   Checkpoint checkpoint;
   Resolver resolver(env, options, &checkpoint);
-  for (const std::string& path : paths) resolver.add_path(path, "");
+  try {
+    for (const std::string& path : paths) resolver.add_path(path, "");
+  } catch (const fs::filesystem_error& e) {
+    // Listing a folder: a symlink loop, no read permission, ...
+    const std::string file = e.path1().empty() ? std::string{} : e.path1().string();
+    throw_os_error("cannot list folder", e.code().value(), ErrorContext{file});
+  }
 
   std::unordered_map<std::string, const std::string*> owner;
   for (const CheckpointFile& file : checkpoint.files) {
