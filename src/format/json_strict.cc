@@ -42,7 +42,11 @@ class KeySet {
 class StrictSax {
  public:
   StrictSax(StrictJsonHandler& handler, const std::string& file, const char* what, bool root_keys_are_tensors)
-      : handler_(handler), file_(file), what_(what), root_keys_are_tensors_(root_keys_are_tensors) {}
+      : handler_(handler),
+        handler_checks_root_(handler.checks_root_duplicates()),
+        file_(file),
+        what_(what),
+        root_keys_are_tensors_(root_keys_are_tensors) {}
 
   bool null() { return handler_.null(), true; }
   bool boolean(bool v) { return handler_.boolean(v), true; }
@@ -74,8 +78,8 @@ class StrictSax {
   }
   bool key(Json::string_t& key) {
     const bool top = scopes_.size() == 1;
-    if (top) root_key_ = key;
-    if (!scopes_.back().insert(key)) {
+    if (top) root_key_.assign(key);
+    if (!(top && handler_checks_root_) && !scopes_.back().insert(key)) {
       throw InvalidFileError("duplicate key '" + key + "' in " + what_ +
                                  (top ? std::string{} : " (in '" + root_key_ + "')"),
                              ErrorContext{file_, tensor()});
@@ -103,6 +107,7 @@ class StrictSax {
   }
 
   StrictJsonHandler& handler_;
+  bool handler_checks_root_;
   const std::string& file_;
   const char* what_;
   bool root_keys_are_tensors_;

@@ -32,6 +32,9 @@ class StrictJsonHandler {
   virtual void end_object() = 0;
   virtual void start_array() = 0;
   virtual void end_array() = 0;
+  // True if the handler checks the root object's keys for duplicates itself
+  // (the header reader does it from its sorted names, which costs nothing).
+  virtual bool checks_root_duplicates() const { return false; }
 };
 
 // Parses [first, last) as one JSON document into `handler`. Throws

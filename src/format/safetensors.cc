@@ -35,15 +35,22 @@ std::uint64_t read_u64_le(const std::byte* p) {
 // A rule broken by a value (a negative shape, an unknown dtype) is recorded
 // and the parse goes on, so that a syntax error anywhere in the header still
 // wins, as it does with a parser that builds the whole document first; the
-// first such rule broken, in file order, is reported. Within one tensor the
-// fields are judged in the order dtype, shape, data_offsets, whatever their
-// order in the file.
+// first such rule broken, in file order, is reported, after duplicate root
+// keys, which are found from the names sorted for Header::find rather than a
+// hash set of every name. Within one tensor the fields are judged in the order
+// dtype, shape, data_offsets, whatever their order in the file.
 class HeaderSax final : public StrictJsonHandler {
  public:
   HeaderSax(Header& header, const std::string& file) : header_(header), file_(file) {}
 
   // The first rule broken, if any.
   const std::optional<InvalidFileError>& error() const { return error_; }
+  // Root members that are not in Header::tensors (their entry broke a rule,
+  // or one before them did), for the duplicate check; and how many
+  // "__metadata__" members there were.
+  const std::vector<std::string>& unbuilt() const { return unbuilt_; }
+  int metadata_members() const { return metadata_members_; }
+  bool checks_root_duplicates() const override { return true; }
 
   void null() override { value(Kind::kNull, "null"); }
   void boolean(bool v) override { value(Kind::kBool, v ? "true" : "false"); }
@@ -57,12 +64,13 @@ class HeaderSax final : public StrictJsonHandler {
   }
   void number_float(double, const std::string& text) override { value(Kind::kNumber, text); }
   void string(std::string& v) override {
+    // Copies, not moves: the lexer keeps its buffer's capacity.
     if (!frames_.empty() && frames_.back() == Frame::kMetadata) {
-      header_.metadata.emplace_back(std::move(key_), std::move(v));
+      header_.metadata.emplace_back(key_, v);
       return;
     }
     if (!frames_.empty() && frames_.back() == Frame::kTensor && key_ == "dtype") {
-      dtype_text_ = std::move(v);
+      dtype_text_.assign(v);
       dtype_ = Field::kOk;
       return;
     }
@@ -72,9 +80,10 @@ class HeaderSax final : public StrictJsonHandler {
   void start_array() override { open(value(Kind::kArray, "an array")); }
   void key(std::string& key) override {
     if (frames_.size() == 1) {
-      member_ = key;  // a tensor's name, or "__metadata__"
+      member_.assign(key);  // a tensor's name, or "__metadata__"
+      if (member_ == "__metadata__") ++metadata_members_;
     }
-    key_ = std::move(key);
+    key_.assign(key);
   }
   void end_object() override {
     const Frame frame = frames_.back();
@@ -155,6 +164,7 @@ class HeaderSax final : public StrictJsonHandler {
           return Frame::kTensor;
         }
         fail("tensor entry must be a JSON object", member_);
+        unbuilt_.push_back(member_);
         return Frame::kSkip;
       case Frame::kMetadata:
         fail("'__metadata__' value of '" + key_ + "' must be a string, got " + type_name(kind));
@@ -199,6 +209,12 @@ class HeaderSax final : public StrictJsonHandler {
   }
 
   void finish_tensor() {
+    const std::size_t built = header_.tensors.size();
+    build_tensor();
+    if (header_.tensors.size() == built) unbuilt_.push_back(member_);
+  }
+
+  void build_tensor() {
     auto check = [&](Field field, const std::string& why, const char* name) {
       if (field == Field::kMissing) fail(std::string("missing field '") + name + "'", member_);
       if (field == Field::kBad) fail(why, member_);
@@ -234,7 +250,19 @@ class HeaderSax final : public StrictJsonHandler {
   std::vector<std::uint64_t> numbers_;  // of the shape or data_offsets array being parsed
   std::size_t offsets_bad_count_ = 0;
   std::uint64_t begin_ = 0, end_ = 0;
+  std::vector<std::string> unbuilt_;
+  int metadata_members_ = 0;
 };
+
+// Throws the duplicate-key error of the first name that appears twice among
+// the root's members (Note [Header parsing]): `names` sorted.
+void check_unique(const std::vector<std::string_view>& names, const std::string& file) {
+  const auto dup = std::adjacent_find(names.begin(), names.end());
+  if (dup != names.end()) {
+    const std::string name(*dup);
+    throw InvalidFileError("duplicate key '" + name + "' in JSON header", ErrorContext{file, name});
+  }
+}
 
 void check_tensor_size(const TensorInfo& t, std::uint64_t data_offset, const std::string& file) {
   constexpr auto kMax = std::numeric_limits<std::uint64_t>::max();
@@ -315,14 +343,31 @@ Header parse_header(std::span<const std::byte> json, std::uint64_t file_size,
 
   HeaderSax sax(header, file);
   parse_strict_json(first, last, file, kHeaderPrefixSize, "JSON header", sax, /*root_keys_are_tensors=*/true);
-  if (sax.error()) throw *sax.error();
-
-  for (const TensorInfo& t : header.tensors) check_tensor_size(t, data_offset, file);
+  // Duplicate root keys first, as a parser that checks them as it goes would
+  // report them; from the names sorted for Header::find, so at no extra cost.
+  if (sax.metadata_members() > 1) throw InvalidFileError("duplicate key '__metadata__' in JSON header", ErrorContext{file});
   std::sort(header.tensors.begin(), header.tensors.end(), [](const TensorInfo& a, const TensorInfo& b) {
     if (a.begin != b.begin) return a.begin < b.begin;
     if (a.end != b.end) return a.end < b.end;
     return a.name < b.name;
   });
+  header.by_name.resize(header.tensors.size());
+  for (std::uint32_t i = 0; i < header.by_name.size(); ++i) header.by_name[i] = i;
+  std::sort(header.by_name.begin(), header.by_name.end(),
+            [&](std::uint32_t a, std::uint32_t b) { return header.tensors[a].name < header.tensors[b].name; });
+  {
+    std::vector<std::string_view> names;
+    names.reserve(header.tensors.size() + sax.unbuilt().size());
+    for (std::uint32_t i : header.by_name) names.push_back(header.tensors[i].name);
+    if (!sax.unbuilt().empty()) {
+      for (const std::string& n : sax.unbuilt()) names.push_back(n);
+      std::sort(names.begin(), names.end());
+    }
+    check_unique(names, file);
+  }
+  if (sax.error()) throw *sax.error();
+
+  for (const TensorInfo& t : header.tensors) check_tensor_size(t, data_offset, file);
 
   const std::uint64_t data_size = file_size - data_offset;
   std::uint64_t covered = 0;
@@ -353,10 +398,6 @@ Header parse_header(std::span<const std::byte> json, std::uint64_t file_size,
   }
 
   std::sort(header.metadata.begin(), header.metadata.end());
-  header.by_name.resize(header.tensors.size());
-  for (std::uint32_t i = 0; i < header.by_name.size(); ++i) header.by_name[i] = i;
-  std::sort(header.by_name.begin(), header.by_name.end(),
-            [&](std::uint32_t a, std::uint32_t b) { return header.tensors[a].name < header.tensors[b].name; });
   return header;
 }
 
