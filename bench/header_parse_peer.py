@@ -6,8 +6,8 @@ Writes the header of bench/micro_bench.cc's make_header(n) (BF16 tensors with FL
 --repeat, in this one process:
   - safetensors.safe_open(path, "np") and .keys()      (the reference: serde_json in Rust)
   - pinload._core.read_header(path)                    (open, read, parse_header, to Python)
-and `pinload inspect --json` (parse plus JSON output) when --pinload is given. Peak RSS of each
-in a fresh child. Prints one JSON object; ratios are reference / pinload (above 1: pinload faster).
+and `pinload inspect --json` (parse plus JSON output) when --pinload is given. Prints one JSON
+object; the ratio is reference / pinload (above 1: pinload faster).
 
   PYTHONPATH=build/python:python python3 bench/header_parse_peer.py --tensors 200000 --pinload build/pinload
 """
@@ -15,7 +15,6 @@ in a fresh child. Prints one JSON object; ratios are reference / pinload (above 
 import argparse
 import json
 import os
-import resource
 import struct
 import subprocess
 import sys
@@ -54,15 +53,6 @@ def best(fn, repeat):
     return min(times)
 
 
-def child_peak_rss(code):
-    """Peak RSS (bytes) of a fresh interpreter that runs `code`, less that of one that does nothing."""
-    def peak(c):
-        out = subprocess.run([sys.executable, "-c", c + "\nimport resource;print(resource.getrusage("
-                              "resource.RUSAGE_SELF).ru_maxrss)"], capture_output=True, text=True, check=True)
-        return int(out.stdout.split()[-1]) * 1024
-    return peak(code) - peak("")
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tensors", type=int, default=200_000)
@@ -93,9 +83,6 @@ def main():
             out["pinload_inspect_json_s"] = best(lambda: subprocess.run([args.pinload, "inspect", "--json", path],
                                                                         stdout=subprocess.DEVNULL, check=True),
                                                  args.repeat)
-        out["reference_peak_rss_bytes"] = child_peak_rss(
-            f"from safetensors import safe_open\nwith safe_open({path!r}, framework='np') as g: g.keys()")
-        out["pinload_peak_rss_bytes"] = child_peak_rss(f"import pinload._core as c\nc.read_header({path.encode()!r})")
         print(json.dumps(out, indent=2))
     finally:
         os.unlink(path)
