@@ -1,0 +1,77 @@
+// Internal to the pinload command-line program: what its subcommands share.
+//
+// Each subcommand lives in its own file and adds itself to the program with
+// `void add_<name>_command(CLI::App& app)` (declared below, called from
+// main.cc): it declares its options and positionals on a CLI11 subcommand and
+// sets a callback that runs it. The callback runs inside App::parse on the
+// main thread; it reports bad input by throwing pinload::Error (exit code 1,
+// "pinload: error: <file>: <what>") and command-line mistakes CLI11 cannot
+// see by throwing UsageError (exit code 2). What it prints goes to stdout;
+// summaries, progress and diagnostics go to stderr.
+#pragma once
+
+#include <CLI/CLI.hpp>
+#include <cstdint>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "pinload/loader.h"
+
+namespace pinload::cli {
+
+// A command-line mistake found after parsing: exit code 2, with the usage.
+struct UsageError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+void add_inspect_command(CLI::App& app);
+void add_load_command(CLI::App& app);
+
+// ---- shared by the subcommands ----
+
+// Transforms a size ("4096", "256K", "2M", "1GiB": size_arg.h) in [min, max]
+// into its byte count; anything else is refused with the range.
+CLI::Validator size_range(std::uint64_t min, std::uint64_t max);
+
+// Accepts a decimal integer in [min, max] ("1K" and "4.0" are refused).
+CLI::Validator integer_range(long long min, long long max);
+
+// "8M" for 8388608: the largest binary unit that divides `bytes`.
+std::string size_text(std::uint64_t bytes);
+
+// `PATH...`: one or more checkpoints (files, indexes, folders), required.
+void add_paths(CLI::App& command, std::vector<std::string>* paths);
+
+// The reader's options that every command which reads checkpoints takes:
+// --threads, --block-size, --direct, --cached-read, --numa-node, --variant.
+// They are written into *options as they are parsed; ranges are checked by
+// CLI11 and reported as usage errors.
+void add_reader_options(CLI::App& command, LoadOptions* options);
+
+// --variant only (commands that resolve checkpoints but do not read them).
+void add_variant_option(CLI::App& command, ResolveOptions* options);
+
+// "[2,3]" of a shape.
+std::string shape_text(const std::vector<std::uint64_t>& shape);
+
+// Lower-case hex SHA-256 of `bytes` (OpenSSL's libcrypto).
+std::string sha256_hex(std::span<const std::byte> bytes);
+
+// Note [Printable text]
+// A tensor name or metadata value is whatever the file says: it may hold a
+// tab or newline (which would forge a whole line of `inspect` or `load
+// --digest` output) or an escape sequence (which a terminal would obey). The
+// plain-text output prints each such string escaped, reversibly:
+//   - a backslash becomes "\\";
+//   - a byte below 0x20, 0x7f, a C1 control (U+0080..U+009F, which some
+//     terminals obey as escapes) and any byte that is not part of valid UTF-8
+//     become "\xNN" (lowercase hex), byte by byte;
+//   - everything else (printable ASCII and valid UTF-8) is kept.
+// So an escaped string holds no tab, newline or control byte. `inspect
+// --json` is exact instead: JSON's own escaping, which every JSON reader
+// undoes. Error messages are escaped the same way.
+std::string printable(const std::string& text);
+
+}  // namespace pinload::cli
