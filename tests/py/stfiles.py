@@ -90,7 +90,7 @@ def shape_text(shape):
 
 
 def printable(text):
-    """The CLI's escaping of names, metadata and paths (Note [Printable text] in src/cli/printable.h),
+    """The CLI's escaping of names, metadata and paths (Note [Printable text] in src/cli/command.h),
     written again from its documentation: a backslash doubled; control bytes, C1 controls and bytes
     outside valid UTF-8 as \\xNN."""
     data = text.encode("utf-8", "surrogateescape") if isinstance(text, str) else text
