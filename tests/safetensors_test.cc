@@ -227,7 +227,7 @@ std::vector<BadFile> bad_files() {
       row("f6_e3m2_five_elements", object({entry("a", "F6_E3M2", "[5]", 0, 4)}), 4,
           "F6_E3M2 tensor of 5 elements does not end on a whole byte", "a", 0, 4),
       row("end_before_begin", object({entry("a", "U8", "[0]", 4, 2)}), 4, "data_offsets end 2 is before begin 4", "a",
-          4, 2),
+          2, 4),  // the range in order (it once printed "bytes 12..10")
       row("huge_offsets_do_not_wrap",
           object({entry("a", "U8", "[1]", 0, 1),
                   entry("b", "U8", "[1]", 18446744073709551614ull, 18446744073709551615ull)}),

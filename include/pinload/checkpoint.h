@@ -11,6 +11,26 @@
 //     subfolders are resolved as above. Tensor names are then prefixed with
 //     "<component>/" so that components cannot collide.
 // Each may be remote (s3://, http(s)://: remote.h); an s3:// folder is listed.
+//
+// Note [One version per load]
+// A header is read, and its file closed, long before the load reads the
+// data (Note [Files in flight] in io/read_session.h). The file may be replaced
+// meanwhile (a rename over the path, a rewrite in place). CheckpointFile::stat
+// keeps the identity of the file whose header was parsed (file_identity.h:
+// device, inode, size, mtime), and every later open for the data checks it,
+// so a load reads one version of each file, or fails with IoError ("replaced
+// or modified since its header was read"); it never pairs an old header with
+// new bytes. (A writer that changes bytes in place without changing size or
+// mtime cannot be detected by any reader that does not hold a lease.)
+// pinload.torch.safe_open keeps its file open from the header to the data.
+//
+// Note [Special files]
+// Only regular files are loaded. A FIFO, socket, character or block device
+// named as a checkpoint (or by an index) is refused with InvalidFileError
+// naming its type, before open() where the path is resolved and after it
+// (from the open file's stat) everywhere; files are opened with O_NONBLOCK, so
+// that a FIFO never blocks the open. Folders that cannot be listed (no read
+// permission, a symlink loop) raise IoError naming the path.
 #pragma once
 
 #include <cstdint>

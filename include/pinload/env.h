@@ -17,7 +17,15 @@
 
 namespace pinload {
 
+// What kind of file a descriptor names (st_mode's S_IFMT). Only regular
+// files are loaded; Note [Special files] in checkpoint.h.
+enum class FileType : std::uint8_t { kRegular, kDirectory, kFifo, kSocket, kCharDevice, kBlockDevice, kSymlink, kOther };
+
+// "regular file", "FIFO", "socket", ... for messages.
+const char* file_type_name(FileType type) noexcept;
+
 struct FileStat {
+  FileType type = FileType::kRegular;
   std::uint64_t size = 0;
   std::uint64_t inode = 0;
   std::uint64_t device = 0;
@@ -32,8 +40,9 @@ class Env {
  public:
   virtual ~Env() = default;
 
-  // As open(2) with O_RDONLY | O_CLOEXEC | extra_flags (O_DIRECT, say):
-  // a file descriptor, or -errno.
+  // As open(2) with O_RDONLY | O_CLOEXEC | O_NONBLOCK | extra_flags (O_DIRECT,
+  // say): a file descriptor, or -errno. O_NONBLOCK, so that opening a FIFO
+  // never waits for a writer (it changes nothing for regular files).
   virtual int open_read(const std::string& path, int extra_flags) = 0;
   // As close(2): 0 or -errno.
   virtual int close(int fd) = 0;
@@ -200,6 +209,10 @@ class ScopedFd {
 ScopedFd open_or_throw(Env* env, const std::string& path, int extra_flags = 0);
 // Stats an open file; throws IoError naming `path`.
 FileStat stat_or_throw(Env* env, int fd, const std::string& path);
+// open_or_throw + stat_or_throw of a file that must be a regular file: a
+// FIFO, socket, device or folder throws InvalidFileError naming its type
+// (Note [Special files] in checkpoint.h). *st receives the stat.
+ScopedFd open_regular_or_throw(Env* env, const std::string& path, FileStat* st, int extra_flags = 0);
 // Reads exactly `bytes` at `offset`, retrying EINTR and short reads. Throws
 // IoError on failure and InvalidFileError if the file ends first.
 void pread_exact(Env* env, int fd, void* buffer, std::size_t bytes, std::uint64_t offset,

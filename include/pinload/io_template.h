@@ -39,6 +39,7 @@
 #include <vector>
 
 #include "pinload/env.h"
+#include "pinload/file_identity.h"
 
 namespace pinload {
 
@@ -57,6 +58,7 @@ struct TemplateFile {
   std::uint64_t inode = 0;
   std::uint64_t device = 0;
   bool operator==(const TemplateFile&) const = default;
+  FileIdentity identity() const noexcept { return FileIdentity{device, inode, size, mtime_ns}; }
 };
 
 struct TemplateRead {

@@ -137,6 +137,11 @@ struct LoadOptions {
   // converted tensors are on the device only; tensors are handed out
   // (next_ready) once the whole load has completed.
   DTypeOptions dtype;
+  // The budget of the pool the Loader creates when it is given none
+  // (PoolOptions::capacity_bytes; 0: no budget). Note [Memory limits] in
+  // memory_limit.h: a load that cannot fit it, or the process's memory
+  // limit, fails with OutOfMemoryError before reading.
+  std::uint64_t pool_bytes = 0;
 };
 
 // Counters of one load, readable while it runs.

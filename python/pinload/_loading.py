@@ -95,7 +95,7 @@ def as_paths(paths: Union[PathLike, Iterable[PathLike]]) -> List[str]:
 
 
 def start(paths: List[str], spec: str, options: "_Options", *, cached_read: str = "auto",
-          stream: bool = False) -> "_core.LoadHandle":
+          stream: bool = False, held: Optional["_core.HeldFile"] = None) -> "_core.LoadHandle":
     """Starts the load of ``paths`` to the pinload device ``spec``; ``stream``: HandOut::kStream."""
     return _core.load_async(
         [os.fsencode(p) for p in paths],
@@ -104,5 +104,6 @@ def start(paths: List[str], spec: str, options: "_Options", *, cached_read: str 
         prefetch=options.prefetch,
         cached_read=cached_read,
         stream=stream,
+        held=held,
         **options.convert_kwargs(),
     )

@@ -49,7 +49,7 @@ class _Options:
     """Load options, checked once."""
 
     __slots__ = ("threads", "block_size", "direct", "files_in_flight", "streams", "chunk_bytes",
-                 "staging_bytes", "variant", "progress", "prefetch", "dtype", "keep", "keep_dtype")
+                 "staging_bytes", "variant", "progress", "prefetch", "dtype", "keep", "keep_dtype", "pool_bytes")
 
     def __init__(
         self,
@@ -66,6 +66,7 @@ class _Options:
         dtype: Any = None,
         keep: Iterable[str] = (),
         keep_dtype: Any = None,
+        pool_bytes: Union[int, str, None] = None,
     ):
         if not isinstance(threads, int) or not 1 <= threads <= 1024:
             raise ValueError(f"threads must be 1..1024, not {threads!r}")
@@ -93,6 +94,11 @@ class _Options:
         if prefetch is not None and not isinstance(prefetch, _core.Prefetch):
             raise TypeError(f"prefetch must be a pinload.prefetch(...) handle, not {type(prefetch).__name__}")
         self.prefetch = prefetch
+        # The budget of the pool the load's blocks come from (None: the shared pool, no budget); a
+        # load that cannot fit it fails with OutOfMemoryError before reading.
+        self.pool_bytes = None if pool_bytes is None else _size(pool_bytes, "pool_bytes")
+        if self.pool_bytes == 0:
+            raise ValueError("pool_bytes must be > 0")
         self.dtype = _dtype_name(dtype)
         if isinstance(keep, str):
             keep = [keep]
@@ -113,4 +119,4 @@ class _Options:
     def load_kwargs(self) -> dict:
         """reader_kwargs() plus the device copy options: what _core.load_async and prefetch take."""
         return dict(self.reader_kwargs(), streams=self.streams, chunk_bytes=self.chunk_bytes,
-                    staging_bytes=self.staging_bytes)
+                    staging_bytes=self.staging_bytes, pool_bytes=self.pool_bytes)

@@ -16,6 +16,9 @@ Options accepted by every load (keyword-only):
 - ``staging_bytes``: streaming mode for device loads (host memory capped at this many bytes);
 - ``progress`` (False): a tqdm progress bar on stderr (GB and GB/s, as the CLI's) when the load
   takes over a second on a terminal;
+- ``pool_bytes``: the budget of the pool the load's blocks come from (one shared pool per device
+  and budget; default: the device's shared pool, no budget). A host load that cannot fit it, or
+  the process's memory limit (cgroup, MemAvailable), fails with OutOfMemoryError before reading;
 - ``prefetch``: a ``pinload.prefetch(...)`` handle of the same paths and device, adopted: what it
   has read is not read again (the prefetch's own options then apply).
 """
@@ -70,9 +73,8 @@ def _build_dtypes() -> Dict[str, Optional[torch.dtype]]:
     }
     for name, attr in optional.items():
         table[name] = getattr(torch, attr, None)
-    # Sub-byte types: torch has no unpacked equivalent. F4 comes as torch's packed
-    # float4_e2m1fn_x2 (two values a byte, the last dimension halved), as safetensors returns it,
-    # where torch has that type (2.8 on).
+    # F4 as torch packs it, two to a byte: the last dimension is halved (_torch_shape), as the
+    # reference does. F6 has no torch equivalent (the reference refuses it too).
     table["F4"] = getattr(torch, "float4_e2m1fn_x2", None)
     for name in ("F6_E2M3", "F6_E3M2"):
         table[name] = None
@@ -172,30 +174,56 @@ _as_paths = _loading.as_paths
 
 
 def _start(paths: List[str], spec: str, options: _Options, cached_read: str = "auto",
-           stream: bool = False) -> "_core.LoadHandle":
-    return _loading.start(paths, spec, options, cached_read=cached_read, stream=stream)
+           stream: bool = False, held: Optional["_core.HeldFile"] = None) -> "_core.LoadHandle":
+    return _loading.start(paths, spec, options, cached_read=cached_read, stream=stream, held=held)
 
 
-def _load(paths: List[str], device: Device, options: _Options,
-          cached_read: str = "auto") -> Tuple["_core.StateDict", Optional[torch.device]]:
+def _load(paths: List[str], device: Device, options: _Options, cached_read: str = "auto",
+          held: Optional["_core.HeldFile"] = None) -> Tuple["_core.StateDict", Optional[torch.device]]:
     spec, move_to = _resolve_device(device)
-    return _wait(_start(paths, spec, options, cached_read), options.progress), move_to
+    return _wait(_start(paths, spec, options, cached_read, held=held), options.progress), move_to
+
+
+_MAX_TORCH_RANK = 64  # c10's limit on dimensions
+_MAX_TORCH_DIM = (1 << 63) - 1  # torch sizes are int64
+
+
+def _torch_shape(dtype: str, shape: List[int], name: str, file: Optional[str]) -> List[int]:
+    """The shape of the torch tensor for a safetensors tensor (F4: the last dimension halved, two
+    values a byte), or InvalidFileError naming the tensor where torch cannot hold it."""
+    if len(shape) > _MAX_TORCH_RANK:
+        raise _error(InvalidFileError, f"rank {len(shape)} exceeds torch's limit of {_MAX_TORCH_RANK} dimensions",
+                     file=file, tensor=name)
+    if any(d > _MAX_TORCH_DIM for d in shape):
+        raise _error(InvalidFileError, f"shape {shape} has a dimension beyond torch's int64 sizes",
+                     file=file, tensor=name)
+    if dtype == "F4":
+        if not shape or shape[-1] % 2 != 0:
+            raise _error(InvalidFileError,
+                         f"F4 as torch.float4_e2m1fn_x2 packs 2 values a byte: the last dimension must be even, "
+                         f"got shape {shape}", file=file, tensor=name)
+        return shape[:-1] + [shape[-1] // 2]
+    return shape
 
 
 def _check_dtypes(sd: "_core.StateDict", file: Optional[str]) -> None:
-    for name, dtype, _shape in sd.infos():
+    for name, dtype, shape in sd.infos():
         _torch_dtype(dtype, name, file)
+        _torch_shape(dtype, shape, name, file)
 
 
 def _to_torch(dtype: str, shape: List[int], capsule: Any, torch_device: str, move_to: Optional[torch.device],
               name: str, file: Optional[str]) -> torch.Tensor:
     torch_dtype = _torch_dtype(dtype, name, file)
-    if dtype == "F4":  # packed: two values a byte (the parser checked the last dimension is even)
-        shape = list(shape[:-1]) + [shape[-1] // 2]
-    if capsule is None:  # no bytes (a zero-size tensor): nothing to alias
-        tensor = torch.empty(shape, dtype=torch_dtype, device=torch_device)
-    else:
-        tensor = torch.from_dlpack(capsule).view(torch_dtype).reshape(shape)
+    shape = _torch_shape(dtype, shape, name, file)
+    try:
+        if capsule is None:  # no bytes (a zero-size tensor): nothing to alias
+            tensor = torch.empty(shape, dtype=torch_dtype, device=torch_device)
+        else:
+            tensor = torch.from_dlpack(capsule).view(torch_dtype).reshape(shape)
+    except (TypeError, ValueError, RuntimeError, OverflowError) as e:
+        raise _error(InvalidFileError, f"torch cannot hold a {dtype} tensor of shape {shape}: {str(e).splitlines()[0]}",
+                     file=file, tensor=name) from None
     if move_to is not None:
         tensor = tensor.to(move_to)
     return tensor
@@ -399,9 +427,10 @@ class safe_open:
     """Opens a safetensors file: a drop-in for ``safetensors.safe_open(filename, framework="pt")``.
 
     The header is read and checked at once (a missing file raises NotFoundError, a bad one
-    InvalidFileError). The first ``get_tensor``/``get_tensors`` (or slice indexing) loads the whole
-    file in one parallel sweep into the device's shared pool; later calls alias that load. Tensors
-    stay valid after the handle is closed. Usable as a context manager; thread-safe.
+    InvalidFileError), and the file is held open until ``close()``: a path replaced meanwhile does
+    not change what is read. The first ``get_tensor``/``get_tensors`` (or slice indexing) loads the
+    whole file in one parallel sweep into the device's shared pool; later calls alias that load.
+    Tensors stay valid after the handle is closed. Usable as a context manager; thread-safe.
 
     ``framework``: "pt" (torch tensors) or "np"/"numpy" (numpy arrays over the same memory, no
     copy). ``device``: as ``load_file`` ("cpu" only for numpy). ``backend``: "mmap" or "pread", as
@@ -433,10 +462,13 @@ class safe_open:
         spec, _ = _resolve_device(device)
         if spec != "cpu":
             _core.pool_stats(spec)  # opens the device now: an unusable one fails here, not at get_tensor
+        # Held open until close(): get_tensor reads the file whose header this is, even after the path
+        # is replaced (Note [Holding a file] in src/io/held_file_env.h), as the reference does.
         try:
-            header = _core.read_header(os.fsencode(self._path))
+            self._held: Optional[_core.HeldFile] = _core.HeldFile(os.fsencode(self._path))
         except NotFoundError as e:
             raise _compat.missing_file(e, self._path) from None
+        header = self._held.header()
         self._offset_order: List[str] = [t[0] for t in header["tensors"]]
         self._info: Dict[str, Tuple[str, List[int]]] = {t[0]: (t[1], t[2]) for t in header["tensors"]}
         self._metadata: Optional[Dict[str, str]] = header["metadata"]
@@ -458,6 +490,7 @@ class safe_open:
         with self._lock:
             self._closed = True
             self._sd = None
+            self._held = None
 
     def _check_open(self) -> None:
         if self._closed:
@@ -474,7 +507,8 @@ class safe_open:
         with self._lock:
             self._check_open()
             if self._sd is None:
-                self._sd, self._move_to = _load([self._path], self._device, self._options, self._cached_read)
+                self._sd, self._move_to = _load([self._path], self._device, self._options, self._cached_read,
+                                                self._held)
                 self._loaded()
             return self._sd
 
@@ -510,6 +544,7 @@ class safe_open:
         """The tensor (framework "pt") or array (framework "np") ``name``."""
         dtype, shape = self._info_of(name)
         self._check_dtype(dtype, name)
+        _torch_shape(dtype, shape, name, self._path)
         sd = self._state_dict()
         _, dtype, shape, capsule = sd.export(name)
         if self._numpy:
@@ -523,6 +558,7 @@ class safe_open:
         self._check_open()
         for name in self._offset_order:
             self._check_dtype(self._info[name][0], name)
+            _torch_shape(self._info[name][0], self._info[name][1], name, self._path)
         return {name: self.get_tensor(name) for name in self._offset_order}
 
     def get_slice(self, name: str) -> _Slice:

@@ -15,43 +15,59 @@ struct InspectArgs {
   ResolveOptions resolve;
 };
 
+// Written as it goes, not built as a DOM first: a header of a million
+// tensors would otherwise cost more to print than to parse. Strings get
+// JSON's escaping, exact (Note [Printable text] in command.h).
 void print_json(const Checkpoint& checkpoint) {
-  nlohmann::ordered_json out;
-  out["files"] = nlohmann::ordered_json::array();
-  for (const CheckpointFile& f : checkpoint.files) {
-    nlohmann::ordered_json file;
-    file["path"] = f.path;
-    file["file_bytes"] = f.stat.size;
-    file["header_bytes"] = f.header.json_size;
-    file["metadata"] = nlohmann::ordered_json::object();
-    for (const auto& [k, v] : f.header.metadata) file["metadata"][k] = v;
-    file["tensors"] = nlohmann::ordered_json::array();
-    for (const TensorInfo& t : f.header.tensors) {
-      file["tensors"].push_back({{"name", f.name_prefix + t.name},
-                                 {"dtype", dtype_name(t.dtype)},
-                                 {"shape", t.shape},
-                                 {"bytes", t.nbytes()},
-                                 {"data_offsets", {t.begin, t.end}},
-                                 {"file_offsets", {f.header.data_offset() + t.begin, f.header.data_offset() + t.end}}});
+  std::string out = "{\n  \"files\": [";
+  auto str = [](const std::string& text) {
+    return nlohmann::json(text).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+  };
+  auto num = [](std::uint64_t v) { return std::to_string(v); };
+  for (std::size_t i = 0; i < checkpoint.files.size(); ++i) {
+    const CheckpointFile& f = checkpoint.files[i];
+    const std::uint64_t base = f.header.data_offset();
+    out += i ? ",\n    {" : "\n    {";
+    out += "\n      \"path\": " + str(f.path) + ",\n      \"file_bytes\": " + num(f.stat.size) +
+           ",\n      \"header_bytes\": " + num(f.header.json_size) + ",\n      \"metadata\": {";
+    for (std::size_t k = 0; k < f.header.metadata.size(); ++k) {
+      out += (k ? ",\n        " : "\n        ") + str(f.header.metadata[k].first) + ": " + str(f.header.metadata[k].second);
     }
-    out["files"].push_back(std::move(file));
+    out += f.header.metadata.empty() ? "}" : "\n      }";
+    out += ",\n      \"tensors\": [";
+    for (std::size_t k = 0; k < f.header.tensors.size(); ++k) {
+      const TensorInfo& t = f.header.tensors[k];
+      std::string shape;
+      for (std::size_t d = 0; d < t.shape.size(); ++d) shape += (d ? ", " : "") + num(t.shape[d]);
+      out += k ? ",\n        {" : "\n        {";
+      out += "\"name\": " + str(f.name_prefix + t.name) + ", \"dtype\": \"" + std::string(dtype_name(t.dtype)) +
+             "\", \"shape\": [" + shape + "], \"bytes\": " + num(t.nbytes()) + ", \"data_offsets\": [" +
+             num(t.begin) + ", " + num(t.end) + "], \"file_offsets\": [" + num(base + t.begin) + ", " +
+             num(base + t.end) + "]}";
+    }
+    out += f.header.tensors.empty() ? "]\n    }" : "\n      ]\n    }";
   }
-  out["index_files"] = checkpoint.index_files;
-  out["total_tensors"] = checkpoint.tensor_count();
-  out["total_bytes"] = checkpoint.data_bytes();
-  std::cout << out.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
+  out += checkpoint.files.empty() ? "]" : "\n  ]";
+  out += ",\n  \"index_files\": [";
+  for (std::size_t i = 0; i < checkpoint.index_files.size(); ++i) out += (i ? ", " : "") + str(checkpoint.index_files[i]);
+  out += "],\n  \"total_tensors\": " + num(checkpoint.tensor_count()) + ",\n  \"total_bytes\": " +
+         num(checkpoint.data_bytes()) + "\n}\n";
+  std::cout << out;
 }
 
 void print_text(const Checkpoint& checkpoint) {
   for (const CheckpointFile& f : checkpoint.files) {
-    std::cout << f.path << ": " << f.header.tensors.size() << " tensors, " << f.header.data_size()
+    // Note [Printable text] (command.h): names, metadata and paths escaped.
+    std::cout << printable(f.path) << ": " << f.header.tensors.size() << " tensors, " << f.header.data_size()
               << " data bytes, header " << f.header.json_size << " bytes\n";
     for (const TensorInfo& t : f.header.tensors) {
       const std::uint64_t base = f.header.data_offset();
-      std::cout << "  " << f.name_prefix << t.name << "\t" << dtype_name(t.dtype) << "\t" << shape_text(t.shape)
+      std::cout << "  " << printable(f.name_prefix + t.name) << "\t" << dtype_name(t.dtype) << "\t" << shape_text(t.shape)
                 << "\t" << t.nbytes() << " B\t[" << base + t.begin << ", " << base + t.end << ")\n";
     }
-    for (const auto& [k, v] : f.header.metadata) std::cout << "  metadata " << k << " = " << v << "\n";
+    for (const auto& [k, v] : f.header.metadata) {
+      std::cout << "  metadata " << printable(k) << " = " << printable(v) << "\n";
+    }
   }
   std::cout << "total: " << checkpoint.tensor_count() << " tensors, " << checkpoint.data_bytes() << " bytes in "
             << checkpoint.files.size() << " file(s)\n";

@@ -95,7 +95,7 @@ void run_load(const LoadArgs& args) {
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (args.digest) {
       for (const Tensor& t : sd) {
-        std::cout << t.name() << '\t' << dtype_name(t.dtype()) << '\t' << shape_text(t.shape()) << '\t'
+        std::cout << printable(t.name()) << '\t' << dtype_name(t.dtype()) << '\t' << shape_text(t.shape()) << '\t'
                   << tensor_digest(t, device.get()) << '\n';
       }
       std::cout.flush();
@@ -144,6 +144,10 @@ void add_load_command(CLI::App& app) {
       ->type_name("PATTERN")
       ->take_all()
       ->expected(1);
+  // Note [Memory limits] (memory_limit.h): a load that cannot fit fails before reading.
+  command->add_option("--pool-bytes", args->load.pool_bytes, "cap the host (or pinned) pool at this many bytes")
+      ->transform(size_range(1, std::uint64_t{1} << 50))
+      ->type_name("SIZE");
   add_paths(*command, &args->paths);
   command->callback([args] { run_load(*args); });
 }

@@ -245,8 +245,7 @@ CheckpointFile read_checkpoint_file(Env* env, const std::string& path) {
   if (is_remote_path(path)) return detail::read_remote_checkpoint_file(RemoteOptions{}, path);
   CheckpointFile file;
   file.path = path;
-  ScopedFd fd = open_or_throw(env, path);
-  file.stat = stat_or_throw(env, fd.get(), path);
+  ScopedFd fd = open_regular_or_throw(env, path, &file.stat);
   std::byte prefix[kHeaderPrefixSize] = {};
   if (file.stat.size >= kHeaderPrefixSize) pread_exact(env, fd.get(), prefix, sizeof prefix, 0, path);
   const std::uint64_t n = parse_header_prefix(std::span<const std::byte>(prefix, file.stat.size >= kHeaderPrefixSize ? kHeaderPrefixSize : 0),
@@ -261,7 +260,13 @@ Checkpoint open_checkpoint(Env* env, const std::vector<std::string>& paths, cons
   if (paths.empty()) throw InvalidFileError("no checkpoint path given");
   Checkpoint checkpoint;
   Resolver resolver(env, options, &checkpoint);
-  for (const std::string& path : paths) resolver.add_path(path, "");
+  try {
+    for (const std::string& path : paths) resolver.add_path(path, "");
+  } catch (const fs::filesystem_error& e) {
+    // Listing a folder: a symlink loop, no read permission, ...
+    const std::string file = e.path1().empty() ? std::string{} : e.path1().string();
+    throw_os_error("cannot list folder", e.code().value(), ErrorContext{file});
+  }
 
   std::unordered_map<std::string, const std::string*> owner;
   for (const CheckpointFile& file : checkpoint.files) {

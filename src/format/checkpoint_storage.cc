@@ -12,6 +12,16 @@ namespace pinload::detail {
 namespace fs = std::filesystem;
 namespace {
 
+const char* special_file_name(fs::file_type type) {
+  switch (type) {
+    case fs::file_type::fifo: return "FIFO";
+    case fs::file_type::socket: return "socket";
+    case fs::file_type::character: return "character device";
+    case fs::file_type::block: return "block device";
+    default: return "special file";
+  }
+}
+
 class LocalStorage final : public Storage {
  public:
   explicit LocalStorage(Env* env) : env_(env) {}
@@ -19,7 +29,16 @@ class LocalStorage final : public Storage {
   PathKind kind(const std::string& path) override {
     std::error_code ec;
     const fs::file_status status = fs::status(path, ec);
+    // ENOENT and ENOTDIR are "not found"; ELOOP, EACCES on a parent, ... are not.
+    if (ec && ec != std::errc::no_such_file_or_directory && ec != std::errc::not_a_directory) {
+      throw_os_error("cannot stat", ec.value(), ErrorContext{path});
+    }
     if (ec || !fs::exists(status)) return PathKind::kMissing;
+    if (!fs::is_directory(status) && !fs::is_regular_file(status)) {
+      // Note [Special files] in checkpoint.h: refused before open(), which would block on a FIFO.
+      throw InvalidFileError(std::string("is a ") + special_file_name(status.type()) + ", not a regular file or folder",
+                             ErrorContext{path});
+    }
     return fs::is_directory(status) ? PathKind::kFolder : PathKind::kFile;
   }
 
@@ -33,8 +52,8 @@ class LocalStorage final : public Storage {
   }
 
   std::string read_small(const std::string& path, std::uint64_t limit) override {
-    ScopedFd fd = open_or_throw(env_, path);
-    FileStat st = stat_or_throw(env_, fd.get(), path);
+    FileStat st;
+    ScopedFd fd = open_regular_or_throw(env_, path, &st);
     if (st.size > limit) {
       throw InvalidFileError("file of " + std::to_string(st.size) + " bytes exceeds the limit of " +
                                  std::to_string(limit) + " for an index", ErrorContext{path});

@@ -57,12 +57,25 @@ class CpuSet {
   std::size_t bytes_;
 };
 
+FileType file_type_of(unsigned mode) {
+  switch (mode & S_IFMT) {
+    case S_IFREG: return FileType::kRegular;
+    case S_IFDIR: return FileType::kDirectory;
+    case S_IFIFO: return FileType::kFifo;
+    case S_IFSOCK: return FileType::kSocket;
+    case S_IFCHR: return FileType::kCharDevice;
+    case S_IFBLK: return FileType::kBlockDevice;
+    case S_IFLNK: return FileType::kSymlink;
+    default: return FileType::kOther;
+  }
+}
+
 class PosixEnv final : public Env {
  public:
   int open_read(const std::string& path, int extra_flags) override {
     int fd;
     do {
-      fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | extra_flags);
+      fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | extra_flags);
     } while (fd < 0 && errno == EINTR);
     return fd >= 0 ? fd : -errno;
   }
@@ -89,6 +102,7 @@ class PosixEnv final : public Env {
     mask |= STATX_DIOALIGN;
 #endif
     if (::statx(fd, "", AT_EMPTY_PATH, mask, &sx) == 0) {
+      out->type = file_type_of(sx.stx_mode);
       out->size = sx.stx_size;
       out->inode = sx.stx_ino;
       out->device = (static_cast<std::uint64_t>(sx.stx_dev_major) << 32) | sx.stx_dev_minor;
@@ -105,6 +119,7 @@ class PosixEnv final : public Env {
 #endif
     struct ::stat st {};
     if (::fstat(fd, &st) != 0) return -errno;
+    out->type = file_type_of(st.st_mode);
     out->size = static_cast<std::uint64_t>(st.st_size);
     out->inode = st.st_ino;
     out->device = st.st_dev;
@@ -215,6 +230,20 @@ class PosixEnv final : public Env {
 
 }  // namespace
 
+const char* file_type_name(FileType type) noexcept {
+  switch (type) {
+    case FileType::kRegular: return "regular file";
+    case FileType::kDirectory: return "folder";
+    case FileType::kFifo: return "FIFO";
+    case FileType::kSocket: return "socket";
+    case FileType::kCharDevice: return "character device";
+    case FileType::kBlockDevice: return "block device";
+    case FileType::kSymlink: return "symbolic link";
+    case FileType::kOther: break;
+  }
+  return "special file";
+}
+
 Env* default_env() {
   static PosixEnv* env = new PosixEnv();  // never destroyed: usable during exit
   return env;
@@ -230,6 +259,15 @@ FileStat stat_or_throw(Env* env, int fd, const std::string& path) {
   FileStat st;
   if (int rc = env->stat(fd, &st); rc != 0) throw_os_error("cannot stat", -rc, ErrorContext{path});
   return st;
+}
+
+ScopedFd open_regular_or_throw(Env* env, const std::string& path, FileStat* st, int extra_flags) {
+  ScopedFd fd = open_or_throw(env, path, extra_flags);
+  *st = stat_or_throw(env, fd.get(), path);
+  if (st->type != FileType::kRegular) {
+    throw InvalidFileError(std::string("is a ") + file_type_name(st->type) + ", not a regular file", ErrorContext{path});
+  }
+  return fd;
 }
 
 void pread_exact(Env* env, int fd, void* buffer, std::size_t bytes, std::uint64_t offset,

@@ -13,6 +13,8 @@
 #include "base/log.h"
 #include "io/mapped_copy.h"
 #include "pinload/error.h"
+#include "pinload/file_identity.h"
+#include "pinload/memory_limit.h"
 #include "pinload/numa.h"
 
 namespace pinload::detail {
@@ -95,37 +97,45 @@ bool on_network_filesystem(Env* env, int fd, const std::string& path) {
   return network;
 }
 
-// Opens a file for the load and decides direct or buffered (Note [Direct I/O]).
-void open_for_load(Env* env, const CheckpointFile& cf, const LoadOptions& options, OpenFile* f) {
-  f->path = cf.path;
+// Where a file's bytes come from, decided when the session opens: a remote
+// object (a client; or its local cached copy, Note [Remote cache]) or a local
+// file, which is opened here only to learn whether it sits on a network
+// filesystem, then closed until its first chunk.
+void prepare_source(Env* env, const CheckpointFile& cf, const LoadOptions& options, OpenFile* f) {
   if (is_remote_path(cf.path)) {  // Note [Remote reads]
-    f->stat = cf.stat;
     f->remote = remote::client_for(options.resolve.remote);
     f->object = remote::ObjectInfo{cf.path, cf.stat.size, cf.version, cf.stat.mtime_ns};
-    if (const remote::ObjectCache* cache = f->remote->cache()) {  // Note [Remote cache]
-      if (std::string hit = cache->lookup(f->object); !hit.empty()) {
-        CheckpointFile local = cf;
-        local.path = std::move(hit);
-        f->remote.reset();
-        open_for_load(env, local, options, f);
-        return;
-      }
-      f->cache_writer = cache->begin(f->object, cf.header.data_offset() / kFallbackDirectAlign * kFallbackDirectAlign);
+    const remote::ObjectCache* cache = f->remote->cache();
+    if (cache == nullptr) return;
+    if (std::string hit = cache->lookup(f->object); !hit.empty()) {
+      // The cached copy is read as a local file, of its own identity.
+      f->remote.reset();
+      f->path = std::move(hit);
+      ScopedFd fd = open_regular_or_throw(env, f->path, &f->stat);
+      f->identity = FileIdentity::of(f->stat);
+      return;
     }
+    f->cache_writer = cache->begin(f->object, cf.header.data_offset() / kFallbackDirectAlign * kFallbackDirectAlign);
     return;
   }
-  f->buffered_fd = open_or_throw(env, cf.path);
-  f->stat = stat_or_throw(env, f->buffered_fd.get(), cf.path);
-  f->network_fs = on_network_filesystem(env, f->buffered_fd.get(), cf.path);
-  if (f->stat.size != cf.stat.size) {
-    throw IoError("file changed size from " + std::to_string(cf.stat.size) + " to " +
-                  std::to_string(f->stat.size) + " bytes after its header was read",
-                  ErrorContext{cf.path});
-  }
+  FileStat st;
+  ScopedFd fd = open_regular_or_throw(env, cf.path, &st);
+  check_identity(st, cf.path, f->identity);
+  f->network_fs = on_network_filesystem(env, fd.get(), cf.path);
+}
+
+// Opens a file for the load and decides direct or buffered (Note [Direct I/O]).
+// Every descriptor must be the file whose header was read (Note [One version
+// per load] in checkpoint.h). Remote files have none (Note [Remote reads]):
+// open_session set up their client.
+void open_for_load(Env* env, const LoadOptions& options, OpenFile* f) {
+  if (f->remote) return;
+  f->buffered_fd = open_regular_or_throw(env, f->path, &f->stat);
+  check_identity(f->stat, f->path, f->identity);
   // The residency decides direct or buffered (kAuto) and whether a buffered
   // file is mapped (unless kPread); kOff with kPread needs neither.
   if (options.direct == DirectIo::kOff && options.cached_read == CachedRead::kPread) {
-    log::debug("{}: reading buffered with pread (direct off)", cf.path);
+    log::debug("{}: reading buffered with pread (direct off)", f->path);
     return;
   }
   std::string why_direct = "direct on";
@@ -134,11 +144,11 @@ void open_for_load(Env* env, const CheckpointFile& cf, const LoadOptions& option
     const bool cached = resident >= options.resident_threshold;
     if (cached && options.cached_read != CachedRead::kPread) map_for_load(env, f);
     if (options.direct == DirectIo::kOff) {
-      log::debug("{}: reading buffered{} (direct off)", cf.path, f->mapping.valid() ? " from a mapping" : "");
+      log::debug("{}: reading buffered{} (direct off)", f->path, f->mapping.valid() ? " from a mapping" : "");
       return;
     }
     if (cached) {
-      log::debug("{}: {:.0f}% in page cache, reading buffered{}", cf.path, resident * 100,
+      log::debug("{}: {:.0f}% in page cache, reading buffered{}", f->path, resident * 100,
                  f->mapping.valid() ? " from a mapping" : "");
       return;
     }
@@ -150,19 +160,20 @@ void open_for_load(Env* env, const CheckpointFile& cf, const LoadOptions& option
     const std::string why = "O_DIRECT needs " + std::to_string(f->stat.dio_mem_align) +
                             "-byte aligned memory here; pool blocks are aligned to " +
                             std::to_string(kFallbackDirectAlign);
-    if (options.direct == DirectIo::kOn) throw IoError(why, ErrorContext{cf.path});
-    log::debug("{}: {}, reading buffered", cf.path, why);
+    if (options.direct == DirectIo::kOn) throw IoError(why, ErrorContext{f->path});
+    log::debug("{}: {}, reading buffered", f->path, why);
     return;
   }
-  const int fd = env->open_read(cf.path, O_DIRECT);
+  const int fd = env->open_read(f->path, O_DIRECT);
   if (fd >= 0) {
     f->direct_fd = ScopedFd(env, fd);
+    check_identity(env, fd, f->path, f->identity);
     f->direct = true;
-    log::debug("{}: {}, reading with O_DIRECT", cf.path, why_direct);
+    log::debug("{}: {}, reading with O_DIRECT", f->path, why_direct);
   } else if (options.direct == DirectIo::kOn) {
-    throw_os_error("O_DIRECT open refused", -fd, ErrorContext{cf.path});
+    throw_os_error("O_DIRECT open refused", -fd, ErrorContext{f->path});
   } else {
-    log::debug("{}: O_DIRECT refused at open ({}), reading buffered", cf.path, log::errno_text(-fd));
+    log::debug("{}: O_DIRECT refused at open ({}), reading buffered", f->path, log::errno_text(-fd));
   }
 }
 
@@ -283,9 +294,89 @@ std::optional<std::vector<ReadChunk>> replay_chunks(const ReadPlan& plan, const 
 
 int OpenFile::buffered(Env* env) {
   std::lock_guard lock(mu);
-  if (!buffered_fd.valid()) buffered_fd = open_or_throw(env, path);
+  if (!buffered_fd.valid()) {
+    buffered_fd = open_or_throw(env, path);
+    check_identity(env, buffered_fd.get(), path, identity);
+  }
   return buffered_fd.get();
 }
+
+namespace {
+
+// Opens file `index` of the session for its first chunk (Note [Files in
+// flight]), waiting while max_open_files are open. Throws CancelledError
+// where `stop` ends the wait, or the open's error.
+void open_in_flight(ReadSession& s, std::size_t index, std::stop_token stop, Loader::Counters* counters) {
+  OpenFile& f = *s.files[index];
+  if (f.opened.load(std::memory_order_acquire)) return;
+  std::lock_guard lock(f.mu);
+  if (f.opened.load(std::memory_order_relaxed) || f.closed) return;
+  {
+    std::unique_lock open_lock(s.open_mu);
+    if (!s.open_cv.wait(open_lock, stop, [&] { return s.open_files < s.max_open_files; })) {
+      throw CancelledError("load cancelled", ErrorContext{f.path});
+    }
+    ++s.open_files;
+  }
+  try {
+    open_for_load(s.env, s.options, &f);
+  } catch (...) {
+    f.mapping.reset();
+    f.direct_fd.reset();
+    f.buffered_fd.reset();
+    {
+      std::lock_guard open_lock(s.open_mu);
+      --s.open_files;
+    }
+    s.open_cv.notify_all();
+    throw;
+  }
+  (f.direct ? counters->files_direct : counters->files_buffered)++;
+  if (!f.direct && f.mapping.valid()) counters->files_mapped++;
+  f.opened.store(true, std::memory_order_release);
+}
+
+// The last chunk of file `index` has been read: closes its descriptors and
+// its mapping, and lets a waiting worker open the next file.
+void close_in_flight(ReadSession& s, std::size_t index) {
+  OpenFile& f = *s.files[index];
+  {
+    std::lock_guard lock(f.mu);
+    if (f.closed || !f.opened.load(std::memory_order_relaxed)) return;
+    f.mapping.reset();
+    f.direct_fd.reset();
+    f.buffered_fd.reset();
+    f.closed = true;
+  }
+  {
+    std::lock_guard open_lock(s.open_mu);
+    --s.open_files;
+  }
+  s.open_cv.notify_all();
+}
+
+// The most files whose chunks interleave in the claim order of `plan`
+// (Note [Files in flight]); at least 1.
+std::size_t interleaved_files(const ReadPlan& plan) {
+  const std::size_t n = plan.files.size();
+  std::vector<std::size_t> first(n, SIZE_MAX), last(n, 0);
+  for (std::size_t k = 0; k < plan.chunks.size(); ++k) {
+    const std::uint32_t f = plan.chunks[k].file;
+    first[f] = std::min(first[f], k);
+    last[f] = k;
+  }
+  std::vector<std::int64_t> delta(plan.chunks.size() + 1, 0);
+  for (std::size_t f = 0; f < n; ++f) {
+    if (first[f] == SIZE_MAX) continue;
+    ++delta[first[f]];
+    --delta[last[f] + 1];
+  }
+  std::int64_t open = 0, most = 1;
+  for (std::int64_t d : delta) most = std::max(most, open += d);
+  return static_cast<std::size_t>(most);
+}
+
+}  // namespace
 
 std::uint64_t ReadSession::bytes_done() const {
   std::uint64_t n = 0;
@@ -319,6 +410,7 @@ std::unique_ptr<ReadSession> open_session(Env* env, const LoadOptions& options, 
                                           Loader::Counters* counters) {
   auto s = std::make_unique<ReadSession>();
   s->env = env;
+  s->options = options;
   s->direct_mode = options.direct;
   s->cached_read = options.cached_read;
   s->checkpoint = std::move(checkpoint);
@@ -330,17 +422,20 @@ std::unique_ptr<ReadSession> open_session(Env* env, const LoadOptions& options, 
   reads.reserve(n);
   for (const CheckpointFile& cf : s->checkpoint.files) {
     auto f = std::make_unique<OpenFile>();
-    open_for_load(env, cf, options, f.get());
+    f->path = cf.path;
+    f->stat = cf.stat;
+    f->identity = FileIdentity::of(cf.stat);
     FileRead r;
     r.path = cf.path;
     r.file_size = cf.stat.size;
     r.data_offset = cf.header.data_offset();
-    r.direct = f->direct;
-    // Buffered reads use the same aligned ranges, so a file takes the same
-    // block (size class) whether it was read direct or through the cache.
-    r.alignment = std::max(f->stat.dio_offset_align, kFallbackDirectAlign);
-    (f->direct ? counters->files_direct : counters->files_buffered)++;
-    if (!f->direct && f->mapping.valid()) counters->files_mapped++;
+    // Buffered and direct reads use the same aligned ranges, so a file takes
+    // the same block (size class) whether it is read direct or through the
+    // cache; the alignment comes from the header read's stat of the same file.
+    r.alignment = std::max(cf.stat.dio_offset_align, kFallbackDirectAlign);
+    // Readers are decided here, from the paths, not from opened files (those
+    // open at their first chunk: Note [Files in flight]).
+    prepare_source(env, cf, options, f.get());
     if (f->remote) s->remote_threads = f->remote->connections();
     if (f->network_fs) s->min_threads = effective_connections(options.resolve.remote);
     reads.push_back(std::move(r));
@@ -358,6 +453,8 @@ std::unique_ptr<ReadSession> open_session(Env* env, const LoadOptions& options, 
     }
   }
   counters->bytes_total = s->plan.total_bytes;
+  for (const ReadChunk& c : s->plan.chunks) s->files[c.file]->chunks_left.fetch_add(1, std::memory_order_relaxed);
+  s->max_open_files = interleaved_files(s->plan);
   s->done = std::make_unique<std::atomic<bool>[]>(s->plan.chunks.size());
   if (s->streaming) s->staged.resize(s->plan.chunks.size());
   return s;
@@ -366,13 +463,37 @@ std::unique_ptr<ReadSession> open_session(Env* env, const LoadOptions& options, 
 void allocate_blocks(ReadSession& s, Pool& pool, std::stop_token stop) {
   if (s.streaming) return;
   // A load holds its blocks until it ends, so one that cannot fit the budget
-  // fails now instead of waiting for memory only it could free.
-  if (const std::uint64_t capacity = pool.options().capacity_bytes; capacity != 0) {
-    std::uint64_t need = 0;
-    for (const FileRead& r : s.plan.files) need += Pool::size_class(std::max<std::uint64_t>(r.block_bytes(), 1));
-    if (need > capacity) {
-      throw OutOfMemoryError("checkpoint needs " + std::to_string(need) + " bytes of pool memory; the pool budget is " +
-                             std::to_string(capacity) + " bytes");
+  // fails now instead of waiting for memory only it could free. The error
+  // names the file whose block crosses the line.
+  std::uint64_t need = 0;
+  std::size_t crossing = 0;
+  auto blocks_up_to = [&](std::uint64_t limit) {
+    need = 0;
+    crossing = s.files.size();
+    for (std::size_t i = 0; i < s.files.size(); ++i) {
+      if (s.files[i]->block) continue;
+      need += Pool::size_class(std::max<std::uint64_t>(s.plan.files[i].block_bytes(), 1));
+      if (need > limit && crossing == s.files.size()) crossing = i;
+    }
+    return crossing == s.files.size();
+  };
+  auto file_at = [&](std::size_t i) { return crossing < s.files.size() ? s.files[i]->path : std::string{}; };
+  if (const std::uint64_t capacity = pool.options().capacity_bytes; capacity != 0 && !blocks_up_to(capacity)) {
+    throw OutOfMemoryError("checkpoint needs " + std::to_string(need) + " bytes of pool memory; the pool budget is " +
+                               std::to_string(capacity) + " bytes",
+                           ErrorContext{file_at(crossing)});
+  }
+  // Note [Memory limits]: what the pool holds idle is reused, the rest is new.
+  // Through the process-wide Env: a test Env that injects faults into the
+  // checkpoint's reads must not see these.
+  if (const std::optional<HostMemoryLimit> limit = read_host_memory_limit(default_env())) {
+    const PoolStats stats = pool.stats();
+    const std::uint64_t idle = stats.reserved_bytes > stats.in_use_bytes ? stats.reserved_bytes - stats.in_use_bytes : 0;
+    if (!blocks_up_to(limit->available_bytes + idle)) {
+      throw OutOfMemoryError("checkpoint needs " + std::to_string(need) + " bytes of host memory, more than the " +
+                                 std::to_string(limit->available_bytes) + " bytes the memory limit leaves (" +
+                                 limit->source + ")",
+                             ErrorContext{file_at(crossing)});
     }
   }
   for (std::size_t i = 0; i < s.files.size(); ++i) {
@@ -397,6 +518,7 @@ void execute(ReadSession& s, const std::vector<std::size_t>& todo, unsigned thre
         const ReadChunk& c = s.plan.chunks[i];
         const FileRead& r = s.plan.files[c.file];
         OpenFile& f = *s.files[c.file];
+        open_in_flight(s, c.file, abort.get_token(), counters);
         // Streaming reads into a staging block of the chunk's own; the
         // others into the file's block.
         std::shared_ptr<Block> dest = s.streaming ? s.staging_pool->allocate(c.length, abort.get_token()) : f.block;
@@ -409,6 +531,7 @@ void execute(ReadSession& s, const std::vector<std::size_t>& todo, unsigned thre
           s.completed.push_back(static_cast<std::uint32_t>(i));
         }
         s.done[i].store(true, std::memory_order_release);
+        if (f.chunks_left.fetch_sub(1, std::memory_order_acq_rel) == 1) close_in_flight(s, c.file);
         if (sink) sink(i, std::move(dest), dest_offset);
       }
     } catch (...) {
@@ -443,8 +566,7 @@ bool same_files(const Checkpoint& a, const Checkpoint& b) {
   for (std::size_t i = 0; i < a.files.size(); ++i) {
     const CheckpointFile& x = a.files[i];
     const CheckpointFile& y = b.files[i];
-    if (x.path != y.path || x.name_prefix != y.name_prefix || x.stat.size != y.stat.size ||
-        x.stat.mtime_ns != y.stat.mtime_ns || x.stat.inode != y.stat.inode) {
+    if (x.path != y.path || x.name_prefix != y.name_prefix || FileIdentity::of(x.stat) != FileIdentity::of(y.stat)) {
       return false;
     }
   }

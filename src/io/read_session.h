@@ -12,6 +12,7 @@
 #pragma once
 
 #include <atomic>
+#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -25,6 +26,7 @@
 #include "io/remote/object_cache.h"
 #include "io/remote/remote_client.h"
 #include "pinload/checkpoint.h"
+#include "pinload/file_identity.h"
 #include "pinload/io_template.h"
 #include "pinload/loader.h"
 #include "pinload/pool.h"
@@ -95,14 +97,30 @@ class FileMapping {
 };
 
 // One file during a load: its descriptors, its mapping and its block.
+//
+// Note [Files in flight]
+// A file is opened when a worker claims its first chunk and closed when its
+// last chunk is read, so a load holds descriptors (two per file: buffered
+// and O_DIRECT) only for the files being read, not for every shard of the
+// checkpoint. At most ReadSession::max_open_files are open at once; a worker
+// that needs one more waits for a file to finish. That bound is the largest
+// number of files whose chunks interleave in the claim order (files_in_flight
+// for the default plan), so the files already open always have their
+// remaining chunks claimed by workers that are not waiting: no deadlock.
+// Every open checks the file's identity against the stat of its header read
+// (Note [One version per load] in checkpoint.h).
 struct OpenFile {
   std::string path;
-  FileStat stat;
+  FileStat stat;          // the stat of the header read until opened; then the open file's
+  FileIdentity identity;  // of the header read: every descriptor must match it
   ScopedFd direct_fd;
   ScopedFd buffered_fd;
   FileMapping mapping;  // buffered files in the page cache, unless CachedRead::kPread
   std::atomic<bool> direct{false};
-  std::mutex mu;  // guards opening buffered_fd
+  std::atomic<bool> opened{false};  // open_for_load ran; counted in files_direct/buffered
+  bool closed = false;              // every chunk read, descriptors closed (guarded by mu)
+  std::atomic<std::uint32_t> chunks_left{0};  // chunks not read yet
+  std::mutex mu;  // guards opening and closing the descriptors
   std::shared_ptr<Block> block;                 // host and kCached loads
   std::shared_ptr<DeviceBuffer> device_buffer;  // device loads: the data section
   // Remote files (Note [Remote reads]): no descriptors; chunks are ranged GETs.
@@ -111,12 +129,14 @@ struct OpenFile {
   std::unique_ptr<remote::ObjectCache::Writer> cache_writer;  // Note [Remote cache]
   bool network_fs = false;  // NFS, SMB/CIFS or FUSE: Note [Network filesystems] in remote.h
 
-  // The descriptor for buffered reads, opened on first use.
+  // The descriptor for buffered reads, opened (and its identity checked) on
+  // first use.
   int buffered(Env* env);
 };
 
 struct ReadSession {
   Env* env = nullptr;
+  LoadOptions options;  // of open_session: how files are opened and read
   DirectIo direct_mode = DirectIo::kAuto;
   CachedRead cached_read = CachedRead::kAuto;
   CachedReadChooser chooser;  // kAuto: map or pread, chunk by chunk
@@ -133,6 +153,12 @@ struct ReadSession {
   std::vector<std::shared_ptr<Block>> staged;
   std::unique_ptr<std::atomic<bool>[]> done;  // per chunk
 
+  // Note [Files in flight]: files open now, and the bound.
+  std::mutex open_mu;
+  std::condition_variable_any open_cv;
+  std::size_t open_files = 0;
+  std::size_t max_open_files = 1;
+
   // Chunk indices in the order their reads completed (for IoTemplate).
   std::mutex completed_mu;
   std::vector<std::uint32_t> completed;
@@ -146,9 +172,10 @@ struct ReadSession {
   TemplateReads completed_reads(std::string destination);
 };
 
-// Opens every file of `checkpoint`, plans its reads (replaying `replay` when
-// it tiles the files exactly, else make_read_plan) and counts direct and
-// buffered files in *counters. No memory is allocated. Throws pinload::Error.
+// Plans the reads of every file of `checkpoint` (replaying `replay` when it
+// tiles the files exactly, else make_read_plan). Files are opened later, as
+// execute() reaches them (Note [Files in flight]), and counted as direct or
+// buffered in *counters then. No memory is allocated. Throws pinload::Error.
 std::unique_ptr<ReadSession> open_session(Env* env, const LoadOptions& options, Checkpoint checkpoint,
                                           std::shared_ptr<Pool> staging_pool, const TemplateReads* replay,
                                           Loader::Counters* counters);

@@ -284,7 +284,7 @@ std::optional<IoTemplate> load_template(const std::string& file, Env* env) {
     FileStat st;
     const int rc = env->stat(fd, &st);
     env->close(fd);
-    if (rc < 0 || st.size != f.size || st.mtime_ns != f.mtime_ns || st.inode != f.inode || st.device != f.device) {
+    if (rc < 0 || FileIdentity::of(st) != f.identity()) {
       log::warn("{}: ignoring the I/O template: {} changed since it was recorded", file, f.path);
       return std::nullopt;
     }

@@ -159,8 +159,11 @@ Loader::Loader(LoadOptions options, std::shared_ptr<Pool> pool, Env* env)
   if (!pool_) {
     LockedMemoryOptions host = kHostPoolMemory;  // Note [Locking host pools]
     host.numa_node = numa_.node;
-    pool_ = device ? Pool::create(device->make_pinned_backend(PinnedMemoryOptions{.env = env_, .numa_node = numa_.node}))
-                   : Pool::create(make_locked_memory_backend(env_, host));
+    PoolOptions budget;
+    budget.capacity_bytes = options_.pool_bytes;
+    pool_ = device ? Pool::create(device->make_pinned_backend(PinnedMemoryOptions{.env = env_, .numa_node = numa_.node}),
+                                  budget)
+                   : Pool::create(make_locked_memory_backend(env_, host), budget);
   }
   if (device && options_.target.mode == DeviceMode::kStreaming) {
     // Small budgets use plain pages: a 2 MiB huge-page granule would not fit.
@@ -240,7 +243,9 @@ StateDict Loader::run(const Checkpoint& checkpoint, const LoadRequest& request, 
   if (session) {
     counters->files_direct = 0;
     counters->files_buffered = 0;
-    for (const auto& f : session->files) (f->direct ? counters->files_direct : counters->files_buffered)++;
+    for (const auto& f : session->files) {
+      if (f->opened) (f->direct ? counters->files_direct : counters->files_buffered)++;  // the rest count as they open
+    }
     counters->bytes_total = session->plan.total_bytes;
     counters->bytes_done = session->bytes_done();
   } else {

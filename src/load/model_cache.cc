@@ -6,20 +6,17 @@
 #include "base/log.h"
 #include "pinload/checkpoint.h"
 #include "pinload/error.h"
+#include "pinload/file_identity.h"
 
 namespace pinload {
 
 namespace {
 
 // A file as it was when the entry was made.
-struct FileIdentity {
+struct SeenFile {
   std::string path;
   FileStat stat;
 };
-
-bool same_file(const FileStat& a, const FileStat& b) {
-  return a.size == b.size && a.mtime_ns == b.mtime_ns && a.inode == b.inode && a.device == b.device;
-}
 
 // Stats `path` through the Env without reading it; false if it cannot.
 bool stat_path(Env* env, const std::string& path, FileStat* out) {
@@ -92,7 +89,7 @@ struct ModelCache::Entry {
 
 struct ModelCache::Alias {
   std::string identity;
-  std::vector<FileIdentity> files;  // the weights and the index files read
+  std::vector<SeenFile> files;  // the weights and the index files read
 };
 
 ModelCache::ModelCache(std::uint64_t budget_bytes, std::shared_ptr<const Loader> loader)
@@ -116,9 +113,9 @@ StateDict ModelCache::get_on(Device& device, const std::vector<std::string>& pat
 }
 
 bool ModelCache::unchanged(const Alias& alias) const {
-  for (const FileIdentity& f : alias.files) {
+  for (const SeenFile& f : alias.files) {
     FileStat now;
-    if (!stat_path(loader_->env(), f.path, &now) || !same_file(now, f.stat)) {
+    if (!stat_path(loader_->env(), f.path, &now) || FileIdentity::of(now) != FileIdentity::of(f.stat)) {
       log::debug("{}: changed since it was cached", f.path);
       return false;
     }
@@ -171,7 +168,7 @@ StateDict ModelCache::lookup_or_load(const std::vector<std::string>& paths, Devi
     alias->identity = identity_of(ck);
     for (const CheckpointFile& f : ck.files) alias->files.push_back({f.path, f.stat});
     for (const std::string& index : ck.index_files) {
-      FileIdentity id{index, {}};
+      SeenFile id{index, {}};
       if (stat_path(loader_->env(), index, &id.stat)) alias->files.push_back(std::move(id));
     }
     {

@@ -46,7 +46,7 @@ Checkpoint checkpoint_of_template(Env* env, const IoTemplate& plan) {
   std::unordered_set<std::string> names;
   for (const TemplateFile& tf : plan.files) {
     CheckpointFile f = read_checkpoint_file(env, tf.path);
-    if (f.stat.size != tf.size || f.stat.mtime_ns != tf.mtime_ns || f.stat.inode != tf.inode) {
+    if (FileIdentity::of(f.stat) != tf.identity()) {
       throw IoError("file changed since its I/O template was recorded", ErrorContext{tf.path});
     }
     f.name_prefix = tf.name_prefix;

@@ -53,6 +53,7 @@
 #include "pinload/shard.h"
 #include "pinload/pool.h"
 #include "pinload/state_dict.h"
+#include "io/held_file_env.h"
 
 #ifndef PINLOAD_VERSION
 #define PINLOAD_VERSION "0.0.0"
@@ -302,14 +303,20 @@ Device* device_for(const std::string& spec, Placement* placement) {
 }
 
 // The pool shared by every load to `spec` (locked host memory for "cpu",
-// the device's pinned memory otherwise).
-std::shared_ptr<Pool> pool_for(const std::string& spec) {
+// the device's pinned memory otherwise). With `pool_bytes`, the pool shared by
+// the loads to `spec` with that budget (PoolOptions::capacity_bytes).
+std::shared_ptr<Pool> pool_for(const std::string& spec, std::optional<std::uint64_t> pool_bytes = std::nullopt) {
   Placement placement;
   Device* device = device_for(spec, &placement);
   Registry& r = registry();
   std::lock_guard lock(r.mu);
-  std::shared_ptr<Pool>& pool = r.pools[placement.device];
-  if (!pool) pool = device ? Pool::create(device->make_pinned_backend()) : Pool::create_default();
+  const std::string key = pool_bytes ? placement.device + "#" + std::to_string(*pool_bytes) : placement.device;
+  std::shared_ptr<Pool>& pool = r.pools[key];
+  if (!pool) {
+    PoolOptions options;
+    options.capacity_bytes = pool_bytes.value_or(0);
+    pool = device ? Pool::create(device->make_pinned_backend(), options) : Pool::create_default(options);
+  }
   return pool;
 }
 
@@ -408,8 +415,10 @@ void reset_without_gil(std::unique_ptr<T>& owned) {
 
 class PyLoadHandle {
  public:
-  PyLoadHandle(LoadHandle handle, Placement placement)
-      : handle_(std::make_unique<LoadHandle>(std::move(handle))), placement_(std::move(placement)) {}
+  // `env`: the Env the load reads through, kept until the load is gone (a
+  // safe_open's HeldFileEnv); null for the default one.
+  PyLoadHandle(LoadHandle handle, Placement placement, std::shared_ptr<Env> env = nullptr)
+      : env_(std::move(env)), handle_(std::make_unique<LoadHandle>(std::move(handle))), placement_(std::move(placement)) {}
   PyLoadHandle(const PyLoadHandle&) = delete;
   PyLoadHandle& operator=(const PyLoadHandle&) = delete;
   // Dropping a load in flight cancels it and joins its thread (which never
@@ -485,9 +494,27 @@ class PyLoadHandle {
   const Placement& placement() const { return placement_; }
 
  private:
+  std::shared_ptr<Env> env_;  // destroyed after handle_
   std::unique_ptr<LoadHandle> handle_;
   Placement placement_;
   LoadProgress last_;
+};
+
+// One file held open from its header read to its load (Note [Holding a file]
+// in io/held_file_env.h): what safe_open reads through.
+class PyHeldFile {
+ public:
+  explicit PyHeldFile(const std::string& path) {
+    py::gil_scoped_release release;
+    env_ = std::make_shared<HeldFileEnv>(default_env(), path);
+    file_ = read_checkpoint_file(env_.get(), path);
+  }
+  const std::shared_ptr<HeldFileEnv>& env() const { return env_; }
+  const CheckpointFile& file() const { return file_; }
+
+ private:
+  std::shared_ptr<HeldFileEnv> env_;
+  CheckpointFile file_;
 };
 
 DirectIo parse_direct(const std::string& direct) {
@@ -568,7 +595,8 @@ class PyPrefetch {
 Loader make_loader(const std::vector<std::string>& paths, const std::string& device_spec, unsigned threads,
                    std::size_t block_size, const std::string& direct, std::size_t files_in_flight, std::size_t streams,
                    std::size_t chunk_bytes, std::optional<std::uint64_t> staging_bytes, const std::string& variant,
-                   Placement* placement, const DTypeOptions& dtype = {}, const std::string& cached_read = "auto") {
+                   std::optional<std::uint64_t> pool_bytes, Placement* placement, Env* env = nullptr,
+                   const DTypeOptions& dtype = {}, const std::string& cached_read = "auto") {
   if (paths.empty()) throw InvalidFileError("no path given");
   if (streams == 0 || streams > 64) throw InvalidFileError("streams must be 1..64");
   if (chunk_bytes == 0) throw InvalidFileError("chunk_bytes must be > 0");
@@ -590,7 +618,7 @@ Loader make_loader(const std::vector<std::string>& paths, const std::string& dev
     options.target.mode = DeviceMode::kStreaming;
     options.target.staging_bytes = *staging_bytes;
   }
-  return Loader(options, pool_for(device_spec));
+  return Loader(options, pool_for(device_spec, pool_bytes), env);
 }
 
 std::unique_ptr<PyLoadHandle> load_async(const std::vector<std::string>& paths, const std::string& device_spec, unsigned threads,
@@ -598,7 +626,8 @@ std::unique_ptr<PyLoadHandle> load_async(const std::vector<std::string>& paths, 
                          std::size_t streams, std::size_t chunk_bytes, std::optional<std::uint64_t> staging_bytes,
                          const std::string& variant, PyPrefetch* prefetch, const std::string& dtype,
                          const std::vector<std::string>& keep, const std::string& keep_dtype,
-                         const std::string& cached_read, bool stream) {
+                         const std::string& cached_read, bool stream, std::optional<std::uint64_t> pool_bytes,
+                         const PyHeldFile* held) {
   Placement placement;
   const HandOut hand_out = stream ? HandOut::kStream : HandOut::kWhole;
   DTypeOptions conversion;  // Note [Conversion on load] in convert.h
@@ -611,16 +640,24 @@ std::unique_ptr<PyLoadHandle> load_async(const std::vector<std::string>& paths, 
       if (!conversion.keep_to) throw InvalidFileError("unknown dtype '" + keep_dtype + "'");
     }
   }
+  std::shared_ptr<Env> env;
   LoadHandle handle = [&] {
     py::gil_scoped_release release;
+    if (held != nullptr) {
+      if (paths.size() != 1 || paths[0] != held->env()->path()) throw InvalidFileError("held file of other paths");
+      env = held->env();
+    }
     Loader loader = make_loader(paths, device_spec, threads, block_size, direct, files_in_flight, streams, chunk_bytes,
-                                staging_bytes, variant, &placement, conversion, cached_read);
+                                staging_bytes, variant, pool_bytes, &placement, env.get(), conversion, cached_read);
     // The prefetch's own loader, so that its blocks and budget are the ones
     // adopted (a conversion load adopts none: its options differ).
-    if (prefetch != nullptr && !conversion.active() && prefetch->matches(paths, placement)) return prefetch->adopt(hand_out);
+    if (prefetch != nullptr && held == nullptr && !conversion.active() && prefetch->matches(paths, placement)) {
+      return prefetch->adopt(hand_out);
+    }
+    // A held file: its header is read again through `env`, from the same file.
     return loader.load_async(paths, hand_out);  // the load's thread holds what it needs
   }();
-  return std::make_unique<PyLoadHandle>(std::move(handle), std::move(placement));
+  return std::make_unique<PyLoadHandle>(std::move(handle), std::move(placement), std::move(env));
 }
 
 // A ModelCache (model_cache.h) whose host copies live in the shared pool of
@@ -696,11 +733,12 @@ class PyModelCache {
 std::unique_ptr<PyPrefetch> start_prefetch(const std::vector<std::string>& paths, const std::string& device_spec,
                                            unsigned threads, std::size_t block_size, const std::string& direct,
                                            std::size_t files_in_flight, std::size_t streams, std::size_t chunk_bytes,
-                                           std::optional<std::uint64_t> staging_bytes, const std::string& variant) {
+                                           std::optional<std::uint64_t> staging_bytes, const std::string& variant,
+                                           std::optional<std::uint64_t> pool_bytes) {
   Placement placement;
   py::gil_scoped_release release;
   Loader loader = make_loader(paths, device_spec, threads, block_size, direct, files_in_flight, streams, chunk_bytes,
-                              staging_bytes, variant, &placement);
+                              staging_bytes, variant, pool_bytes, &placement);
   Prefetch p = prefetch(loader, paths);
   return std::make_unique<PyPrefetch>(std::move(p), std::move(loader), std::move(placement), paths);
 }
@@ -749,12 +787,7 @@ std::unique_ptr<PyShardLoad> start_shard_load(const std::vector<std::string>& pa
   return std::make_unique<PyShardLoad>(std::make_unique<ShardLoad>(paths, spec, options, std::move(pool)));
 }
 
-py::dict read_header(const std::string& path) {
-  CheckpointFile file;
-  {
-    py::gil_scoped_release release;
-    file = read_checkpoint_file(default_env(), path);
-  }
+py::dict header_dict(const CheckpointFile& file) {
   py::list tensors;
   for (const TensorInfo& t : file.header.tensors) {
     tensors.append(py::make_tuple(decode(t.name), py::str(std::string(dtype_name(t.dtype))), shape_list(t.shape),
@@ -773,6 +806,15 @@ py::dict read_header(const std::string& path) {
   out["data_offset"] = file.header.data_offset();
   out["file_size"] = file.header.file_size;
   return out;
+}
+
+py::dict read_header(const std::string& path) {
+  CheckpointFile file;
+  {
+    py::gil_scoped_release release;
+    file = read_checkpoint_file(default_env(), path);
+  }
+  return header_dict(file);
 }
 
 }  // namespace
@@ -846,21 +888,27 @@ PYBIND11_MODULE(_core, m) {
         py::arg("chunk_bytes") = kDefaultCopyChunkBytes, py::arg("staging_bytes") = py::none(),
         py::arg("variant") = "", py::arg("prefetch") = nullptr, py::arg("dtype") = "",
         py::arg("keep") = std::vector<std::string>{}, py::arg("keep_dtype") = "",
-        py::arg("cached_read") = "auto", py::arg("stream") = false,
+        py::arg("cached_read") = "auto", py::arg("stream") = false, py::arg("pool_bytes") = py::none(),
+        py::arg("held") = nullptr,
         "Starts loading `paths` (bytes: files, indexes, folders) to `device` ('cpu', 'sim', 'cuda', 'cuda:N') "
-        "on the device's shared pool; returns a LoadHandle at once. A `prefetch` of the same paths and device "
+        "on the device's shared pool (with `pool_bytes`: the shared pool of that budget); returns a LoadHandle at once. A `prefetch` of the same paths and device "
         "is adopted: what it read is not read again (its own options then apply). `dtype` ('BF16', 'F16', 'F32'; "
         "'' as stored) converts floating tensors inside the load, except names matching a `keep` pattern "
         "(those become `keep_dtype`, or stay as stored when it is ''). cached_read: how a file "
         "in the page cache is read ('auto', 'map', 'pread'). stream=True: tensors come only from next_ready() "
         "and the load keeps none of them (HandOut::kStream), so each file's block goes back to the pool once "
-        "the caller has dropped its tensors; result() is then empty.");
+        "the caller has dropped its tensors; result() is then empty. `held`: a HeldFile of the one path, whose header and bytes are read.");
   m.def("prefetch", &start_prefetch, py::arg("paths"), py::arg("device") = "cpu",
         py::arg("threads") = kDefaultThreads, py::arg("block_size") = kDefaultBlockSize, py::arg("direct") = "auto",
         py::arg("files_in_flight") = 2, py::arg("streams") = kDefaultCopyStreams,
         py::arg("chunk_bytes") = kDefaultCopyChunkBytes, py::arg("staging_bytes") = py::none(),
-        py::arg("variant") = "",
+        py::arg("variant") = "", py::arg("pool_bytes") = py::none(),
         "Starts reading `paths` for a later load to `device` in the background; returns a Prefetch at once.");
+  py::class_<PyHeldFile>(m, "HeldFile",
+                         "One safetensors file held open from its header to its load (safe_open): a replaced path "
+                         "does not change what is read.")
+      .def(py::init<const std::string&>(), py::arg("path"))
+      .def("header", [](const PyHeldFile& f) { return header_dict(f.file()); }, "As read_header().");
   py::class_<PyModelCache>(m, "ModelCache",
                            "Host copies of recently used checkpoints in a shared pinned pool, LRU under a budget "
                            "(include/pinload/model_cache.h).")

@@ -89,6 +89,32 @@ def shape_text(shape):
     return "[" + ",".join(str(d) for d in shape) + "]"
 
 
+def printable(text):
+    """The CLI's escaping of names, metadata and paths (Note [Printable text] in src/cli/command.h),
+    written again from its documentation: a backslash doubled; control bytes, C1 controls and bytes
+    outside valid UTF-8 as \\xNN."""
+    data = text.encode("utf-8", "surrogateescape") if isinstance(text, str) else text
+    out, i = [], 0
+    while i < len(data):
+        c = data[i]
+        if c == 0x5C:
+            out.append("\\\\")
+            i += 1
+            continue
+        length = 1 if c < 0x80 else 2 if c >> 5 == 6 else 3 if c >> 4 == 14 else 4 if c >> 3 == 30 else 0
+        try:
+            ch = data[i:i + length].decode("utf-8") if length and i + length <= len(data) else None
+        except UnicodeDecodeError:
+            ch = None
+        if ch is None or ord(ch) < 0x20 or 0x7F <= ord(ch) <= 0x9F:
+            out.append(f"\\x{c:02x}")
+            i += 1
+            continue
+        out.append(ch)
+        i += length
+    return "".join(out)
+
+
 def expected_digest(path, prefix=""):
     """The lines `pinload load --digest path` must print for one file.
 
@@ -108,7 +134,7 @@ def expected_digest(path, prefix=""):
                 data = raw[8 + n + begin : 8 + n + end]
             assert len(data) == info["data_offsets"][1] - info["data_offsets"][0]
             digest = hashlib.sha256(data).hexdigest()
-            lines.append(f"{prefix}{name}\t{info['dtype']}\t{shape_text(info['shape'])}\t{digest}")
+            lines.append(f"{printable(prefix + name)}\t{info['dtype']}\t{shape_text(info['shape'])}\t{digest}")
     return lines
 
 
