@@ -278,7 +278,7 @@ def test_numa_node_option(tmp_path, run_pinload):
 @pytest.mark.parametrize("args", [["--help"], ["-h"]])
 def test_help(run_pinload, args):
     run = assert_ok(run_pinload(*args))
-    assert run.stdout.startswith("pinload: inspect and load safetensors checkpoints"), run
+    assert run.stdout.startswith("pinload: inspect, load and convert safetensors checkpoints"), run
     assert "Usage: pinload [OPTIONS] SUBCOMMAND" in run.stdout
     for command in ("inspect", "load"):
         assert re.search(rf"^  {command} +\S", run.stdout, re.M), run

@@ -151,8 +151,9 @@ def test_iter_tensors_returns_each_shard_once_dropped(tmp_path):
         del tensor
     assert seen == set(want)
     # Blocks are reserved when the load starts (the peak is the whole checkpoint) ...
-    assert max(by_shard[0]) >= 3.5 * shard_bytes
+    order = list(by_shard)  # shards in the order their tensors arrived
+    assert max(by_shard[order[0]]) >= 3.5 * shard_bytes
     # ... and each comes back once its shard has been consumed: at the last shard, one block.
-    assert max(by_shard[3]) <= 1.5 * shard_bytes, by_shard
+    assert max(by_shard[order[-1]]) <= 1.5 * shard_bytes, by_shard
     gc.collect()
     assert in_use() == base
