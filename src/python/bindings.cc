@@ -53,6 +53,7 @@
 #include "pinload/shard.h"
 #include "pinload/pool.h"
 #include "pinload/state_dict.h"
+#include "cli/load_option_args.h"
 #include "io/held_file_env.h"
 
 #ifndef PINLOAD_VERSION
@@ -517,11 +518,15 @@ class PyHeldFile {
   CheckpointFile file_;
 };
 
+// The spellings are the command line's (cli/load_option_args.h).
 DirectIo parse_direct(const std::string& direct) {
-  if (direct == "auto") return DirectIo::kAuto;
-  if (direct == "on") return DirectIo::kOn;
-  if (direct == "off") return DirectIo::kOff;
+  if (std::optional<DirectIo> d = cli::parse_direct_arg(direct)) return *d;
   throw InvalidFileError("direct must be 'auto', 'on' or 'off', not '" + direct + "'");
+}
+
+CachedRead parse_cached_read(const std::string& cached_read) {
+  if (std::optional<CachedRead> c = cli::parse_cached_read_arg(cached_read)) return *c;
+  throw InvalidFileError("cached_read must be 'auto', 'map' or 'pread', not '" + cached_read + "'");
 }
 
 // The reader's options as Python passes them, checked.
@@ -602,13 +607,7 @@ Loader make_loader(const std::vector<std::string>& paths, const std::string& dev
   if (chunk_bytes == 0) throw InvalidFileError("chunk_bytes must be > 0");
   LoadOptions options = reader_options(threads, block_size, direct, files_in_flight, variant);
   options.dtype = dtype;
-  if (cached_read == "map") {
-    options.cached_read = CachedRead::kMap;
-  } else if (cached_read == "pread") {
-    options.cached_read = CachedRead::kPread;
-  } else if (cached_read != "auto") {
-    throw InvalidFileError("cached_read must be 'auto', 'map' or 'pread', not '" + cached_read + "'");
-  }
+  options.cached_read = parse_cached_read(cached_read);
   Device* device = device_for(device_spec, placement);
   if (staging_bytes && device == nullptr) throw InvalidFileError("staging_bytes (streaming mode) needs a device");
   options.target.device = device;
@@ -781,7 +780,7 @@ std::unique_ptr<PyShardLoad> start_shard_load(const std::vector<std::string>& pa
   if (mode != "slice" && mode != "share") throw InvalidFileError("shard mode must be 'slice' or 'share', not '" + mode + "'");
   ShardSpec spec{rank, world_size, mode == "slice" ? ShardMode::kSlice : ShardMode::kShare, {}, window_bytes};
   for (const auto& [pattern, dim] : rules) spec.rules.push_back(ShardRule{pattern, dim});
-  ShardLoadOptions options{threads, block_size, direct != "off", max_gap, batch_bytes};
+  ShardLoadOptions options{threads, block_size, parse_direct(direct) != DirectIo::kOff, max_gap, batch_bytes};
   std::shared_ptr<Pool> pool = pool_for("cpu");
   py::gil_scoped_release release;
   return std::make_unique<PyShardLoad>(std::make_unique<ShardLoad>(paths, spec, options, std::move(pool)));
