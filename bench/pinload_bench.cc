@@ -801,7 +801,8 @@ int run(const Args& args) {
   // The stand-in does not poison fresh memory here: a GPU's cudaMalloc writes nothing.
   std::unique_ptr<pinload::Device> target_device;
   if (!args.device.empty()) {
-    target_device = args.device == "sim" ? pinload::make_sim_device({.poison = false}) : pinload::open_device(args.device);
+    // "cpu" is host memory, not a device: open_device refuses it.
+    target_device = pinload::open_device(pinload::parse_device_spec(args.device, "--device"), {.poison = false});
   }
   pinload::Checkpoint ck = pinload::open_checkpoint(pinload::default_env(), args.paths, args.load.resolve);
   std::vector<std::string> files;

@@ -1,6 +1,6 @@
 """Type stub of pinload._core, the native module (src/python/bindings.cc)."""
 
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 __version__: str
 DEFAULT_THREADS: int
@@ -8,11 +8,12 @@ DEFAULT_BLOCK_SIZE: int
 DEFAULT_STREAMS: int
 DEFAULT_CHUNK_BYTES: int
 DEFAULT_STAGING_BYTES: int
+DEFAULT_FILES_IN_FLIGHT: int
 
 class Error(Exception):
     """Base class of every pinload error."""
 
-    code: str  # "invalid_file", "not_found", "io", "out_of_memory", "device", "cancelled"
+    code: str  # "invalid_file", "not_found", "io", "out_of_memory", "device", "cancelled", "invalid_argument"
     message: Optional[str]  # the text without the file/tensor context
     file: Optional[str]
     tensor: Optional[str]
@@ -25,10 +26,70 @@ class IoError(Error, OSError): ...
 class OutOfMemoryError(Error, MemoryError): ...
 class DeviceError(Error): ...
 class CancelledError(Error): ...
+class InvalidArgumentError(Error, ValueError): ...
 
-# (name, safetensors dtype, shape, DLPack capsule of the tensor's bytes as 1-D uint8, or None
-# for a tensor without bytes)
-Export = Tuple[str, str, List[int], Optional[object]]
+class LoadOptions:
+    """The options of a load, checked once by the C++ core (LoadOptions::validate); immutable."""
+
+    def __init__(
+        self,
+        *,
+        threads: int = ...,
+        block_size: Union[int, str] = ...,
+        direct: Union[str, bool] = "auto",
+        files_in_flight: int = ...,
+        streams: int = ...,
+        chunk_bytes: Union[int, str] = ...,
+        staging_bytes: Union[int, str, None] = None,
+        variant: Optional[str] = None,
+    ) -> None: ...
+    @property
+    def threads(self) -> int: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def direct(self) -> str: ...
+    @property
+    def files_in_flight(self) -> int: ...
+    @property
+    def streams(self) -> int: ...
+    @property
+    def chunk_bytes(self) -> int: ...
+    @property
+    def staging_bytes(self) -> Optional[int]: ...
+    @property
+    def variant(self) -> str: ...
+
+class DeviceSpec:
+    """A parsed device string."""
+
+    @property
+    def kind(self) -> str: ...  # "cpu", "sim", "cuda"
+    @property
+    def ordinal(self) -> Optional[int]: ...  # N of "cuda:N"; None otherwise
+    @property
+    def name(self) -> str: ...  # "cpu", "sim", "cuda:N"
+
+def parse_device_spec(device: str) -> DeviceSpec: ...
+def parse_size(value: Union[int, str], option: str = "size") -> int: ...
+
+class TensorExport:
+    """One tensor's memory for DLPack consumers (torch.from_dlpack, numpy.from_dlpack)."""
+
+    def __dlpack__(
+        self,
+        *,
+        stream: Optional[Any] = None,
+        max_version: Optional[Tuple[int, int]] = None,
+        dl_device: Optional[Tuple[int, int]] = None,
+        copy: Optional[bool] = None,
+    ) -> object: ...
+    def __dlpack_device__(self) -> Tuple[int, int]: ...
+    @property
+    def nbytes(self) -> int: ...
+
+# (name, safetensors dtype, shape, the tensor's DLPack export, or None for a tensor without bytes)
+Export = Tuple[str, str, List[int], Optional[TensorExport]]
 
 class StateDict:
     """A loaded checkpoint: tensors in pool or device memory. Exported capsules keep their memory
@@ -77,49 +138,22 @@ class Prefetch:
 def load_async(
     paths: Sequence[Union[bytes, str]],
     device: str = "cpu",
-    threads: int = ...,
-    block_size: int = ...,
-    direct: str = "auto",
-    files_in_flight: int = 2,
-    streams: int = ...,
-    chunk_bytes: int = ...,
-    staging_bytes: Optional[int] = None,
-    variant: str = "",
+    options: LoadOptions = ...,
     prefetch: Optional[Prefetch] = None,
 ) -> LoadHandle: ...
-def prefetch(
-    paths: Sequence[Union[bytes, str]],
-    device: str = "cpu",
-    threads: int = ...,
-    block_size: int = ...,
-    direct: str = "auto",
-    files_in_flight: int = 2,
-    streams: int = ...,
-    chunk_bytes: int = ...,
-    staging_bytes: Optional[int] = None,
-    variant: str = "",
-) -> Prefetch: ...
+def prefetch(paths: Sequence[Union[bytes, str]], device: str = "cpu", options: LoadOptions = ...) -> Prefetch: ...
 class ModelCache:
     """Host copies of recently used checkpoints in the shared pool of `pool_device`, LRU under
     `budget_bytes` (include/pinload/model_cache.h)."""
 
     def __init__(
-        self,
-        budget_bytes: int,
-        pool_device: str = "cpu",
-        threads: int = ...,
-        block_size: int = ...,
-        direct: str = "auto",
-        files_in_flight: int = 2,
-        variant: str = "",
+        self, budget_bytes: Union[int, str], pool_device: str = "cpu", options: LoadOptions = ...
     ) -> None: ...
-    def get(
-        self, paths: Sequence[Union[bytes, str]], device: str = "cpu", streams: int = ..., chunk_bytes: int = ...
-    ) -> StateDict: ...
+    def get(self, paths: Sequence[Union[bytes, str]], device: str = "cpu") -> StateDict: ...
     def contains(self, paths: Sequence[Union[bytes, str]]) -> bool: ...
     def evict(self, paths: Sequence[Union[bytes, str]]) -> bool: ...
     def clear(self) -> None: ...
-    def set_budget(self, budget_bytes: int) -> None: ...
+    def set_budget(self, budget_bytes: Union[int, str]) -> None: ...
     def stats(self) -> Dict[str, int]: ...
 
 def read_header(path: Union[bytes, str]) -> Dict[str, object]: ...

@@ -104,10 +104,11 @@ Args parse_args(int argc, char** argv) {
     }
   }
   if (args.paths.empty()) throw UsageError("no PATH given");
-  if (args.load.threads == 0 || args.load.threads > 1024) throw UsageError("--threads must be 1..1024");
-  if (args.load.target.copy.streams == 0 || args.load.target.copy.streams > 64) throw UsageError("--streams must be 1..64");
-  if (args.load.target.copy.chunk_bytes == 0) throw UsageError("--chunk-size must be > 0");
-  if (args.load.block_size < 4096 || args.load.block_size > (1ull << 30)) throw UsageError("--block-size must be 4K..1G");
+  try {
+    args.load.validate();
+  } catch (const InvalidArgumentError& e) {
+    throw UsageError(e.message());
+  }
   return args;
 }
 
@@ -187,8 +188,8 @@ std::string tensor_digest(const Tensor& t, Device* device) {
 int run_load(const Args& args) {
   std::unique_ptr<Device> device;
   LoadOptions options = args.load;
-  if (args.device != "cpu") {
-    device = open_device(args.device);
+  if (const DeviceSpec spec = parse_device_spec(args.device, "--device"); !spec.is_host()) {
+    device = open_device(spec);
     options.target.device = device.get();
   } else if (options.target.mode == DeviceMode::kStreaming) {
     throw UsageError("--staging-bytes needs --device");

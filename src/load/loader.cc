@@ -146,12 +146,13 @@ NumaPlacement choose_numa_placement(const LoadOptions& options) {
 }  // namespace
 
 Loader::Loader(LoadOptions options, std::shared_ptr<Pool> pool, Env* env)
-    : options_(options),
+    : options_((options.validate(), options)),
       pool_(std::move(pool)),
       env_(env != nullptr ? env : default_env()),
       numa_(choose_numa_placement(options_)) {
-  if (options_.threads == 0) options_.threads = 1;
-  if (options_.block_size < 4096) options_.block_size = 4096;
+  if (options_.target.mode == DeviceMode::kStreaming && options_.target.device == nullptr) {
+    throw InvalidArgumentError("staging_bytes (streaming mode) needs a target device");
+  }
   Device* device = options_.target.device;
   if (!pool_) {
     LockedMemoryOptions host = kHostPoolMemory;  // Note [Locking host pools]
@@ -167,7 +168,7 @@ Loader::Loader(LoadOptions options, std::shared_ptr<Pool> pool, Env* env)
     const std::uint64_t align = backend->alignment();
     const std::uint64_t one_block = (Pool::size_class(options_.block_size) + align - 1) / align * align;
     if (options_.target.staging_bytes < one_block) {
-      throw InvalidFileError("staging budget of " + std::to_string(options_.target.staging_bytes) +
+      throw InvalidArgumentError("staging budget of " + std::to_string(options_.target.staging_bytes) +
                              " bytes cannot hold one " + std::to_string(one_block) + "-byte read block");
     }
     PoolOptions staging;
@@ -210,7 +211,7 @@ StateDict Loader::adopt(Prefetch& prefetch, LoadRequest request, Counters* count
   std::optional<Checkpoint> checkpoint = prefetch.checkpoint();
   if (!checkpoint) {
     if (!prefetch.state_ || prefetch.paths().empty()) {
-      throw InvalidFileError("load(Prefetch&) of an empty prefetch, or one whose headers could not be read");
+      throw InvalidArgumentError("load(Prefetch&) of an empty prefetch, or one whose headers could not be read");
     }
     checkpoint = open_checkpoint(env_, prefetch.paths(), options_.resolve);
   }
@@ -440,7 +441,7 @@ StateDict upload(const StateDict& host, Device& device, const CopyOptions& optio
   };
   std::unordered_map<const Block*, Span> spans;
   for (const Tensor& t : host) {
-    if (!t.on_host()) throw InvalidFileError("upload() needs host tensors", ErrorContext{{}, t.name()});
+    if (!t.on_host()) throw InvalidArgumentError("upload() needs host tensors", ErrorContext{{}, t.name()});
     Span& span = spans[t.block().get()];
     span.begin = std::min(span.begin, t.block_offset());
     span.end = std::max<std::size_t>(span.end, t.block_offset() + t.nbytes());
