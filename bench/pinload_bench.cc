@@ -44,26 +44,24 @@
 //
 // Cold means: sync + `echo 1 > /proc/sys/vm/drop_caches` where that is writable
 // (root), otherwise posix_fadvise(POSIX_FADV_DONTNEED) on every file; the report
-// says which, and the page-cache residency measured just before each cold load.
 //
-// GB/s are 1e9 bytes per second of tensor data (pinload) or file bytes (fio, read).
-#include <fcntl.h>
-#include <sys/utsname.h>
-#include <unistd.h>
-
+// Layout: the system probes (fio, memcpy, read(), the page cache, first touch,
+// the machine's description) are in system_probe.h; this file parses the
+// arguments, runs one function per phase in the order above, then derives the
+// ratios and targets and prints the table. Every phase writes its part of the
+// JSON's "results" in the order the phases run.
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
-#include <ctime>
 #include <fstream>
 #include <functional>
 #include <iostream>
 #include <map>
 #include <memory>
-#include <nlohmann/json.hpp>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -73,6 +71,7 @@
 #include "pinload/checkpoint.h"
 #include "pinload/copy_engine.h"
 #include "pinload/device.h"
+#include "pinload/env.h"
 #include "pinload/error.h"
 #include "pinload/host_memory.h"
 #include "pinload/loader.h"
@@ -81,11 +80,34 @@
 #include "cli/load_option_args.h"
 #include "cli/size_arg.h"
 #include "fio_compare.h"
+#include "measurement.h"
+#include "system_probe.h"
 
 namespace {
 
-using json = nlohmann::ordered_json;
-using Clock = std::chrono::steady_clock;
+using pinload::bench::Clock;
+using pinload::bench::fmt;
+using pinload::bench::in_rotated_order;
+using pinload::bench::json;
+using pinload::bench::log_sample;
+using pinload::bench::median_of;
+using pinload::bench::Sample;
+using pinload::bench::seconds_since;
+using pinload::bench::Series;
+using pinload::bench::size_name;
+using pinload::bench::buffered_read;
+using pinload::bench::drop_caches;
+using pinload::bench::DropResult;
+using pinload::bench::fio_read;
+using pinload::bench::fio_variant_title;
+using pinload::bench::FioVariant;
+using pinload::bench::host_info;
+using pinload::bench::HugeTlbReservation;
+using pinload::bench::kFioVariants;
+using pinload::bench::meminfo;
+using pinload::bench::memcpy_gbps;
+using pinload::bench::read_first_line;
+using pinload::bench::residency;
 
 constexpr const char* kUsage =
     "usage: pinload-bench [options] PATH...\n"
@@ -136,12 +158,6 @@ std::vector<std::string> split(const std::string& text, char sep = ',') {
     if (!item.empty()) out.push_back(item);
   }
   return out;
-}
-
-std::string size_name(std::uint64_t bytes) {
-  if (bytes % (1u << 20) == 0) return std::to_string(bytes >> 20) + "M";
-  if (bytes % (1u << 10) == 0) return std::to_string(bytes >> 10) + "K";
-  return std::to_string(bytes);
 }
 
 struct Args {
@@ -274,343 +290,8 @@ Args parse_args(int argc, char** argv) {
   return a;
 }
 
-// ---- small system helpers ----
 
-std::string run_command(const std::string& cmd, int* status = nullptr) {
-  std::string out;
-  std::FILE* p = ::popen(cmd.c_str(), "r");
-  if (p == nullptr) {
-    if (status) *status = -1;
-    return out;
-  }
-  char buf[65536];
-  std::size_t n;
-  while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
-  const int rc = ::pclose(p);
-  if (status) *status = rc;
-  return out;
-}
-
-std::string shell_quote(const std::string& s) {
-  std::string q = "'";
-  for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
-  return q + "'";
-}
-
-std::string trim(std::string s) {
-  while (!s.empty() && (s.back() == '\n' || s.back() == ' ')) s.pop_back();
-  return s;
-}
-
-// A field of /proc/meminfo in bytes, or -1.
-std::int64_t meminfo(const std::string& key) {
-  std::ifstream f("/proc/meminfo");
-  for (std::string line; std::getline(f, line);) {
-    if (line.rfind(key + ":", 0) == 0) {
-      std::istringstream ss(line.substr(key.size() + 1));
-      std::int64_t v = 0;
-      std::string unit;
-      ss >> v >> unit;
-      return unit == "kB" ? v * 1024 : v;
-    }
-  }
-  return -1;
-}
-
-std::string read_first_line(const std::string& path) {
-  std::ifstream f(path);
-  std::string line;
-  std::getline(f, line);
-  return line;
-}
-
-std::string cpu_model() {
-  std::ifstream f("/proc/cpuinfo");
-  for (std::string line; std::getline(f, line);) {
-    if (line.rfind("model name", 0) == 0) {
-      auto p = line.find(':');
-      return p == std::string::npos ? line : trim(line.substr(p + 2));
-    }
-  }
-  return "unknown";
-}
-
-json host_info(const std::vector<std::string>& files) {
-  json h;
-  utsname u{};
-  ::uname(&u);
-  h["hostname"] = u.nodename;
-  h["kernel"] = std::string(u.sysname) + " " + u.release;
-  h["cpu"] = cpu_model();
-  h["cores"] = std::thread::hardware_concurrency();
-  h["mem_total_bytes"] = meminfo("MemTotal");
-  h["loadavg_at_start"] = read_first_line("/proc/loadavg");
-  h["thp_enabled"] = read_first_line("/sys/kernel/mm/transparent_hugepage/enabled");
-  h["nr_hugepages"] = read_first_line("/proc/sys/vm/nr_hugepages");
-  if (!files.empty()) {
-    const std::string f = shell_quote(files.front());
-    h["df"] = trim(run_command("df --output=source,fstype,size " + f + " 2>/dev/null | tail -1"));
-    const std::string src = trim(run_command("df --output=source " + f + " 2>/dev/null | tail -1"));
-    h["lsblk"] = trim(run_command("lsblk -dno NAME,SIZE,ROTA,TYPE,MODEL " + shell_quote(src) + " 2>/dev/null"));
-  }
-  char date[64];
-  std::time_t now = std::time(nullptr);
-  std::strftime(date, sizeof date, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
-  h["date"] = date;
-  return h;
-}
-
-// ---- explicit huge pages for the run ----
-
-// Sets vm.nr_hugepages for the lifetime of the object and restores it after.
-class HugeTlbReservation {
- public:
-  HugeTlbReservation() = default;
-  HugeTlbReservation(const HugeTlbReservation&) = delete;
-  HugeTlbReservation& operator=(const HugeTlbReservation&) = delete;
-  bool set(long pages, json* report) {
-    const std::string before = read_first_line("/proc/sys/vm/nr_hugepages");
-    (*report)["nr_hugepages_before"] = before;
-    (*report)["requested"] = pages;
-    if (::geteuid() != 0) {
-      (*report)["error"] = "not root";
-      return false;
-    }
-    if (!write_sysctl(std::to_string(pages))) {
-      (*report)["error"] = "cannot write /proc/sys/vm/nr_hugepages";
-      return false;
-    }
-    saved_ = before;
-    (*report)["got"] = read_first_line("/proc/sys/vm/nr_hugepages");
-    return true;
-  }
-  ~HugeTlbReservation() {
-    if (!saved_.empty()) write_sysctl(saved_);
-  }
-
- private:
-  static bool write_sysctl(const std::string& value) {
-    std::ofstream f("/proc/sys/vm/nr_hugepages");
-    f << value << "\n";
-    f.flush();
-    return static_cast<bool>(f);
-  }
-  std::string saved_;
-};
-
-// ---- page cache ----
-
-struct DropResult {
-  std::string method;
-  double resident_after = -1;
-};
-
-double residency(const std::vector<std::string>& files, const std::vector<std::uint64_t>& sizes) {
-  pinload::Env* env = pinload::default_env();
-  double weighted = 0, total = 0;
-  for (std::size_t i = 0; i < files.size(); ++i) {
-    const int fd = env->open_read(files[i], 0);
-    if (fd < 0) return -1;
-    const double r = env->resident_fraction(fd, sizes[i], 256);
-    env->close(fd);
-    if (r < 0) return -1;
-    weighted += r * static_cast<double>(sizes[i]);
-    total += static_cast<double>(sizes[i]);
-  }
-  return total > 0 ? weighted / total : 0;
-}
-
-DropResult drop_caches(const std::vector<std::string>& files, const std::vector<std::uint64_t>& sizes) {
-  DropResult r;
-  ::sync();
-  bool dropped = false;
-  if (::geteuid() == 0) {
-    const int fd = ::open("/proc/sys/vm/drop_caches", O_WRONLY | O_CLOEXEC);
-    if (fd >= 0) {
-      dropped = ::write(fd, "1\n", 2) == 2;
-      ::close(fd);
-    }
-  }
-  if (dropped) {
-    r.method = "drop_caches";
-  } else {
-    r.method = "fadvise_dontneed";
-    for (const auto& f : files) {
-      const int fd = ::open(f.c_str(), O_RDONLY | O_CLOEXEC);
-      if (fd < 0) continue;
-      ::fdatasync(fd);
-      ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
-      ::close(fd);
-    }
-  }
-  r.resident_after = residency(files, sizes);
-  return r;
-}
-
-// ---- measurements ----
-
-struct Sample {
-  double seconds = 0;
-  double gbps = 0;
-  json extra = json::object();
-};
-
-struct Series {
-  std::vector<Sample> runs;
-  bool empty() const { return runs.empty(); }
-  double best() const {
-    double b = 0;
-    for (const auto& s : runs) b = std::max(b, s.gbps);
-    return b;
-  }
-  double median() const {
-    std::vector<double> v;
-    for (const auto& s : runs) v.push_back(s.gbps);
-    return pinload::bench::median(std::move(v)).value_or(0);
-  }
-  json to_json() const {
-    json j;
-    j["best_gbps"] = best();
-    j["median_gbps"] = median();
-    json runs_j = json::array();
-    for (const auto& s : runs) {
-      json r = {{"seconds", s.seconds}, {"gbps", s.gbps}};
-      for (auto& [k, v] : s.extra.items()) r[k] = v;
-      runs_j.push_back(r);
-    }
-    j["runs"] = runs_j;
-    return j;
-  }
-};
-
-double seconds_since(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
-
-// memcpy of `bytes` from one prefaulted buffer to another, split over `threads`.
-double memcpy_gbps(std::size_t bytes, unsigned threads, int reps) {
-  std::unique_ptr<std::byte[]> src(new std::byte[bytes]);
-  std::unique_ptr<std::byte[]> dst(new std::byte[bytes]);
-  std::memset(src.get(), 0x5a, bytes);
-  std::memset(dst.get(), 0x00, bytes);
-  double best = 0;
-  for (int r = 0; r < reps; ++r) {
-    const auto t0 = Clock::now();
-    if (threads <= 1) {
-      std::memcpy(dst.get(), src.get(), bytes);
-    } else {
-      std::vector<std::jthread> ts;
-      const std::size_t per = (bytes / threads + 4095) / 4096 * 4096;
-      for (unsigned t = 0; t < threads; ++t) {
-        const std::size_t begin = std::min(bytes, per * t), end = std::min(bytes, per * (t + 1));
-        ts.emplace_back([&, begin, end] { std::memcpy(dst.get() + begin, src.get() + begin, end - begin); });
-      }
-    }
-    const double s = seconds_since(t0);
-    best = std::max(best, static_cast<double>(bytes) / s / 1e9);
-  }
-  volatile std::byte sink = dst[bytes / 2];
-  (void)sink;
-  return best;
-}
-
-// One single-threaded read() sweep over the files with a 1 MiB buffer.
-Sample buffered_read(const std::vector<std::string>& files) {
-  std::vector<char> buf(1u << 20);
-  std::uint64_t total = 0;
-  const auto t0 = Clock::now();
-  for (const auto& f : files) {
-    const int fd = ::open(f.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0) throw std::runtime_error("cannot open " + f);
-    for (;;) {
-      const ssize_t n = ::read(fd, buf.data(), buf.size());
-      if (n < 0 && errno == EINTR) continue;
-      if (n < 0) throw std::runtime_error("read failed on " + f);
-      if (n == 0) break;
-      total += static_cast<std::uint64_t>(n);
-    }
-    ::close(fd);
-  }
-  Sample s;
-  s.seconds = seconds_since(t0);
-  s.gbps = static_cast<double>(total) / s.seconds / 1e9;
-  s.extra["bytes"] = total;
-  return s;
-}
-
-// fio's direct sequential read of the files: one job over all of them
-// (--filename=a:b:..., fio round-robins between the files), so a multi-file
-// checkpoint is read with one queue of `iodepth` as deep as asked.
-//   "iodepth32", "iodepth1": the reference runs (numjobs=1, libaio, bs 2M);
-//   "parallel": 4 jobs x iodepth 8, each reading a quarter of the bytes: what
-//               several concurrent streams (as pinload's threads) can get.
-//   "iodepth32_hugebuf", "iodepth1_hugebuf": the same with buffers in explicit
-//               huge pages (--iomem=shmhuge), where vm.nr_hugepages has room;
-//   "iodepth8_bs8M_hugebuf": bs 8M, iodepth 8, huge-page buffers: pinload's
-//               default request size and count (8 threads x 8 MiB) in one queue.
-struct FioVariant {
-  const char* name;
-  const char* bs;
-  int iodepth;
-  bool parallel;  // 4 jobs, each a quarter of the bytes
-  bool hugebuf;   // --iomem=shmhuge
-};
-constexpr FioVariant kFioVariants[] = {
-    {"iodepth32", "2M", 32, false, false},        {"iodepth1", "2M", 1, false, false},
-    {"parallel", "2M", 8, true, false},           {"iodepth32_hugebuf", "2M", 32, false, true},
-    {"iodepth1_hugebuf", "2M", 1, false, true},   {"iodepth8_bs8M_hugebuf", "8M", 8, false, true},
-};
-
-// The fio row's name in the summary table.
-std::string fio_variant_title(const FioVariant& v) {
-  std::string name = std::string("fio direct, bs ") + v.bs + ", " +
-                     (v.parallel ? "4 jobs x " : "") + "iodepth " + std::to_string(v.iodepth);
-  if (v.hugebuf) name += ", huge-page buffers";
-  return name;
-}
-
-std::optional<Sample> fio_read(const std::vector<std::string>& files, const FioVariant& variant, int runtime,
-                               std::string* error) {
-  std::string names;
-  for (const auto& f : files) {
-    if (!names.empty()) names += ':';
-    for (char c : f) {
-      if (c == ':') names += '\\';
-      names += c;
-    }
-  }
-  std::string cmd = "fio --name=r --filename=" + shell_quote(names) +
-                    " --rw=read --direct=1 --ioengine=libaio --readonly --output-format=json";
-  cmd += std::string(" --bs=") + variant.bs + " --iodepth=" + std::to_string(variant.iodepth);
-  cmd += variant.parallel ? " --numjobs=4 --size=25% --offset_increment=25% --group_reporting" : " --numjobs=1";
-  if (variant.hugebuf) cmd += " --iomem=shmhuge";
-  if (runtime > 0) cmd += " --runtime=" + std::to_string(runtime);
-  cmd += " 2>/dev/null";
-  int status = 0;
-  const std::string out = run_command(cmd, &status);
-  const auto brace = out.find('{');
-  if (status != 0 || brace == std::string::npos) {
-    *error = "fio failed or is not installed (exit status " + std::to_string(status) + ")";
-    return std::nullopt;
-  }
-  Sample s;
-  try {
-    const json j = json::parse(out.substr(brace));
-    const json& rd = j.at("jobs").at(0).at("read");
-    const std::uint64_t bytes = rd.at("io_bytes").get<std::uint64_t>();
-    s.seconds = rd.at("runtime").get<double>() / 1000;
-    s.gbps = s.seconds > 0 ? static_cast<double>(bytes) / s.seconds / 1e9 : 0;
-    s.extra["bytes"] = bytes;
-    s.extra["fio_bw_bytes"] = rd.at("bw_bytes");
-    s.extra["fio_version"] = j.value("fio version", "");
-  } catch (const std::exception& e) {
-    *error = std::string("cannot parse fio output: ") + e.what();
-    return std::nullopt;
-  }
-  s.extra["variant"] = variant.name;
-  s.extra["command"] = cmd;
-  return s;
-}
+// ---- pinload loads ----
 
 // Counts the preads that go through it (the switch phase: a cache hit makes none).
 class PreadCountingEnv : public pinload::EnvWrapper {
@@ -643,29 +324,6 @@ Sample pinload_load(const std::vector<std::string>& paths, const pinload::LoadOp
   s.extra["new_os_reservations"] = after.os_reservations - before.os_reservations;
   s.extra["free_list_hits"] = after.free_list_hits - before.free_list_hits;
   return s;
-}
-
-std::string fmt(double v, int prec = 2) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%.*f", prec, v);
-  return buf;
-}
-
-void log_sample(const std::string& what, const Sample& s) {
-  std::cerr << "  " << what << ": " << fmt(s.seconds, 3) << " s, " << fmt(s.gbps) << " GB/s";
-  for (const char* k : {"files_direct", "files_buffered", "new_os_reservations", "resident_before"}) {
-    if (s.extra.contains(k)) std::cerr << ", " << k << "=" << s.extra[k].dump();
-  }
-  std::cerr << "\n";
-}
-
-double median_of(std::vector<double> v) { return pinload::bench::median(std::move(v)).value_or(0); }
-
-// Runs every step once, starting with step `round % steps.size()` and wrapping
-// around, so that over the rounds no step always goes first: a shared machine's
-// weather drifts within a round too.
-void in_rotated_order(std::size_t round, const std::vector<std::function<void()>>& steps) {
-  for (std::size_t k = 0; k < steps.size(); ++k) steps[(k + round) % steps.size()]();
 }
 
 // ---- device ----
@@ -796,128 +454,60 @@ DevicePhase device_phase(const Args& args, pinload::Device* device, const std::v
   return out;
 }
 
-int run(const Args& args) {
-  // --device opens first, so that a missing GPU fails before minutes of fio.
-  // The stand-in does not poison fresh memory here: a GPU's cudaMalloc writes nothing.
-  std::unique_ptr<pinload::Device> target_device;
-  if (!args.device.empty()) {
-    // "cpu" is host memory, not a device: open_device refuses it.
-    target_device = pinload::open_device(pinload::parse_device_spec(args.device, "--device"), {.poison = false});
-  }
-  pinload::Checkpoint ck = pinload::open_checkpoint(pinload::default_env(), args.paths, args.load.resolve);
+// ---- the run: what every phase shares ----
+
+// The files of the checkpoint, the JSON's "results" (each phase adds its part,
+// in the order the phases run) and the page-cache drops.
+struct BenchRun {
+  const Args& args;
   std::vector<std::string> files;
   std::vector<std::uint64_t> sizes;
   std::uint64_t file_bytes = 0;
-  for (const auto& f : ck.files) {
-    files.push_back(f.path);
-    sizes.push_back(f.stat.size);
-    file_bytes += f.stat.size;
-  }
-  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  unsigned cores = 1;
+  json results;
+  std::string drop_method;  // the last drop's method; empty before any
 
-  json out;
-  out["tool"] = "pinload-bench";
-  out["label"] = args.label;
-  out["host"] = host_info(files);
-  out["paths"] = args.paths;
-  json files_j = json::array();
-  for (std::size_t i = 0; i < files.size(); ++i) files_j.push_back({{"path", files[i]}, {"bytes", sizes[i]}});
-  out["files"] = files_j;
-  out["tensors"] = ck.tensor_count();
-  out["data_bytes"] = ck.data_bytes();
-  out["file_bytes"] = file_bytes;
-  out["options"] = {{"threads", args.load.threads},
-                    {"block_size", args.load.block_size},
-                    {"direct", direct_arg_name(args.load.direct)},
-                    {"cached_read", cached_read_arg_name(args.load.cached_read)},
-                    {"files_in_flight", args.load.files_in_flight},
-                    {"repeat", args.repeat},
-                    {"huge_pages", huge_pages_name(args.huge_pages)},
-                    {"lock", args.lock},
-                    {"phases", args.phases}};
-  std::cerr << "pinload-bench: " << files.size() << " file(s), " << ck.tensor_count() << " tensors, "
-            << fmt(static_cast<double>(ck.data_bytes()) / 1e9, 3) << " GB of tensor data\n";
-
-  HugeTlbReservation hugetlb;
-  if (args.hugetlb != "off") {
-    long pages = 0;
-    if (args.hugetlb == "auto") {
-      pages = 80;  // fio: 32 x 2 MiB buffers and slack
-      if (args.huge_pages == pinload::HugePages::kExplicit) {
-        // A block is a whole size class (pool.h); a class is a multiple of 2 MiB.
-        for (std::uint64_t sz : sizes) {
-          pages += static_cast<long>(pinload::Pool::size_class(sz + 8192) / (2u << 20)) + 1;
-        }
-      }
-    } else {
-      pages = static_cast<long>(parse_size(args.hugetlb));
-    }
-    json report;
-    hugetlb.set(pages, &report);
-    std::cerr << "[hugetlb] vm.nr_hugepages " << report.dump() << " (restored at exit)\n";
-    out["hugetlb"] = report;
-  }
-
-  std::string drop_method;
-  auto drop = [&]() {
-    DropResult d = drop_caches(files, sizes);
+  // Evicts the files from the page cache; returns the fraction left, rounded to 0.001.
+  double drop() {
+    const DropResult d = drop_caches(files, sizes);
     drop_method = d.method;
     if (d.resident_after > 0.05) {
       std::cerr << "  warning: " << fmt(d.resident_after * 100, 0) << "% of the files still in the page cache after "
                 << d.method << "\n";
     }
     return std::round(d.resident_after * 1000) / 1000;
-  };
-
-  json results;
-  // ---- memcpy ----
-  double memcpy_single = 0, memcpy_multi = 0;
-  if (args.has("memcpy")) {
-    std::cerr << "[memcpy] " << size_name(args.memcpy_bytes) << " buffers\n";
-    memcpy_single = memcpy_gbps(args.memcpy_bytes, 1, 3);
-    memcpy_multi = memcpy_gbps(args.memcpy_bytes, cores, 3);
-    std::cerr << "  1 thread " << fmt(memcpy_single) << " GB/s, " << cores << " threads " << fmt(memcpy_multi)
-              << " GB/s\n";
-    results["memcpy"] = {{"bytes", args.memcpy_bytes},
-                         {"single_gbps", memcpy_single},
-                         {"multi_gbps", memcpy_multi},
-                         {"multi_threads", cores}};
   }
+};
 
-  // ---- plain buffered read ----
-  double buffered_cold = 0, buffered_warm = 0;
-  if (args.has("buffered")) {
-    std::cerr << "[buffered] single-thread read(), 1 MiB buffer\n";
-    const double resident = drop();
-    Sample c = buffered_read(files);
-    log_sample("cold", c);
-    Sample w = buffered_read(files);
-    log_sample("warm", w);
-    buffered_cold = c.gbps;
-    buffered_warm = w.gbps;
-    results["buffered_read"] = {{"cold_gbps", c.gbps}, {"cold_seconds", c.seconds}, {"warm_gbps", w.gbps},
-                                {"warm_seconds", w.seconds}, {"resident_before_cold", resident}};
-  }
-
-  // ---- the pool every pinload load of this run uses ----
-  pinload::LockedMemoryOptions mem;
-  mem.huge_pages = args.huge_pages;
-  mem.lock = args.lock;
-  const std::int64_t anon_huge_before = meminfo("AnonHugePages");
-  const std::int64_t huge_free_before = meminfo("HugePages_Free");
-  auto pool = pinload::Pool::create(pinload::make_locked_memory_backend(pinload::default_env(), mem));
+// The pool every host load of the run goes into (cold rounds, warm, sweep,
+// switch), and the loads it has seen: the first fills it, the others re-load.
+struct LoadPool {
+  pinload::LockedMemoryOptions memory;
+  std::int64_t anon_huge_before = 0;
+  std::int64_t huge_free_before = 0;
+  std::shared_ptr<pinload::Pool> pool;
   Series cold, warm;
   std::optional<Sample> first;
   std::uint64_t reload_new_reservations = 0;
   int reloads = 0;
-  auto record = [&](Series* series, Sample s) {
+
+  explicit LoadPool(const Args& args) {
+    memory.huge_pages = args.huge_pages;
+    memory.lock = args.lock;
+    anon_huge_before = meminfo("AnonHugePages");
+    huge_free_before = meminfo("HugePages_Free");
+    pool = pinload::Pool::create(pinload::make_locked_memory_backend(pinload::default_env(), memory));
+  }
+
+  // Adds a cold or warm load to *series. The first load of the run also
+  // records in results["pool_memory"] how the pool's memory is backed.
+  void record(BenchRun& run, Series* series, Sample s) {
     s.extra["fresh_pool"] = !first.has_value();
     if (!first) {
       first = s;
-      // How the pool's memory is backed, once it holds the whole checkpoint.
-      results["pool_memory"] = {
+      run.results["pool_memory"] = {
           {"backend", std::string(pool->backend_name())},
-          {"huge_pages_option", huge_pages_name(args.huge_pages)},
+          {"huge_pages_option", huge_pages_name(run.args.huge_pages)},
           {"reserved_bytes", pool->stats().reserved_bytes},
           {"anon_huge_pages_delta_bytes", meminfo("AnonHugePages") - anon_huge_before},
           {"explicit_huge_pages_used", huge_free_before - meminfo("HugePages_Free")},
@@ -927,13 +517,122 @@ int run(const Args& args) {
       ++reloads;
     }
     series->runs.push_back(std::move(s));
-  };
+  }
+};
 
-  // ---- cold rounds: fio and pinload interleaved, so that both see the same
-  // storage weather (this is a shared machine); ratios are taken per round.
-  // Note [Comparing with fio] ----
-  std::map<std::string, Series> fio;
+// --device opens first, so that a missing GPU fails before minutes of fio.
+// The stand-in does not poison fresh memory here: a GPU's cudaMalloc writes nothing.
+std::unique_ptr<pinload::Device> open_target_device(const Args& args) {
+  if (args.device.empty()) return nullptr;
+  // "cpu" is host memory, not a device: open_device refuses it.
+  return pinload::open_device(pinload::parse_device_spec(args.device, "--device"), {.poison = false});
+}
+
+// The JSON's description of the run: tool, machine, files, options.
+json describe_run(const BenchRun& run, const pinload::Checkpoint& ck) {
+  const Args& args = run.args;
+  json out;
+  out["tool"] = "pinload-bench";
+  out["label"] = args.label;
+  out["host"] = host_info(run.files);
+  out["paths"] = args.paths;
+  json files_j = json::array();
+  for (std::size_t i = 0; i < run.files.size(); ++i) {
+    files_j.push_back({{"path", run.files[i]}, {"bytes", run.sizes[i]}});
+  }
+  out["files"] = files_j;
+  out["tensors"] = ck.tensor_count();
+  out["data_bytes"] = ck.data_bytes();
+  out["file_bytes"] = run.file_bytes;
+  out["options"] = {{"threads", args.load.threads},
+                    {"block_size", args.load.block_size},
+                    {"direct", direct_arg_name(args.load.direct)},
+                    {"cached_read", cached_read_arg_name(args.load.cached_read)},
+                    {"files_in_flight", args.load.files_in_flight},
+                    {"repeat", args.repeat},
+                    {"huge_pages", huge_pages_name(args.huge_pages)},
+                    {"lock", args.lock},
+                    {"phases", args.phases}};
+  return out;
+}
+
+// --hugetlb: vm.nr_hugepages for the run (restored when *reservation goes);
+// adds out["hugetlb"].
+void reserve_huge_pages(const BenchRun& run, HugeTlbReservation* reservation, json* out) {
+  const Args& args = run.args;
+  if (args.hugetlb == "off") return;
+  long pages = 0;
+  if (args.hugetlb == "auto") {
+    pages = 80;  // fio: 32 x 2 MiB buffers and slack
+    if (args.huge_pages == pinload::HugePages::kExplicit) {
+      // A block is a whole size class (pool.h); a class is a multiple of 2 MiB.
+      for (std::uint64_t sz : run.sizes) {
+        pages += static_cast<long>(pinload::Pool::size_class(sz + 8192) / (2u << 20)) + 1;
+      }
+    }
+  } else {
+    pages = static_cast<long>(parse_size(args.hugetlb));
+  }
+  json report;
+  reservation->set(pages, &report);
+  std::cerr << "[hugetlb] vm.nr_hugepages " << report.dump() << " (restored at exit)\n";
+  (*out)["hugetlb"] = report;
+}
+
+// ---- phases, in the order they run ----
+
+struct MemcpyLimit {
+  double single = 0, multi = 0;  // GB/s; 0: not measured
+  double best() const { return std::max(multi, single); }
+};
+
+// memcpy: one thread and all cores (results["memcpy"]).
+MemcpyLimit memcpy_phase(BenchRun& run) {
+  MemcpyLimit m;
+  const Args& args = run.args;
+  std::cerr << "[memcpy] " << size_name(args.memcpy_bytes) << " buffers\n";
+  m.single = memcpy_gbps(args.memcpy_bytes, 1, 3);
+  m.multi = memcpy_gbps(args.memcpy_bytes, run.cores, 3);
+  std::cerr << "  1 thread " << fmt(m.single) << " GB/s, " << run.cores << " threads " << fmt(m.multi) << " GB/s\n";
+  run.results["memcpy"] = {{"bytes", args.memcpy_bytes},
+                           {"single_gbps", m.single},
+                           {"multi_gbps", m.multi},
+                           {"multi_threads", run.cores}};
+  return m;
+}
+
+struct BufferedReadLimit {
+  double cold = 0, warm = 0;  // GB/s; 0: not measured
+};
+
+// buffered: a plain single-thread read(), cold then warm (results["buffered_read"]).
+BufferedReadLimit buffered_phase(BenchRun& run) {
+  std::cerr << "[buffered] single-thread read(), 1 MiB buffer\n";
+  const double resident = run.drop();
+  Sample c = buffered_read(run.files);
+  log_sample("cold", c);
+  Sample w = buffered_read(run.files);
+  log_sample("warm", w);
+  run.results["buffered_read"] = {{"cold_gbps", c.gbps}, {"cold_seconds", c.seconds}, {"warm_gbps", w.gbps},
+                                  {"warm_seconds", w.seconds}, {"resident_before_cold", resident}};
+  return {c.gbps, w.gbps};
+}
+
+struct ColdRoundsResult {
+  std::map<std::string, Series> fio;  // by variant name
   std::string fio_error;
+  pinload::bench::FioComparison vs_fio;
+  double fio_best = 0, fio_parallel_best = 0;
+};
+
+// fio and cold: fio and pinload interleaved, so that both see the same storage
+// weather (this is a shared machine); ratios are taken per round. The first
+// pinload load fills the fresh pool and is reported alone; each round then
+// compares a re-load with fio (Note [Comparing with fio]). Adds results["fio"].
+ColdRoundsResult cold_rounds_phase(BenchRun& run, LoadPool& loads) {
+  const Args& args = run.args;
+  ColdRoundsResult out;
+  std::map<std::string, Series>& fio = out.fio;
   const bool do_fio = args.has("fio"), do_cold = args.has("cold");
   const auto rounds = static_cast<std::size_t>(std::max(args.repeat, 0));
   if (do_fio || do_cold) {
@@ -947,25 +646,23 @@ int run(const Args& args) {
   // Each sample of a round carries extra["round"], from which the comparison
   // with fio is built.
   auto cold_load = [&](const char* what, std::optional<std::size_t> round) {
-    const double resident = drop();
-    Sample s = pinload_load(args.paths, args.load, pool);
+    const double resident = run.drop();
+    Sample s = pinload_load(args.paths, args.load, loads.pool);
     s.extra["resident_before"] = resident;
     if (round) s.extra["round"] = *round;
     log_sample(what, s);
-    record(&cold, std::move(s));
+    loads.record(run, &loads.cold, std::move(s));
   };
-  // The first load fills a fresh pool: it is reported alone, and every round
-  // then compares a re-load with fio.
   if (do_cold) cold_load("pinload cold, fresh pool", std::nullopt);
   for (std::size_t r = 0; r < rounds && (do_fio || do_cold); ++r) {
     auto run_fio = [&] {
-      if (!do_fio || !fio_error.empty()) return;
+      if (!do_fio || !out.fio_error.empty()) return;
       for (const FioVariant& v : kFioVariants) {
         if (v.hugebuf && meminfo("HugePages_Free") < 72) continue;
-        drop();
-        auto s = fio_read(files, v, args.fio_runtime, &fio_error);
+        run.drop();
+        auto s = fio_read(run.files, v, args.fio_runtime, &out.fio_error);
         if (!s) {
-          std::cerr << "  fio skipped: " << fio_error << "\n";
+          std::cerr << "  fio skipped: " << out.fio_error << "\n";
           return;
         }
         log_sample(std::string("fio ") + v.name, *s);
@@ -984,100 +681,113 @@ int run(const Args& args) {
   for (const auto& [variant, series] : fio) {
     for (const Sample& s : series.runs) cold_rounds.fio[s.extra["round"].get<std::size_t>()][variant] = s.gbps;
   }
-  for (const Sample& s : cold.runs) {
+  for (const Sample& s : loads.cold.runs) {
     if (s.extra.contains("round")) cold_rounds.pinload[s.extra["round"].get<std::size_t>()] = s.gbps;
   }
-  const pinload::bench::FioComparison vs_fio = pinload::bench::compare_with_fio(cold_rounds);
-  double fio_best = 0, fio_parallel_best = 0, fio_hugebuf_best = 0;
+  out.vs_fio = pinload::bench::compare_with_fio(cold_rounds);
   if (do_fio) {
     json fio_j;
-    if (!fio_error.empty()) fio_j["error"] = fio_error;
+    double fio_hugebuf_best = 0;
+    if (!out.fio_error.empty()) fio_j["error"] = out.fio_error;
     for (const FioVariant& v : kFioVariants) {
       if (!fio.count(v.name)) continue;
       const Series& series = fio[v.name];
       fio_j[v.name] = series.to_json();
       fio_j[v.name]["command"] = series.runs.front().extra["command"];
       fio_j[v.name]["title"] = fio_variant_title(v);
-      if (v.parallel) fio_parallel_best = series.best();
+      if (v.parallel) out.fio_parallel_best = series.best();
       else if (v.hugebuf) fio_hugebuf_best = std::max(fio_hugebuf_best, series.best());
     }
-    fio_best = vs_fio.fio_best_any;
-    fio_j["best_gbps"] = fio_best;  // of every iodepth 32 and 1 run, numjobs 1 (huge-page buffers included)
+    out.fio_best = out.vs_fio.fio_best_any;
+    fio_j["best_gbps"] = out.fio_best;  // of every iodepth 32 and 1 run, numjobs 1 (huge-page buffers included)
     fio_j["hugebuf_best_gbps"] = fio_hugebuf_best;
-    fio_j["parallel_best_gbps"] = fio_parallel_best;
-    if (!vs_fio.reference.empty()) {
-      fio_j["reference"] = vs_fio.reference;  // Note [Comparing with fio]
-      fio_j["reference_best_gbps"] = vs_fio.reference_best;
-      fio_j["reference_median_gbps"] = vs_fio.reference_median;
+    fio_j["parallel_best_gbps"] = out.fio_parallel_best;
+    if (!out.vs_fio.reference.empty()) {
+      fio_j["reference"] = out.vs_fio.reference;  // Note [Comparing with fio]
+      fio_j["reference_best_gbps"] = out.vs_fio.reference_best;
+      fio_j["reference_median_gbps"] = out.vs_fio.reference_median;
     }
-    results["fio"] = fio_j;
+    run.results["fio"] = fio_j;
   }
+  return out;
+}
 
-  // ---- warm ----
-  std::vector<double> warm_round_ratio;  // pinload warm / memcpy of the same round
-  // The same rounds with each forced CachedRead (Note [Mapped reads]).
-  std::map<std::string, Series> warm_forced;
-  std::vector<double> warm_map_over_pread;
+struct WarmResult {
+  std::vector<double> round_ratio;          // pinload warm / memcpy of the same round
+  std::map<std::string, Series> forced;     // the same rounds with each forced CachedRead
+  std::vector<double> map_over_pread;       // per round
+};
+
+// warm (and cached-read): loads with the files in the page cache, each round
+// with its own memcpy; with cached-read, also one load with each forced
+// CachedRead (Note [Mapped reads]). Adds results["pinload_warm_cached_read_*"].
+WarmResult warm_phase(BenchRun& run, LoadPool& loads) {
+  const Args& args = run.args;
+  WarmResult out;
   const std::pair<const char*, pinload::CachedRead> kForced[] = {{"map", pinload::CachedRead::kMap},
                                                                  {"pread", pinload::CachedRead::kPread}};
-  if (args.has("warm")) {
-    std::cerr << "[pinload warm]\n";
-    buffered_read(files);  // bring the files into the page cache
-    const double resident = std::round(residency(files, sizes) * 1000) / 1000;
-    for (int r = 0; r < args.repeat; ++r) {
-      // memcpy in the same round, so the ratio sees the same CPU weather.
-      const double round_memcpy = args.has("memcpy") ? std::max(memcpy_gbps(args.memcpy_bytes, 1, 1),
-                                                                memcpy_gbps(args.memcpy_bytes, cores, 1))
-                                                     : 0;
-      // The load as configured, then (cached-read) one with each forced CachedRead.
-      std::vector<std::function<void()>> loads = {[&] {
-        Sample s = pinload_load(args.paths, args.load, pool);
-        s.extra["resident_before"] = resident;
-        if (round_memcpy > 0) {
-          s.extra["round_memcpy_gbps"] = round_memcpy;
-          warm_round_ratio.push_back(s.gbps / round_memcpy);
-        }
-        log_sample("warm", s);
-        record(&warm, std::move(s));
-      }};
-      double forced_gbps[2] = {0, 0};
-      if (args.has("cached-read")) {
-        for (std::size_t m = 0; m < 2; ++m) {
-          loads.push_back([&, m] {
-            const auto& [name, method] = kForced[m];
-            pinload::LoadOptions forced = args.load;
-            forced.cached_read = method;
-            Sample o = pinload_load(args.paths, forced, pool);
-            log_sample(std::string("warm, --cached-read ") + name, o);
-            forced_gbps[m] = o.gbps;
-            warm_forced[name].runs.push_back(std::move(o));
-          });
-        }
+  std::cerr << "[pinload warm]\n";
+  buffered_read(run.files);  // bring the files into the page cache
+  const double resident = std::round(residency(run.files, run.sizes) * 1000) / 1000;
+  for (int r = 0; r < args.repeat; ++r) {
+    // memcpy in the same round, so the ratio sees the same CPU weather.
+    const double round_memcpy = args.has("memcpy") ? std::max(memcpy_gbps(args.memcpy_bytes, 1, 1),
+                                                              memcpy_gbps(args.memcpy_bytes, run.cores, 1))
+                                                   : 0;
+    // The load as configured, then (cached-read) one with each forced CachedRead.
+    std::vector<std::function<void()>> steps = {[&] {
+      Sample s = pinload_load(args.paths, args.load, loads.pool);
+      s.extra["resident_before"] = resident;
+      if (round_memcpy > 0) {
+        s.extra["round_memcpy_gbps"] = round_memcpy;
+        out.round_ratio.push_back(s.gbps / round_memcpy);
       }
-      in_rotated_order(static_cast<std::size_t>(r), loads);
-      if (args.has("cached-read")) warm_map_over_pread.push_back(forced_gbps[0] / forced_gbps[1]);
+      log_sample("warm", s);
+      loads.record(run, &loads.warm, std::move(s));
+    }};
+    double forced_gbps[2] = {0, 0};
+    if (args.has("cached-read")) {
+      for (std::size_t m = 0; m < 2; ++m) {
+        steps.push_back([&, m] {
+          const auto& [name, method] = kForced[m];
+          pinload::LoadOptions forced = args.load;
+          forced.cached_read = method;
+          Sample o = pinload_load(args.paths, forced, loads.pool);
+          log_sample(std::string("warm, --cached-read ") + name, o);
+          forced_gbps[m] = o.gbps;
+          out.forced[name].runs.push_back(std::move(o));
+        });
+      }
     }
+    in_rotated_order(static_cast<std::size_t>(r), steps);
+    if (args.has("cached-read")) out.map_over_pread.push_back(forced_gbps[0] / forced_gbps[1]);
   }
-  for (const auto& [name, series] : warm_forced) results["pinload_warm_cached_read_" + name] = series.to_json();
+  for (const auto& [name, series] : out.forced) run.results["pinload_warm_cached_read_" + name] = series.to_json();
+  return out;
+}
 
-  // Cold without the fresh-pool run: the steady state of a server re-loading.
+// The cold and warm loads of the pool (results["pinload_cold"],
+// ["pinload_warm"], ["reload"]). Returns the cold loads without the
+// fresh-pool one: the steady state of a server re-loading.
+Series summarize_loads(BenchRun& run, const LoadPool& loads) {
   Series cold_reused;
-  for (const auto& s : cold.runs) {
+  for (const auto& s : loads.cold.runs) {
     if (!s.extra.value("fresh_pool", false)) cold_reused.runs.push_back(s);
   }
-  if (!cold.empty()) {
-    results["pinload_cold"] = cold.to_json();
+  json& results = run.results;
+  if (!loads.cold.empty()) {
+    results["pinload_cold"] = loads.cold.to_json();
     results["pinload_cold"]["reused_pool_best_gbps"] = cold_reused.best();
     results["pinload_cold"]["reused_pool_median_gbps"] = cold_reused.median();
   }
-  if (!warm.empty()) results["pinload_warm"] = warm.to_json();
-  if (first) {
-    const auto st = pool->stats();
-    results["reload"] = {{"first_load_seconds", first->seconds},
-                         {"first_load_gbps", first->gbps},
-                         {"first_load_new_os_reservations", first->extra["new_os_reservations"]},
-                         {"reloads", reloads},
-                         {"reload_new_os_reservations", reload_new_reservations},
+  if (!loads.warm.empty()) results["pinload_warm"] = loads.warm.to_json();
+  if (loads.first) {
+    const auto st = loads.pool->stats();
+    results["reload"] = {{"first_load_seconds", loads.first->seconds},
+                         {"first_load_gbps", loads.first->gbps},
+                         {"first_load_new_os_reservations", loads.first->extra["new_os_reservations"]},
+                         {"reloads", loads.reloads},
+                         {"reload_new_os_reservations", loads.reload_new_reservations},
                          {"pool_stats_after", {{"reserved_bytes", st.reserved_bytes},
                                                {"os_reservations", st.os_reservations},
                                                {"os_releases", st.os_releases},
@@ -1089,173 +799,179 @@ int run(const Args& args) {
       results["reload"]["cold_reload_median_seconds"] = median_of(t);
     }
   }
+  return cold_reused;
+}
 
-  // ---- sweep ----
-  if (args.has("sweep")) {
-    json sweep = json::array();
-    const auto before = pool->stats();
-    std::cerr << "[sweep] cold";
+// sweep: cold (and warm) loads over threads x block size (results["sweep"]).
+void sweep_phase(BenchRun& run, LoadPool& loads) {
+  const Args& args = run.args;
+  json sweep = json::array();
+  const auto before = loads.pool->stats();
+  std::cerr << "[sweep] cold";
+  for (unsigned t : args.sweep_threads) {
+    for (std::size_t b : args.sweep_blocks) {
+      pinload::LoadOptions o = args.load;
+      o.threads = t;
+      o.block_size = b;
+      Series c;
+      for (int r = 0; r < args.sweep_repeat; ++r) {
+        run.drop();
+        c.runs.push_back(pinload_load(args.paths, o, loads.pool));
+      }
+      std::cerr << " " << fmt(c.best()) << std::flush;
+      sweep.push_back({{"threads", t}, {"block_size", b}, {"cold", c.to_json()}});
+    }
+  }
+  std::cerr << "\n";
+  if (args.sweep_warm) {
+    std::cerr << "[sweep] warm";
+    buffered_read(run.files);
+    std::size_t i = 0;
     for (unsigned t : args.sweep_threads) {
       for (std::size_t b : args.sweep_blocks) {
         pinload::LoadOptions o = args.load;
         o.threads = t;
         o.block_size = b;
-        Series c;
-        for (int r = 0; r < args.sweep_repeat; ++r) {
-          drop();
-          c.runs.push_back(pinload_load(args.paths, o, pool));
-        }
-        std::cerr << " " << fmt(c.best()) << std::flush;
-        sweep.push_back({{"threads", t}, {"block_size", b}, {"cold", c.to_json()}});
+        Series w;
+        for (int r = 0; r < args.sweep_repeat; ++r) w.runs.push_back(pinload_load(args.paths, o, loads.pool));
+        std::cerr << " " << fmt(w.best()) << std::flush;
+        sweep[i++]["warm"] = w.to_json();
       }
     }
     std::cerr << "\n";
-    if (args.sweep_warm) {
-      std::cerr << "[sweep] warm";
-      buffered_read(files);
-      std::size_t i = 0;
-      for (unsigned t : args.sweep_threads) {
-        for (std::size_t b : args.sweep_blocks) {
-          pinload::LoadOptions o = args.load;
-          o.threads = t;
-          o.block_size = b;
-          Series w;
-          for (int r = 0; r < args.sweep_repeat; ++r) w.runs.push_back(pinload_load(args.paths, o, pool));
-          std::cerr << " " << fmt(w.best()) << std::flush;
-          sweep[i++]["warm"] = w.to_json();
-        }
-      }
-      std::cerr << "\n";
-    }
-    results["sweep"] = sweep;
-    results["sweep_new_os_reservations"] = pool->stats().os_reservations - before.os_reservations;
   }
-  // ---- switch: switching back to a model held in the cache, against a cold load ----
+  run.results["sweep"] = sweep;
+  run.results["sweep_new_os_reservations"] = loads.pool->stats().os_reservations - before.os_reservations;
+}
+
+// switch: switching back to a model held in a ModelCache against the cold load
+// that filled it; with a device, a hit to it (get_on) against a bare upload()
+// (results["switch"]). Returns the host hit's median over the cold load.
+double switch_phase(BenchRun& run, LoadPool& loads, pinload::Device* device) {
+  const Args& args = run.args;
+  json& results = run.results;
+  PreadCountingEnv env;
+  pinload::ModelCache cache(UINT64_MAX, std::make_shared<const pinload::Loader>(args.load, loads.pool, &env));
+  const double resident = run.drop();
+  const auto t0 = Clock::now();
+  const std::uint64_t bytes = cache.get(args.paths).total_bytes();  // a miss: the cold load
+  const double cold_s = seconds_since(t0);
+  const std::uint64_t cold_preads = env.preads.load();
+  const auto before = loads.pool->stats();
+  const int hits = 20 * args.repeat;
+  std::vector<double> hit_s;
+  for (int i = 0; i < hits; ++i) {
+    const auto t = Clock::now();
+    const pinload::StateDict sd = cache.get(args.paths);
+    hit_s.push_back(seconds_since(t));
+  }
+  const auto after = loads.pool->stats();
+  const double hit_median = median_of(hit_s);
+  const double switch_ratio = hit_median / cold_s;
+  const pinload::ModelCacheStats cs = cache.stats();
+  results["switch"] = {{"bytes", bytes},
+                       {"resident_before_cold", resident},
+                       {"cold_seconds", cold_s},
+                       {"cold_gbps", static_cast<double>(bytes) / cold_s / 1e9},
+                       {"cold_preads", cold_preads},
+                       {"hits", hits},
+                       {"hit_median_seconds", hit_median},
+                       {"hit_best_seconds", *std::min_element(hit_s.begin(), hit_s.end())},
+                       {"hit_over_cold", switch_ratio},
+                       {"preads_on_hits", env.preads.load() - cold_preads},
+                       {"new_os_reservations_on_hits", after.os_reservations - before.os_reservations},
+                       {"allocations_on_hits", after.allocations - before.allocations},
+                       {"cache_hits", cs.hits},
+                       {"cache_misses", cs.misses},
+                       {"cached_bytes", cs.cached_bytes}};
+  std::cerr << "[switch] cold load " << fmt(cold_s, 3) << " s (" << cold_preads << " preads); switching back, "
+            << hits << " hits: median " << fmt(hit_median * 1e6, 1) << " us = " << fmt(switch_ratio * 100, 4)
+            << " % of the cold load, " << results["switch"]["preads_on_hits"].dump() << " preads, "
+            << results["switch"]["new_os_reservations_on_hits"].dump() << " new OS reservations\n";
+  if (device == nullptr) return switch_ratio;
+
+  // A hit to the device (get_on) against a bare upload() of the same host
+  // copy, alternated; host copies in the device's pinned memory, as a GPU service sets it up.
+  auto pinned = pinload::Pool::create(device->make_pinned_backend());
+  pinload::ModelCache on_device(UINT64_MAX, std::make_shared<const pinload::Loader>(args.load, pinned, &env));
+  const pinload::StateDict host = on_device.get(args.paths);
+  const std::uint64_t preads = env.preads.load();
+  std::vector<double> bare_s, get_on_s;
+  // Each result is freed before the next copy, and the order alternates, so that neither
+  // side always gets the device memory the other has just freed.
+  auto time_upload = [&] {
+    const auto t = Clock::now();
+    const pinload::StateDict bare = pinload::upload(host, *device, args.copy);
+    bare_s.push_back(seconds_since(t));
+  };
+  auto time_get_on = [&] {
+    const auto t = Clock::now();
+    const pinload::StateDict hit = on_device.get_on(*device, args.paths, args.copy);
+    get_on_s.push_back(seconds_since(t));
+  };
+  for (int i = 0; i < 4 * args.repeat + 1; ++i) in_rotated_order(static_cast<std::size_t>(i), {time_upload, time_get_on});
+  const double bare = median_of(bare_s), hit = median_of(get_on_s);
+  results["switch"]["device"] = {{"device", args.device},
+                                 {"streams", args.copy.streams},
+                                 {"chunk_bytes", args.copy.chunk_bytes},
+                                 {"rounds", bare_s.size()},
+                                 {"upload_median_seconds", bare},
+                                 {"upload_gbps", static_cast<double>(bytes) / bare / 1e9},
+                                 {"get_on_hit_median_seconds", hit},
+                                 {"get_on_hit_gbps", static_cast<double>(bytes) / hit / 1e9},
+                                 {"hit_over_upload", hit / bare},
+                                 {"preads_on_hits", env.preads.load() - preads}};
+  std::cerr << "[switch] to " << args.device << ": get_on hit " << fmt(hit, 4) << " s, bare upload() "
+            << fmt(bare, 4) << " s of the same bytes: " << fmt(hit / bare, 3) << "x, "
+            << results["switch"]["device"]["preads_on_hits"].dump() << " preads\n";
+  return switch_ratio;
+}
+
+// pool: a fresh reservation of the checkpoint's blocks, timed alone, after the
+// run's pool has given its memory back (results["pool_reserve"]).
+void pool_phase(BenchRun& run, LoadPool& loads) {
+  const Args& args = run.args;
+  const std::uint64_t main_reserved = loads.pool->stats().reserved_bytes;
+  loads.pool.reset();  // give its memory back first, so both do not coexist
+  std::cerr << "[pool] fresh pool reserving the checkpoint's blocks after a cache drop (huge pages "
+            << huge_pages_name(args.huge_pages) << ")\n";
+  run.drop();
+  std::this_thread::sleep_for(std::chrono::seconds(args.pool_settle));
+  const pinload::bench::FirstTouch ft = pinload::bench::fresh_pool_first_touch(loads.memory, run.sizes);
+  const double total_s = ft.reserve_seconds + ft.first_touch_seconds;
+  run.results["pool_reserve"] = {{"reserved_bytes", ft.reserved_bytes},
+                                 {"os_reservations", ft.os_reservations},
+                                 {"reserve_seconds", ft.reserve_seconds},
+                                 {"first_touch_seconds", ft.first_touch_seconds},
+                                 {"gbps", static_cast<double>(ft.reserved_bytes) / total_s / 1e9},
+                                 {"locked", ft.locked},
+                                 {"settle_seconds", args.pool_settle},
+                                 {"main_pool_reserved_bytes", main_reserved}};
+  std::cerr << "  " << fmt(static_cast<double>(ft.reserved_bytes) / 1e9) << " GB: reserve "
+            << fmt(ft.reserve_seconds, 3) << " s + first touch " << fmt(ft.first_touch_seconds, 3) << " s = "
+            << fmt(static_cast<double>(ft.reserved_bytes) / total_s / 1e9) << " GB/s\n";
+}
+
+// ---- after the phases ----
+
+// What the phases measured, for the ratios and the table.
+struct Measured {
+  MemcpyLimit memcpy;
+  BufferedReadLimit buffered;
+  ColdRoundsResult cold_rounds;
+  WarmResult warm;
+  Series cold_reused;
   std::optional<double> switch_ratio;
-  if (args.has("switch")) {
-    PreadCountingEnv env;
-    pinload::ModelCache cache(UINT64_MAX, std::make_shared<const pinload::Loader>(args.load, pool, &env));
-    const double resident = drop();
-    const auto t0 = Clock::now();
-    const std::uint64_t bytes = cache.get(args.paths).total_bytes();  // a miss: the cold load
-    const double cold_s = seconds_since(t0);
-    const std::uint64_t cold_preads = env.preads.load();
-    const auto before = pool->stats();
-    const int hits = 20 * args.repeat;
-    std::vector<double> hit_s;
-    for (int i = 0; i < hits; ++i) {
-      const auto t = Clock::now();
-      const pinload::StateDict sd = cache.get(args.paths);
-      hit_s.push_back(seconds_since(t));
-    }
-    const auto after = pool->stats();
-    const double hit_median = median_of(hit_s);
-    switch_ratio = hit_median / cold_s;
-    const pinload::ModelCacheStats cs = cache.stats();
-    results["switch"] = {{"bytes", bytes},
-                         {"resident_before_cold", resident},
-                         {"cold_seconds", cold_s},
-                         {"cold_gbps", static_cast<double>(bytes) / cold_s / 1e9},
-                         {"cold_preads", cold_preads},
-                         {"hits", hits},
-                         {"hit_median_seconds", hit_median},
-                         {"hit_best_seconds", *std::min_element(hit_s.begin(), hit_s.end())},
-                         {"hit_over_cold", *switch_ratio},
-                         {"preads_on_hits", env.preads.load() - cold_preads},
-                         {"new_os_reservations_on_hits", after.os_reservations - before.os_reservations},
-                         {"allocations_on_hits", after.allocations - before.allocations},
-                         {"cache_hits", cs.hits},
-                         {"cache_misses", cs.misses},
-                         {"cached_bytes", cs.cached_bytes}};
-    std::cerr << "[switch] cold load " << fmt(cold_s, 3) << " s (" << cold_preads << " preads); switching back, "
-              << hits << " hits: median " << fmt(hit_median * 1e6, 1) << " us = " << fmt(*switch_ratio * 100, 4)
-              << " % of the cold load, " << results["switch"]["preads_on_hits"].dump() << " preads, "
-              << results["switch"]["new_os_reservations_on_hits"].dump() << " new OS reservations\n";
+  std::optional<DevicePhase> device;
+};
 
-    // With --device: a hit to the device (get_on) against a bare upload() of the same host
-    // copy, alternated; host copies in the device's pinned memory, as a GPU service sets it up.
-    if (!args.device.empty()) {
-      pinload::Device* device = target_device.get();
-      auto pinned = pinload::Pool::create(device->make_pinned_backend());
-      pinload::ModelCache on_device(UINT64_MAX, std::make_shared<const pinload::Loader>(args.load, pinned, &env));
-      const pinload::StateDict host = on_device.get(args.paths);
-      const std::uint64_t preads = env.preads.load();
-      std::vector<double> bare_s, get_on_s;
-      // Each result is freed before the next copy, and the order alternates, so that neither
-      // side always gets the device memory the other has just freed.
-      auto time_upload = [&] {
-        const auto t = Clock::now();
-        const pinload::StateDict bare = pinload::upload(host, *device, args.copy);
-        bare_s.push_back(seconds_since(t));
-      };
-      auto time_get_on = [&] {
-        const auto t = Clock::now();
-        const pinload::StateDict hit = on_device.get_on(*device, args.paths, args.copy);
-        get_on_s.push_back(seconds_since(t));
-      };
-      for (int i = 0; i < 4 * args.repeat + 1; ++i) in_rotated_order(static_cast<std::size_t>(i), {time_upload, time_get_on});
-      const double bare = median_of(bare_s), hit = median_of(get_on_s);
-      results["switch"]["device"] = {{"device", args.device},
-                                     {"streams", args.copy.streams},
-                                     {"chunk_bytes", args.copy.chunk_bytes},
-                                     {"rounds", bare_s.size()},
-                                     {"upload_median_seconds", bare},
-                                     {"upload_gbps", static_cast<double>(bytes) / bare / 1e9},
-                                     {"get_on_hit_median_seconds", hit},
-                                     {"get_on_hit_gbps", static_cast<double>(bytes) / hit / 1e9},
-                                     {"hit_over_upload", hit / bare},
-                                     {"preads_on_hits", env.preads.load() - preads}};
-      std::cerr << "[switch] to " << args.device << ": get_on hit " << fmt(hit, 4) << " s, bare upload() "
-                << fmt(bare, 4) << " s of the same bytes: " << fmt(hit / bare, 3) << "x, "
-                << results["switch"]["device"]["preads_on_hits"].dump() << " preads\n";
-    }
-  }
-
-  // ---- pool: a fresh reservation of the checkpoint's blocks, timed alone ----
-  if (args.has("pool")) {
-    const std::uint64_t main_reserved = pool->stats().reserved_bytes;
-    pool.reset();  // give its memory back first, so both do not coexist
-    std::cerr << "[pool] fresh pool reserving the checkpoint's blocks after a cache drop (huge pages "
-              << huge_pages_name(args.huge_pages) << ")\n";
-    drop();
-    std::this_thread::sleep_for(std::chrono::seconds(args.pool_settle));
-    auto fresh = pinload::Pool::create(pinload::make_locked_memory_backend(pinload::default_env(), mem));
-    std::vector<std::shared_ptr<pinload::Block>> blocks;
-    const auto t0 = Clock::now();
-    for (std::uint64_t sz : sizes) blocks.push_back(fresh->allocate((sz + 2 * 4096 - 1) / 4096 * 4096));
-    const double reserve_s = seconds_since(t0);
-    const auto t1 = Clock::now();
-    for (auto& b : blocks) {
-      for (std::size_t i = 0; i < b->size(); i += 4096) b->data()[i] = std::byte{1};
-    }
-    const double touch_s = seconds_since(t1);
-    const auto st = fresh->stats();
-    const double total_s = reserve_s + touch_s;
-    results["pool_reserve"] = {{"reserved_bytes", st.reserved_bytes},
-                               {"os_reservations", st.os_reservations},
-                               {"reserve_seconds", reserve_s},
-                               {"first_touch_seconds", touch_s},
-                               {"gbps", static_cast<double>(st.reserved_bytes) / total_s / 1e9},
-                               {"locked", !blocks.empty() && blocks.front()->locked()},
-                               {"settle_seconds", args.pool_settle},
-                               {"main_pool_reserved_bytes", main_reserved}};
-    std::cerr << "  " << fmt(static_cast<double>(st.reserved_bytes) / 1e9) << " GB: reserve " << fmt(reserve_s, 3)
-              << " s + first touch " << fmt(touch_s, 3) << " s = "
-              << fmt(static_cast<double>(st.reserved_bytes) / total_s / 1e9) << " GB/s\n";
-  }
-
-  std::optional<DevicePhase> device_results;
-  if (args.has("device")) {
-    device_results = device_phase(args, target_device.get(), files, drop, fio_best);
-    results["device"] = device_results->results;
-  }
-
-  out["drop_cache_method"] = drop_method.empty() ? "none" : drop_method;
-  out["host"]["loadavg_at_end"] = read_first_line("/proc/loadavg");
-  out["results"] = results;
-
-  // ---- ratios and targets ----
-  json ratios, targets;
+// out["ratios"] and out["targets"] from what was measured.
+void ratios_and_targets(const Measured& m, const LoadPool& loads, const json& results, json* ratios_out,
+                        json* targets_out) {
+  json& ratios = *ratios_out;
+  json& targets = *targets_out;
+  const pinload::bench::FioComparison& vs_fio = m.cold_rounds.vs_fio;
+  const double fio_best = m.cold_rounds.fio_best;
   if (vs_fio.reference_best > 0 && vs_fio.pinload_best > 0) {
     // Note [Comparing with fio]: the target is on the reference variant.
     ratios["cold_best_over_fio_reference_best"] = vs_fio.best_over_reference_best();
@@ -1268,31 +984,37 @@ int run(const Args& args) {
     }
     targets["cold_ge_0.9_fio"] = vs_fio.meets(0.9);
   }
-  if (!cold.empty() && fio_best > 0 && cold.runs.front().extra.value("fresh_pool", false)) {
-    ratios["cold_fresh_pool_over_fio_best"] = cold.runs.front().gbps / fio_best;
+  if (!loads.cold.empty() && fio_best > 0 && loads.cold.runs.front().extra.value("fresh_pool", false)) {
+    ratios["cold_fresh_pool_over_fio_best"] = loads.cold.runs.front().gbps / fio_best;
   }
   if (vs_fio.same_round_parallel) {
-    ratios["cold_best_over_fio_parallel_best"] = vs_fio.pinload_best / fio_parallel_best;
+    ratios["cold_best_over_fio_parallel_best"] = vs_fio.pinload_best / m.cold_rounds.fio_parallel_best;
     ratios["cold_over_fio_parallel_same_round_median"] = *vs_fio.same_round_parallel;
   }
-  if (!cold_reused.empty() && buffered_cold > 0) ratios["cold_over_read_1thread_cold"] = cold_reused.best() / buffered_cold;
-  if (!warm.empty() && memcpy_multi > 0) {
+  if (!m.cold_reused.empty() && m.buffered.cold > 0) {
+    ratios["cold_over_read_1thread_cold"] = m.cold_reused.best() / m.buffered.cold;
+  }
+  if (!loads.warm.empty() && m.memcpy.multi > 0) {
     // The machine's memcpy ceiling is the better of one thread and all cores.
-    ratios["warm_best_over_memcpy_best"] = warm.best() / std::max(memcpy_multi, memcpy_single);
-    ratios["warm_median_over_memcpy_best"] = warm.median() / std::max(memcpy_multi, memcpy_single);
-    if (!warm_round_ratio.empty()) ratios["warm_over_memcpy_same_round_median"] = median_of(warm_round_ratio);
-    targets["warm_ge_0.8_memcpy"] = warm.best() / std::max(memcpy_multi, memcpy_single) >= 0.8;
+    ratios["warm_best_over_memcpy_best"] = loads.warm.best() / m.memcpy.best();
+    ratios["warm_median_over_memcpy_best"] = loads.warm.median() / m.memcpy.best();
+    if (!m.warm.round_ratio.empty()) ratios["warm_over_memcpy_same_round_median"] = median_of(m.warm.round_ratio);
+    targets["warm_ge_0.8_memcpy"] = loads.warm.best() / m.memcpy.best() >= 0.8;
   }
-  if (!warm.empty() && buffered_warm > 0) ratios["warm_over_read_1thread_warm"] = warm.best() / buffered_warm;
-  if (!warm_map_over_pread.empty()) ratios["warm_map_over_pread_same_round_median"] = median_of(warm_map_over_pread);
-  if (reloads > 0) targets["reload_zero_new_os_reservations"] = reload_new_reservations == 0;
-  if (device_results) {
-    ratios.update(device_results->ratios);
-    targets.update(device_results->targets);
+  if (!loads.warm.empty() && m.buffered.warm > 0) {
+    ratios["warm_over_read_1thread_warm"] = loads.warm.best() / m.buffered.warm;
   }
-  if (switch_ratio) {
-    ratios["switch_hit_over_cold"] = *switch_ratio;
-    targets["switch_hit_le_0.01_cold"] = *switch_ratio <= 0.01;
+  if (!m.warm.map_over_pread.empty()) {
+    ratios["warm_map_over_pread_same_round_median"] = median_of(m.warm.map_over_pread);
+  }
+  if (loads.reloads > 0) targets["reload_zero_new_os_reservations"] = loads.reload_new_reservations == 0;
+  if (m.device) {
+    ratios.update(m.device->ratios);
+    targets.update(m.device->targets);
+  }
+  if (m.switch_ratio) {
+    ratios["switch_hit_over_cold"] = *m.switch_ratio;
+    targets["switch_hit_le_0.01_cold"] = *m.switch_ratio <= 0.01;
     targets["switch_hit_zero_preads"] = results["switch"]["preads_on_hits"].get<std::uint64_t>() == 0;
     if (results["switch"].contains("device")) {
       const json& d = results["switch"]["device"];
@@ -1300,38 +1022,44 @@ int run(const Args& args) {
       targets["switch_device_hit_le_1.10_upload"] = d["hit_over_upload"].get<double>() <= 1.10;
     }
   }
-  out["ratios"] = ratios;
-  out["targets"] = targets;
+}
 
-  // ---- table ----
+// The summary table on stdout: every measurement, the ratios, the targets, the sweep.
+void print_table(const BenchRun& run, const Measured& m, const LoadPool& loads, const json& out) {
+  const Args& args = run.args;
+  const json& results = out["results"];
+  const json& ratios = out["ratios"];
+  const json& targets = out["targets"];
   std::printf("\n%-56s %8s %8s %8s\n", "measurement", "best", "median", "runs");
   auto row = [](const std::string& name, double best, double median, std::size_t runs) {
     std::printf("%-56s %8.2f %8s %8zu\n", name.c_str(), best, median > 0 ? fmt(median).c_str() : "", runs);
   };
-  if (memcpy_multi > 0) {
-    row("memcpy, " + std::to_string(cores) + " threads", memcpy_multi, 0, 3);
-    row("memcpy, 1 thread", memcpy_single, 0, 3);
+  if (m.memcpy.multi > 0) {
+    row("memcpy, " + std::to_string(run.cores) + " threads", m.memcpy.multi, 0, 3);
+    row("memcpy, 1 thread", m.memcpy.single, 0, 3);
   }
   for (const FioVariant& v : kFioVariants) {
-    if (!fio.count(v.name)) continue;
-    row(fio_variant_title(v), fio[v.name].best(), fio[v.name].median(), fio[v.name].runs.size());
+    const auto it = m.cold_rounds.fio.find(v.name);
+    if (it == m.cold_rounds.fio.end()) continue;
+    row(fio_variant_title(v), it->second.best(), it->second.median(), it->second.runs.size());
   }
-  if (buffered_cold > 0) {
-    row("read(), 1 thread, 1 MiB, cold", buffered_cold, 0, 1);
-    row("read(), 1 thread, 1 MiB, warm", buffered_warm, 0, 1);
+  if (m.buffered.cold > 0) {
+    row("read(), 1 thread, 1 MiB, cold", m.buffered.cold, 0, 1);
+    row("read(), 1 thread, 1 MiB, warm", m.buffered.warm, 0, 1);
   }
   const std::string cfg = std::to_string(args.load.threads) + " thr, " + size_name(args.load.block_size) + ", direct " +
                           direct_arg_name(args.load.direct);
-  if (!cold.empty()) {
-    if (cold.runs.front().extra.value("fresh_pool", false)) {
-      row("pinload cold, fresh pool (" + cfg + ")", cold.runs.front().gbps, 0, 1);
+  if (!loads.cold.empty()) {
+    if (loads.cold.runs.front().extra.value("fresh_pool", false)) {
+      row("pinload cold, fresh pool (" + cfg + ")", loads.cold.runs.front().gbps, 0, 1);
     }
-    if (!cold_reused.empty()) {
-      row("pinload cold, re-load (" + cfg + ")", cold_reused.best(), cold_reused.median(), cold_reused.runs.size());
+    if (!m.cold_reused.empty()) {
+      row("pinload cold, re-load (" + cfg + ")", m.cold_reused.best(), m.cold_reused.median(),
+          m.cold_reused.runs.size());
     }
   }
-  if (!warm.empty()) row("pinload warm (" + cfg + ")", warm.best(), warm.median(), warm.runs.size());
-  for (const auto& [name, series] : warm_forced) {
+  if (!loads.warm.empty()) row("pinload warm (" + cfg + ")", loads.warm.best(), loads.warm.median(), loads.warm.runs.size());
+  for (const auto& [name, series] : m.warm.forced) {
     row("pinload warm, --cached-read " + name, series.best(), series.median(), series.runs.size());
   }
   if (results.contains("pool_reserve")) {
@@ -1339,13 +1067,13 @@ int run(const Args& args) {
     row("fresh pool: reserve" + std::string(pr["locked"].get<bool>() ? " + mlock" : "") + " + touch, no I/O",
         pr["gbps"].get<double>(), 0, 1);
   }
-  if (device_results) {
+  if (m.device) {
     row("pinned copy to " + args.device + ", " + size_name(args.memcpy_bytes),
-        device_results->results["pinned_copy_gbps"].get<double>(), 0, 3);
-    for (const auto& [name, series] : device_results->rows) row(name, series->best(), series->median(), series->runs.size());
+        m.device->results["pinned_copy_gbps"].get<double>(), 0, 3);
+    for (const auto& [name, series] : m.device->rows) row(name, series->best(), series->median(), series->runs.size());
   }
   std::printf("GB/s = 1e9 B/s. cache drop: %s. loadavg at start: %s, at end: %s\n",
-              drop_method.empty() ? "none" : drop_method.c_str(),
+              run.drop_method.empty() ? "none" : run.drop_method.c_str(),
               out["host"]["loadavg_at_start"].get<std::string>().c_str(),
               out["host"]["loadavg_at_end"].get<std::string>().c_str());
   if (!ratios.empty()) {
@@ -1355,10 +1083,10 @@ int run(const Args& args) {
       std::printf(r < 0.01 ? "  %-44s %.6f\n" : "  %-44s %6.2f\n", k.c_str(), r);  // the switch ratio is tiny
     }
   }
-  if (first) {
-    std::printf("re-load after unload: %d re-load(s), %llu new OS reservations (the first load made %llu)\n", reloads,
-                static_cast<unsigned long long>(reload_new_reservations),
-                static_cast<unsigned long long>(first->extra["new_os_reservations"].get<std::uint64_t>()));
+  if (loads.first) {
+    std::printf("re-load after unload: %d re-load(s), %llu new OS reservations (the first load made %llu)\n",
+                loads.reloads, static_cast<unsigned long long>(loads.reload_new_reservations),
+                static_cast<unsigned long long>(loads.first->extra["new_os_reservations"].get<std::uint64_t>()));
   }
   if (results.contains("pool_memory")) {
     std::printf("pool memory: huge pages %s, %.2f GB reserved, THP-backed delta %.2f GB, explicit huge pages %lld\n",
@@ -1386,6 +1114,49 @@ int run(const Args& args) {
       std::printf("\n");
     }
   }
+}
+
+int run(const Args& args) {
+  std::unique_ptr<pinload::Device> target_device = open_target_device(args);
+  pinload::Checkpoint ck = pinload::open_checkpoint(pinload::default_env(), args.paths, args.load.resolve);
+  BenchRun run{.args = args};
+  for (const auto& f : ck.files) {
+    run.files.push_back(f.path);
+    run.sizes.push_back(f.stat.size);
+    run.file_bytes += f.stat.size;
+  }
+  run.cores = std::max(1u, std::thread::hardware_concurrency());
+
+  json out = describe_run(run, ck);
+  std::cerr << "pinload-bench: " << run.files.size() << " file(s), " << ck.tensor_count() << " tensors, "
+            << fmt(static_cast<double>(ck.data_bytes()) / 1e9, 3) << " GB of tensor data\n";
+  HugeTlbReservation hugetlb;
+  reserve_huge_pages(run, &hugetlb, &out);
+
+  Measured m;
+  if (args.has("memcpy")) m.memcpy = memcpy_phase(run);
+  if (args.has("buffered")) m.buffered = buffered_phase(run);
+  LoadPool loads(args);  // after the limits, so that its memory is measured alone
+  m.cold_rounds = cold_rounds_phase(run, loads);
+  if (args.has("warm")) m.warm = warm_phase(run, loads);
+  m.cold_reused = summarize_loads(run, loads);
+  if (args.has("sweep")) sweep_phase(run, loads);
+  if (args.has("switch")) m.switch_ratio = switch_phase(run, loads, target_device.get());
+  if (args.has("pool")) pool_phase(run, loads);
+  if (args.has("device")) {
+    m.device = device_phase(args, target_device.get(), run.files, [&] { return run.drop(); }, m.cold_rounds.fio_best);
+    run.results["device"] = m.device->results;
+  }
+
+  out["drop_cache_method"] = run.drop_method.empty() ? "none" : run.drop_method;
+  out["host"]["loadavg_at_end"] = read_first_line("/proc/loadavg");
+  out["results"] = run.results;
+  json ratios, targets;
+  ratios_and_targets(m, loads, run.results, &ratios, &targets);
+  out["ratios"] = ratios;
+  out["targets"] = targets;
+
+  print_table(run, m, loads, out);
   if (!args.json_out.empty()) {
     std::ofstream f(args.json_out);
     f << out.dump(2) << "\n";

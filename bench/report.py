@@ -1,14 +1,17 @@
 #!/usr/bin/env python3
-"""Tables and plots of docs/benchmarks.md from the JSON that bench/run_all.py keeps in bench/results/.
+"""Tables and plots of the benchmark docs from the JSON that bench/run_all.py keeps in bench/results/.
 
     bench/report.py                       # every bench/results/run_all.*.json (full first)
-    bench/report.py --json bench/results/run_all.quick.json --check   # exit 1 if the doc is stale
+    bench/report.py --check               # exit 1 if the docs are stale
+
+combined_table() is the table bench/run_peers.py prints: pinload-bench's JSON and the
+peers' JSON of the same files side by side.
 
 Writes docs/img/bench-<mode>-throughput.png (GB/s per system, per scenario and set),
 docs/img/bench-<mode>-bandwidth.png (read bandwidth over one cold load: pinload
-against the fastest verified peer, from /proc/<pid>/io read_bytes every 50 ms), and
-the tables between the GENERATED markers of docs/benchmarks.md; the rest of the page
-is left as it is.
+against the fastest verified peer, from /proc/<pid>/io read_bytes every 50 ms), one
+table per scenario between the GENERATED markers of docs/benchmarks.md (the rest of
+that page is left as it is), and every row of every run in docs/benchmarks-peers.md.
 """
 from __future__ import annotations
 
@@ -213,6 +216,101 @@ def limits_table(run) -> list[str]:
     return out
 
 
+def _name(name: str) -> str:
+    return "**" + name + "**" if name.startswith("pinload") else name
+
+
+def by_set_table(run, scenario, limit_name, limit_fn) -> list[str]:
+    """One scenario, compact: a row per system (pinload first), a column per set (GB/s),
+    the limit of the same run as the first row; where a system did not load, why."""
+    sc = run.get("scenarios", {}).get(scenario, {})
+    sets = list(sc)
+    labels = {k: run["sets"].get(k, {}).get("label", k).split(" (")[0] for k in sets}
+    out = ["| system | " + " | ".join(f"{labels[k]} GB/s" for k in sets) + " | notes |",
+           "|---|" + "---:|" * len(sets) + "---|"]
+    out.append(f"| *{limit_name}* | " + " | ".join(f2(limit_fn(run, k)) for k in sets) + " | same run |")
+    names = []
+    for k in sets:
+        names += [n for n in sc[k] if n not in names]
+    names.sort(key=lambda n: not n.startswith("pinload"))
+    for n in names:
+        for label, step in [(n, 0)] + ([("pinload, re-load (pool kept)", 1)] if n == "pinload" else []):
+            cells, notes = [], []
+            for k in sets:
+                res = sc[k].get(n)
+                why = why_not(res) if res is not None else "not run"
+                st = res.get("steps", []) if res else []
+                if why or step >= len(st):
+                    cells.append("")
+                    notes.append((k, why or "no re-load"))
+                else:
+                    cells.append(f2(st[step]["gbps"]))
+            if notes and len({w for _, w in notes}) == 1 and len(notes) == len(sets):
+                text = notes[0][1]
+            else:
+                text = "; ".join(f"{labels[k]}: {w}" for k, w in notes)
+            out.append(f"| {_name(label)} | " + " | ".join(cells) + f" | {text} |")
+    return out
+
+
+def switch_summary(run) -> list[str]:
+    """One line: the switch back to the first model, pinload (with and without its cache)
+    against the peers' range."""
+    again = {}
+    for _, systems in run.get("scenarios", {}).get("switch", {}).items():
+        for name, res in systems.items():
+            st = res.get("steps", [])
+            if not why_not(res) and len(st) >= 3:
+                again[name] = (st[2]["seconds"], st[2]["seconds"] / st[0]["seconds"])
+    peers = [v for n, v in again.items() if not n.startswith("pinload")]
+    parts = [f"{n} {v[0]:.3f} s ({v[1]:.3f} x its first load)" for n, v in again.items() if n.startswith("pinload")]
+    if peers:
+        parts.append(f"the peers {min(v[0] for v in peers):.2f}-{max(v[0] for v in peers):.2f} s "
+                     f"({min(v[1] for v in peers):.2f}-{max(v[1] for v in peers):.2f} x)")
+    return ["Switching, FLUX parts -> SDXL -> FLUX parts in one process, files evicted once; FLUX again: "
+            + ", ".join(parts) + "."]
+
+
+def memlimit_summary(run) -> list[str]:
+    """One line: each system's GB/s and peak RSS over the cgroup's limit."""
+    ml = run.get("mem_limit", {})
+    parts = []
+    for _, systems in run.get("scenarios", {}).get("memlimit", {}).items():
+        for name, res in sorted(systems.items(), key=lambda kv: not kv[0].startswith("pinload")):
+            cg = res.get("cgroup", {})
+            if why_not(res) or not res.get("steps"):
+                continue
+            hwm, lim = res.get("vmhwm"), cg.get("limit")
+            parts.append(f"{name} {res['steps'][0]['gbps']:.2f} GB/s"
+                         + (f" at {hwm / lim:.2f} x" if hwm and lim else ""))
+    return [f"Memory-limited, SDXL cold in a memory cgroup of {gb(ml.get('bytes'))} GB ({ml.get('rule', '')}): "
+            + ", ".join(parts) + " (GB/s, peak RSS over the limit)."]
+
+
+def summary_section(run, json_path, detail_doc, imgs) -> list[str]:
+    """The run in a few tables for docs/benchmarks.md; every row of it is in detail_doc."""
+    h = run["host"]
+    out = [f"Command `{run['command']}`, run {run['date']} ({run.get('elapsed_seconds', 0) / 60:.0f} minutes), "
+           f"device {run.get('device')}, {h.get('cores')} cores, load average "
+           f"{', '.join(f'{x:.1f}' for x in h.get('loadavg', []))} at the start; `{os.path.relpath(json_path, ROOT)}`. "
+           f"Each system loads in a fresh process; pinload's first load there also creates its pool, its re-load "
+           f"reuses it. Every row with seconds, peak RSS, the verification and the targets: "
+           f"[{os.path.basename(detail_doc)}]({os.path.basename(detail_doc)}).", ""]
+    if "cold" in run["scenarios"]:
+        out += ["Cold (the set's files evicted before each run):", ""]
+        out += by_set_table(run, "cold", "fio direct best", fio_best) + [""]
+    if "warm" in run["scenarios"]:
+        out += ["Warm (the files in the page cache):", ""]
+        out += by_set_table(run, "warm", "memcpy best", memcpy_best) + [""]
+    if "switch" in run["scenarios"]:
+        out += switch_summary(run) + [""]
+    if "memlimit" in run["scenarios"]:
+        out += memlimit_summary(run) + [""]
+    if imgs:
+        out += ["Plots: " + ", ".join(f"[{os.path.basename(p)}](img/{os.path.basename(p)})" for p in imgs) + ".", ""]
+    return out[:-1]
+
+
 def plots(run, img_dir) -> list[str]:
     import matplotlib
     matplotlib.use("Agg")
@@ -316,14 +414,95 @@ def section(run, json_path, imgs) -> list[str]:
     return out
 
 
+def combined_table(pin: dict, peers: dict) -> str:
+    """The table of bench/run_peers.py --pinload-json: pinload-bench's limits and loads
+    (`pin`, its JSON) next to each peer's cold and warm figures (`peers`, run_peers's
+    "peers"), then pinload's ratio to each peer."""
+    r = pin.get("results", {})
+    rows = []
+
+    def add(name, cold=None, warm=None, note=""):
+        rows.append((name, cold, warm, note))
+
+    fio = r.get("fio", {})
+    # Every fio variant pinload-bench ran, with the title it gave it.
+    for k, v in fio.items():
+        if not isinstance(v, dict) or "best_gbps" not in v:
+            continue
+        label = v.get("title", f"fio {k}")
+        if v["best_gbps"] == fio.get("best_gbps"):
+            label += " (**fio best**)"
+        add(label, v["best_gbps"], None, f"median {v['median_gbps']:.2f}, {len(v['runs'])} runs")
+    if "memcpy" in r:
+        m = r["memcpy"]
+        best = max(m["multi_gbps"], m["single_gbps"])
+        add(f"memcpy, {m['multi_threads']} threads" + (" (**memcpy best**)" if m["multi_gbps"] == best else ""),
+            None, m["multi_gbps"], "512 MiB, best of 3")
+        add("memcpy, 1 thread" + (" (**memcpy best**)" if m["multi_gbps"] != best else ""), None,
+            m["single_gbps"], "512 MiB, best of 3")
+    if "buffered_read" in r:
+        b = r["buffered_read"]
+        add("read(), 1 thread, 1 MiB buffer", b["cold_gbps"], b["warm_gbps"])
+    o = pin.get("options", {})
+    cfg = f"{o.get('threads')} threads, {o.get('block_size', 0) >> 20} MiB, direct {o.get('direct')}"
+    pc, pw = r.get("pinload_cold"), r.get("pinload_warm")
+    if pc:
+        fresh = [x for x in pc["runs"] if x.get("fresh_pool")]
+        if fresh:
+            add(f"**pinload** cold, first load into a fresh pool ({cfg})", fresh[0]["gbps"], None, "1 run")
+        add(f"**pinload** re-load after unload ({cfg})", pc["reused_pool_best_gbps"],
+            pw["best_gbps"] if pw else None,
+            f"median {pc['reused_pool_median_gbps']:.2f} / {pw['median_gbps']:.2f}" if pw else "")
+    if "pool_reserve" in r:
+        pr = r["pool_reserve"]
+        add("fresh pool alone: reserve" + (" + mlock" if pr.get("locked") else "") + " + touch (no I/O)", None, None,
+            f"{pr['gbps']:.2f} GB/s ({pr['reserve_seconds'] + pr['first_touch_seconds']:.1f} s for "
+            f"{pr['reserved_bytes'] / 1e9:.2f} GB, after {pr.get('settle_seconds', 0)} s idle)")
+    for name, res in peers.items():
+        if "skipped" in res:
+            add(name, None, None, "skipped: " + res["skipped"])
+        else:
+            add(name, res["cold"]["best_gbps"], res["warm"]["best_gbps"],
+                f"median {res['cold']['median_gbps']:.2f} / {res['warm']['median_gbps']:.2f}")
+
+    def f(x):
+        return "" if x is None else f"{x:.2f}"
+
+    lines = ["| measurement | cold GB/s | warm GB/s | notes |", "|---|---:|---:|---|"]
+    for name, c, w, note in rows:
+        lines.append(f"| {name} | {f(c)} | {f(w)} | {note} |")
+    if pc:
+        lines.append("")
+        pcb = pc["reused_pool_best_gbps"]
+        for name, res in peers.items():
+            if "skipped" in res or "lazy" in name:
+                continue
+            pcm = pc["reused_pool_median_gbps"]
+            line = (f"- pinload / {name}: cold {pcb / res['cold']['best_gbps']:.2f}x best, "
+                    f"{pcm / res['cold']['median_gbps']:.2f}x median")
+            if pw:
+                line += (f"; warm {pw['best_gbps'] / res['warm']['best_gbps']:.2f}x best, "
+                         f"{pw['median_gbps'] / res['warm']['median_gbps']:.2f}x median")
+            lines.append(line)
+    return "\n".join(lines)
+
+
+def _replace_between_markers(doc: str, text: str) -> str:
+    if BEGIN in doc and END in doc:
+        return doc[:doc.index(BEGIN)] + text + doc[doc.index(END) + len(END):]
+    return doc.rstrip("\n") + "\n\n" + text + "\n"
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", nargs="*", default=None)
     ap.add_argument("--doc", default=os.path.join(ROOT, "docs", "benchmarks.md"))
+    ap.add_argument("--detail-doc", default=os.path.join(ROOT, "docs", "benchmarks-peers.md"),
+                    help="the page with every row of every run (written whole)")
     ap.add_argument("--img", default=os.path.join(ROOT, "docs", "img"))
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--check", action="store_true",
-                    help="write nothing; exit 1 if the doc's generated section is not what the JSON gives")
+                    help="write nothing; exit 1 if the docs' generated parts are not what the JSON gives")
     a = ap.parse_args(argv)
     paths = a.json or sorted(glob.glob(os.path.join(HERE, "results", "run_all.*.json")),
                              key=lambda p: (".quick." in p, p))
@@ -331,12 +510,14 @@ def main(argv=None):
         print("no bench/results/run_all.*.json: run bench/run_all.py first", file=sys.stderr)
         return 1
     os.makedirs(a.img, exist_ok=True)
-    body = [BEGIN, "", "## Generated results (bench/run_all.py)", "",
-            "Regenerate with `bench/report.py` (from the JSON in bench/results/). GB/s is 10^9 bytes of tensor data "
-            "per second, from the call to the return with every tensor in process (or device) memory; peak RSS is "
-            "the worker process's VmHWM (each system runs in a fresh process). Every load is checked: tensor "
-            "count and bytes, sha1 of three tensors per file against an independent read, and on the CPU that "
-            "90% of the bytes became resident (a lazy map is listed as not a load).", ""]
+    summary = [BEGIN, ""]
+    detail = ["# Benchmarks: every system, every set", "",
+              "Generated by `bench/report.py` from the JSON of `bench/run_all.py` in bench/results/; "
+              "[benchmarks.md](benchmarks.md) has the summary, the method and the machine. GB/s is 10^9 bytes "
+              "of tensor data per second, from the call to the return with every tensor in process (or device) "
+              "memory; peak RSS is the worker process's VmHWM (each system runs in a fresh process). Every load "
+              "is checked: tensor count and bytes, sha1 of three tensors per file against an independent read, "
+              "and on the CPU that 90% of the bytes became resident (a lazy map is listed as not a load).", ""]
     for p in paths:
         with open(p) as f:
             run = json.load(f)
@@ -345,24 +526,29 @@ def main(argv=None):
             imgs = [p for p in imgs if os.path.exists(p)]
         else:
             imgs = plots(run, a.img)
-        body += section(run, p, imgs) + [""]
-    body.append(END)
+        summary += summary_section(run, p, a.detail_doc, imgs) + [""]
+        detail += section(run, p, imgs) + [""]
+    summary.append(END)
     with open(a.doc) as f:
-        doc = f.read()
-    text = "\n".join(body)
-    if BEGIN in doc and END in doc:
-        doc = doc[:doc.index(BEGIN)] + text + doc[doc.index(END) + len(END):]
-    else:
-        doc = doc.rstrip("\n") + "\n\n" + text + "\n"
+        doc = _replace_between_markers(f.read(), "\n".join(summary))
+    detail_text = "\n".join(detail).rstrip("\n") + "\n"
     if a.check:
-        with open(a.doc) as f:
-            same = f.read() == doc
-        print("up to date" if same else f"{a.doc} is stale: run bench/report.py", file=sys.stderr)
-        return 0 if same else 1
+        stale = []
+        for path, want in ((a.doc, doc), (a.detail_doc, detail_text)):
+            have = open(path).read() if os.path.exists(path) else None
+            if have != want:
+                stale.append(path)
+        for path in stale:
+            print(f"{path} is stale: run bench/report.py", file=sys.stderr)
+        if not stale:
+            print("up to date", file=sys.stderr)
+        return 1 if stale else 0
     with open(a.doc, "w") as f:
         f.write(doc)
-    print(f"wrote {os.path.relpath(a.doc, ROOT)} and {len(paths)} run(s) of plots in {os.path.relpath(a.img, ROOT)}",
-          file=sys.stderr)
+    with open(a.detail_doc, "w") as f:
+        f.write(detail_text)
+    print(f"wrote {os.path.relpath(a.doc, ROOT)}, {os.path.relpath(a.detail_doc, ROOT)} and {len(paths)} run(s) of "
+          f"plots in {os.path.relpath(a.img, ROOT)}", file=sys.stderr)
     return 0
 
 

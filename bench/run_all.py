@@ -45,7 +45,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-import run_peers as rp  # noqa: E402
+from peers import checkpoint, convert, harness  # noqa: E402
 
 # pip name -> import name; installed only when find_spec says missing
 PIP_PEERS = {"fastsafetensors": "fastsafetensors", "runai-model-streamer": "runai_model_streamer",
@@ -114,7 +114,7 @@ class Runner:
         self.out = {"tool": "run_all", "mode": "quick" if a.quick else "full",
                     "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
                     "command": " ".join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:]),
-                    "host": host_info(), "versions": rp.versions(), "sets": {}, "limits": {},
+                    "host": host_info(), "versions": harness.versions(), "sets": {}, "limits": {},
                     "scenarios": {}}
         self.env = dict(os.environ)
         pyp = [os.path.join(ROOT, a.build, "python"), os.path.join(ROOT, "python")]
@@ -132,13 +132,13 @@ class Runner:
             f.write("\n")
 
     def prepare_set(self, name, s):
-        files = rp.resolve(s["paths"], s.get("variant"))
+        files = checkpoint.resolve(s["paths"], s.get("variant"))
         missing = [p for p in files if not os.path.isfile(p)]
         if not files or missing:
             raise SystemExit(f"set {name}: no files or missing {missing[:3]} (paths {s['paths']})")
-        total = rp.data_bytes(files)
+        total = checkpoint.data_bytes(files)
         step = {"paths": s["paths"], "files": files, "variant": s.get("variant"),
-                "digests": rp.reference_digests(files), "converted": {}}
+                "digests": checkpoint.reference_digests(files), "converted": {}}
         skip = {}
         if self.a.convert_dir:
             import shutil
@@ -157,7 +157,7 @@ class Runner:
                     skip[fmt] = f"not converted: would leave under {self.a.keep_free_gb} GB of disk free"
                     continue
                 try:
-                    c = rp.convert(files, fmt, dst)
+                    c = convert.convert(files, fmt, dst)
                     step["converted"][fmt] = c["path"]
                     if c.get("converted"):
                         self.log(f"converted {name} to {fmt} in {c['seconds']:.0f} s")
@@ -202,11 +202,11 @@ class Runner:
             self.out["limits"]["gpu"] = {"error": r.stderr[-800:]}
 
     def run(self, scenario, set_name, system, steps, cold=True, mem_limit=None, options=None):
-        res = rp.run_system(system, steps, device=self.a.device, cold=cold, mem_limit=mem_limit, env=self.env,
+        res = harness.run_system(system, steps, device=self.a.device, cold=cold, mem_limit=mem_limit, env=self.env,
                             options=options, timeout=self.a.timeout)
         if scenario not in ("cold",):
             res.pop("io_samples", None)
-        self.log(f"{scenario} {set_name} {system}: {rp.summary(res)}")
+        self.log(f"{scenario} {set_name} {system}: {harness.summary(res)}")
         self.out["scenarios"].setdefault(scenario, {}).setdefault(set_name, {})[system] = res
         self.save()
         return res
@@ -233,7 +233,7 @@ def set_bytes(s) -> int:
             with open(idx[0]) as f:
                 total += json.load(f)["metadata"]["total_size"]
         else:
-            total += rp.data_bytes([f for f in rp.resolve([p], s.get("variant")) if os.path.isfile(f)])
+            total += checkpoint.data_bytes([f for f in checkpoint.resolve([p], s.get("variant")) if os.path.isfile(f)])
     return total
 
 
@@ -368,7 +368,7 @@ def main(argv=None):
         frac = a.mem_limit or (0.5 if a.device.startswith("cuda") else 1.25)
         # the interpreter with torch imported, before any load: the limit is that plus
         # a fraction of the set (the interpreter is not what is measured)
-        b = rp.run_system("safetensors mmap + clone", [], device=a.device, cold=False, env=R.env)
+        b = harness.run_system("safetensors mmap + clone", [], device=a.device, cold=False, env=R.env)
         base = int(1.1 * (b.get("status_imported", {}).get("VmRSS") or 0))
         limit = base + int(frac * R.out["sets"]["sdxl"]["tensor_bytes"])
         R.out["mem_limit"] = {"fraction": frac, "interpreter_bytes": base, "bytes": limit,

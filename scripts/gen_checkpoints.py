@@ -33,7 +33,7 @@ torch, diffusers and transformers; the FLUX components need only numpy.
 widths (about 0.2 GB for FLUX, 0.1 GB for SDXL) to <out>/flux-dev-small/ and
 <out>/sdxl-base-small/, for CI and quick runs.
 
-Totals are checked against /work/shared/MODELS.md (FLUX 1160 tensors / 23,802,816,640 B,
+Totals are checked against the published models' figures (FLUX 1160 tensors / 23,802,816,640 B,
 T5 219 / 9,524,621,312 B, CLIP-L 196 / ~246 MB, VAE 244 / ~168 MB, SDXL UNet ~1680 /
 ~5.1 GB, CLIP-G ~517 / ~1.39 GB, SDXL VAE 248 / ~168 MB): run `--check`. Where diffusers
 and transformers are installed, --check also compares the hand-coded FLUX components with
@@ -653,7 +653,7 @@ def main(argv=None):
     ap.add_argument("--shards", default=None,
                     help="comma list of 1-based shard numbers to write for sharded components (the index is always "
                          "complete; a folder with missing shards does not open as a whole, but each shard file does)")
-    ap.add_argument("--check", action="store_true", help="print computed totals against MODELS.md and exit")
+    ap.add_argument("--check", action="store_true", help="print computed totals against the published models' figures and exit")
     ap.add_argument("--force", action="store_true", help="rewrite files that already exist")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)

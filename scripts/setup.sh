@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 
 APT_PACKAGES=(cmake ninja-build g++ clang libclang-rt-14-dev pkg-config
               libgtest-dev libgmock-dev libbenchmark-dev nlohmann-json3-dev libspdlog-dev libssl-dev
-              liburing-dev libnuma-dev pybind11-dev libdlpack-dev fio)
+              liburing-dev libnuma-dev pybind11-dev libdlpack-dev libcli11-dev fio)
 # torch (the PyPI wheel, CUDA build) and the Hugging Face libraries are for
 # the Python package's tests; each is installed only when it does not import.
 PY_PACKAGES=(numpy safetensors pytest ml_dtypes torch diffusers transformers accelerate)

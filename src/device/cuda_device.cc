@@ -196,7 +196,8 @@ class NodeBinding {
  private:
   void report(int rc) {
     if (rc != 0 && !refused_.exchange(true)) {
-      log::warn("placing pinned memory on NUMA node {} failed ({}); its pages go where the OS puts them", node_, -rc);
+      log::warn("placing pinned memory on NUMA node {} failed ({}); its pages go where the OS puts them", node_,
+                log::errno_text(-rc));
     }
   }
   Env* env_;

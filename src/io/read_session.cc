@@ -52,7 +52,7 @@ void map_for_load(Env* env, OpenFile* f) {
   int err = 0;
   const void* data = env->map_file(f->buffered_fd.get(), f->stat.size, &err);
   if (data == nullptr) {
-    log::debug("{}: cannot map ({}), reading with pread", f->path, err);
+    log::debug("{}: cannot map ({}), reading with pread", f->path, log::errno_text(err));
     return;
   }
   f->mapping = FileMapping(env, static_cast<const std::byte*>(data), f->stat.size);
@@ -68,7 +68,8 @@ bool copy_mapped_chunk(Env* env, const OpenFile& f, const ReadChunk& c, std::byt
   } while (rc == -EINTR);
   // -EINVAL: a kernel before MADV_POPULATE_READ; the copy faults pages in.
   if (rc != 0 && rc != -EINVAL && rc != -ENOSYS) {
-    log::debug("{}: populating [{}, {}) failed ({}), reading with pread", f.path, c.offset, c.offset + c.valid, -rc);
+    log::debug("{}: populating [{}, {}) failed ({}), reading with pread", f.path, c.offset, c.offset + c.valid,
+               log::errno_text(-rc));
     return false;
   }
   const bool copied = copy_from_mapping(dest, src, c.valid);
@@ -94,17 +95,25 @@ void open_for_load(Env* env, const CheckpointFile& cf, const LoadOptions& option
   }
   // The residency decides direct or buffered (kAuto) and whether a buffered
   // file is mapped (unless kPread); kOff with kPread needs neither.
-  if (options.direct == DirectIo::kOff && options.cached_read == CachedRead::kPread) return;
+  if (options.direct == DirectIo::kOff && options.cached_read == CachedRead::kPread) {
+    log::debug("{}: reading buffered with pread (direct off)", cf.path);
+    return;
+  }
+  std::string why_direct = "direct on";
   if (options.direct != DirectIo::kOn) {
     const double resident = env->resident_fraction(f->buffered_fd.get(), f->stat.size, kResidencySamples);
     const bool cached = resident >= options.resident_threshold;
     if (cached && options.cached_read != CachedRead::kPread) map_for_load(env, f);
-    if (options.direct == DirectIo::kOff) return;
+    if (options.direct == DirectIo::kOff) {
+      log::debug("{}: reading buffered{} (direct off)", cf.path, f->mapping.valid() ? " from a mapping" : "");
+      return;
+    }
     if (cached) {
       log::debug("{}: {:.0f}% in page cache, reading buffered{}", cf.path, resident * 100,
                  f->mapping.valid() ? " from a mapping" : "");
       return;
     }
+    why_direct = fmt::format("{:.0f}% in page cache, under {:.0f}%", resident * 100, options.resident_threshold * 100);
   }
   // Reads land at page-aligned places in pool blocks (Note [Direct I/O]).
   if (f->stat.dio_mem_align > kFallbackDirectAlign) {
@@ -119,10 +128,11 @@ void open_for_load(Env* env, const CheckpointFile& cf, const LoadOptions& option
   if (fd >= 0) {
     f->direct_fd = ScopedFd(env, fd);
     f->direct = true;
+    log::debug("{}: {}, reading with O_DIRECT", cf.path, why_direct);
   } else if (options.direct == DirectIo::kOn) {
     throw_os_error("O_DIRECT open refused", -fd, ErrorContext{cf.path});
   } else {
-    log::debug("{}: O_DIRECT refused at open ({}), reading buffered", cf.path, -fd);
+    log::debug("{}: O_DIRECT refused at open ({}), reading buffered", cf.path, log::errno_text(-fd));
   }
 }
 

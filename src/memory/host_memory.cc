@@ -38,7 +38,7 @@ class LockedMemoryBackend final : public HostMemoryBackend {
         range.locked = true;
       } else if (!lock_refused_.exchange(true)) {
         log::warn("mlock of {} bytes failed ({}); pool memory stays pageable. Raise RLIMIT_MEMLOCK "
-                  "(ulimit -l) to lock it.", bytes, -rc);
+                  "(ulimit -l) to lock it.", bytes, log::errno_text(-rc));
       }
     }
     return range;
@@ -59,7 +59,7 @@ class LockedMemoryBackend final : public HostMemoryBackend {
     const int rc = env_->bind_memory(data, bytes, options_.numa_node);
     if (rc != 0 && !bind_refused_.exchange(true)) {
       log::warn("binding pool memory to NUMA node {} failed ({}); its pages go where the OS puts them",
-                options_.numa_node, -rc);
+                options_.numa_node, log::errno_text(-rc));
     }
   }
 

@@ -205,14 +205,15 @@ NumaPlacement place_numa(const NumaTopology& topology, int requested, int device
 ThreadAffinityScope::ThreadAffinityScope(Env* env, const std::vector<int>& cpus) : env_(env) {
   if (cpus.empty()) return;
   if (const int rc = env_->get_thread_affinity(&previous_); rc != 0) {
-    log::debug("cannot read the thread's CPU affinity ({}); leaving it", -rc);
+    log::debug("cannot read the thread's CPU affinity ({}); leaving it", log::errno_text(-rc));
     return;
   }
   std::vector<int> allowed;
   std::set_intersection(cpus.begin(), cpus.end(), previous_.begin(), previous_.end(), std::back_inserter(allowed));
   if (allowed.empty() || allowed == previous_) return;  // nothing usable, or nothing to change
   if (const int rc = env_->set_thread_affinity(allowed); rc != 0) {
-    log::debug("cannot pin a reader thread to CPUs {} ({}); leaving it", format_cpulist(allowed), -rc);
+    log::debug("cannot pin a reader thread to CPUs {} ({}); leaving it", format_cpulist(allowed),
+              log::errno_text(-rc));
     return;
   }
   pinned_ = true;

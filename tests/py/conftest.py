@@ -43,12 +43,14 @@ class Run:
 
 @pytest.fixture(scope="session")
 def run_pinload(pinload_bin):
-    """run_pinload(*args) -> Run. Never raises on a non-zero exit."""
+    """run_pinload(*args, env=None) -> Run. Never raises on a non-zero exit."""
 
-    def run(*args, timeout=60):
+    def run(*args, timeout=60, env=None):
+        """env: variables to set on top of this process's environment."""
         args = [str(a) for a in args]
         proc = subprocess.run(
             [pinload_bin, *args],
+            env=None if env is None else {**os.environ, **env},
             stdin=subprocess.DEVNULL,
             capture_output=True,
             text=True,

@@ -7,7 +7,9 @@ hashlib over what safetensors.safe_open reads, or over raw file slices.
 
 import hashlib
 import json
+import os
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -237,10 +239,20 @@ def test_missing_file_is_one_error_line(tmp_path, run_pinload):
     assert_one_error_line(run_pinload("load", path), path)
 
 
-def test_usage_error_exits_2(run_pinload):
-    run = run_pinload("frobnicate")
+def assert_usage_error(run, message, command="load"):
+    """Exit code 2: 'pinload: error: <message>', then the command's usage line."""
     assert run.returncode == 2, run
-    assert run.stderr.startswith("pinload: error: unknown command 'frobnicate'\nusage:"), run
+    assert run.stdout == "", run
+    lines = run.stderr.splitlines()
+    assert lines[0] == f"pinload: error: {message}", run
+    usage = "pinload" + (f" {command}" if command else "")
+    assert lines[1].startswith(f"Usage: {usage} [OPTIONS]"), run
+    assert lines[2] == f"Run '{usage} --help' for more.", run
+
+
+def test_usage_error_exits_2(run_pinload):
+    assert_usage_error(run_pinload("frobnicate"), "unknown command 'frobnicate'", command="")
+    assert_usage_error(run_pinload(), "A subcommand is required", command="")
 
 
 def test_numa_node_option(tmp_path, run_pinload):
@@ -248,16 +260,152 @@ def test_numa_node_option(tmp_path, run_pinload):
     path = tmp_path / "numa.safetensors"
     stfiles.write_random_raw(path, rng, count=12)
     expected = stfiles.expected_digest(path)
-    for args in (["--numa-node", "auto"], ["--numa-node", "none"], ["--numa-node", "0"],
+    for args in (["--numa-node", "auto"], ["--numa-node", "none"], ["--numa-node", "0"], ["--numa-node=0"],
                  ["--numa-node", "auto", "--device", "sim"]):
         assert digest_lines(run_pinload("load", "--digest", *args, path)) == expected, args
-    for bad in ("x", "-1", "1.5", ""):
-        run = run_pinload("load", "--numa-node", bad, path)
-        assert run.returncode == 2, run
-        assert run.stderr.startswith("pinload: error: --numa-node takes auto, none or a node number\n"), run
+    for bad in ("x", "-1", "1.5", "", "4096"):
+        assert_usage_error(run_pinload("load", "--numa-node", bad, path),
+                           f"--numa-node: takes auto, none or a node number 0..4095, not '{bad}'")
     run = run_pinload("load", "--numa-node", "4095", path)  # no machine has it
     assert run.returncode == 1, run
     assert run.stderr.startswith("pinload: error: NUMA node 4095 does not exist; this machine has node(s) "), run
+
+
+# ---------------------------------------------------------------------------
+# The command line itself: help, version, --opt=value, values out of range
+
+
+@pytest.mark.parametrize("args", [["--help"], ["-h"]])
+def test_help(run_pinload, args):
+    run = assert_ok(run_pinload(*args))
+    assert run.stdout.startswith("pinload: inspect and load safetensors checkpoints"), run
+    assert "Usage: pinload [OPTIONS] SUBCOMMAND" in run.stdout
+    for command in ("inspect", "load"):
+        assert re.search(rf"^  {command} +\S", run.stdout, re.M), run
+    assert run.stderr == ""
+
+
+@pytest.mark.parametrize("command", ["inspect", "load"])
+def test_subcommand_help(run_pinload, command):
+    for flag in ("--help", "-h"):
+        run = assert_ok(run_pinload(command, flag))
+        assert f"Usage: pinload {command} [OPTIONS] PATH..." in run.stdout, run
+        assert "--variant V" in run.stdout
+    run = assert_ok(run_pinload("load", "--help"))
+    for option in ("--threads 1..1024=8", "--block-size SIZE 4K..1G=8M", "--direct auto|on|off=auto", "--digest",
+                   "-v,--verbose", "--device DEVICE=cpu", "--staging-bytes SIZE"):
+        assert option in run.stdout, (option, run)
+
+
+def test_version_matches_cmake(run_pinload):
+    cmake = (Path(__file__).resolve().parents[2] / "CMakeLists.txt").read_text()
+    version = re.search(r"project\(pinload VERSION ([0-9.]+)", cmake).group(1)
+    run = assert_ok(run_pinload("--version"))
+    assert run.stdout == f"pinload {version}\n", run
+
+
+def test_options_take_equals_form(tmp_path, run_pinload):
+    rng = stfiles.seeded(12)
+    path = tmp_path / "eq.safetensors"
+    stfiles.write_random_raw(path, rng, count=9)
+    expected = stfiles.expected_digest(path)
+    for args in (["--threads=3", "--block-size=8K", "--direct=off", "--cached-read=pread"],
+                 ["--threads", "3", "--block-size", "8K", "--direct", "off", "--cached-read", "map"],
+                 ["--block-size=1M", "--device=sim", "--streams=3", "--chunk-size=4K"]):
+        assert digest_lines(run_pinload("load", "--digest", *args, path)) == expected, args
+
+
+# (arguments, the error message after "pinload: error: ")
+BAD_VALUES = [
+    (["--threads", "1K"], "--threads: takes an integer 1..1024, not '1K'"),
+    (["--threads=0"], "--threads: takes an integer 1..1024, not '0'"),
+    (["--threads=1025"], "--threads: takes an integer 1..1024, not '1025'"),
+    (["--threads=-1"], "--threads: takes an integer 1..1024, not '-1'"),
+    (["--threads=2.0"], "--threads: takes an integer 1..1024, not '2.0'"),
+    (["--block-size=3K"], "--block-size: '3K' is 3072 bytes; it must be 4K..1G"),
+    (["--block-size=2G"], "--block-size: '2G' is 2147483648 bytes; it must be 4K..1G"),
+    (["--block-size=lots"], "--block-size: not a size: 'lots' (bytes, or a number with K, M or G)"),
+    (["--streams=65"], "--streams: takes an integer 1..64, not '65'"),
+    (["--chunk-size=0"], "--chunk-size: '0' is 0 bytes; it must be 1..1T"),
+    (["--direct=maybe"], "--direct: takes auto|on|off, not 'maybe'"),
+    (["--cached-read=mmap"], "--cached-read: takes auto|map|pread, not 'mmap'"),
+    (["--staging-bytes=64M"], "--staging-bytes needs --device"),
+    (["--threads"], "--threads: 1 required 1..1024 missing"),
+    (["--frobnicate"], "The following argument was not expected: --frobnicate"),
+]
+
+
+@pytest.mark.parametrize("args,message", BAD_VALUES, ids=[" ".join(a) for a, _ in BAD_VALUES])
+def test_bad_option_value_is_a_usage_error(tmp_path, run_pinload, args, message):
+    path = tmp_path / "ok.safetensors"
+    stfiles.write_raw(path, [("a", "U8", [2], b"ab")])
+    if args == ["--threads"]:
+        run = run_pinload("load", path, *args)  # a trailing option with its value missing
+    else:
+        run = run_pinload("load", *args, path)
+    assert_usage_error(run, message)
+
+
+def test_missing_path_is_a_usage_error(run_pinload):
+    assert_usage_error(run_pinload("load"), "PATH is required")
+    assert_usage_error(run_pinload("inspect", "--json"), "PATH is required", command="inspect")
+
+
+def test_load_prints_one_summary_line(tmp_path, run_pinload):
+    path = tmp_path / "s.safetensors"
+    stfiles.write_raw(path, [("a", "F32", [256], bytes(1024)), ("b", "U8", [3], b"xyz")])
+    run = assert_ok(run_pinload("load", path))
+    assert run.stdout == ""
+    assert re.fullmatch(re.escape(str(path)) + r": 2 tensors, 0\.000 GB in \d+\.\d{3} s = \d+\.\d{2} GB/s\n",
+                        run.stderr), run
+    run = assert_ok(run_pinload("load", "-q", path))
+    assert run.stdout == "" and run.stderr == "", run
+    run = assert_ok(run_pinload("load", "-v", path))
+    lines = run.stderr.splitlines()
+    assert lines[0].startswith(f"{path}: 2 tensors, "), run
+    assert re.fullmatch(r"  files: 0 direct, 1 buffered \(\d of them mapped\)|  files: 1 direct, 0 buffered \(0 of them mapped\)",
+                        lines[1]), run
+    assert re.match(r"  pool\[host\]: reserved \d+\.\d{3} GB, in use ", lines[2]), run
+
+
+def write_cold_file(path):
+    stfiles.write_raw(path, [("w", "U8", [1 << 20], bytes(1 << 20))])
+    os.sync()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("value", ["debug", "DEBUG", "Debug", "pinload=debug", " debug "])
+def test_log_level_debug_in_any_case(tmp_path, run_pinload, value):
+    path = tmp_path / "cold.safetensors"
+    write_cold_file(path)
+    run = assert_ok(run_pinload("load", "--direct=on", path, env={"PINLOAD_LOG_LEVEL": value}))
+    assert f"[pinload debug] {path}: direct on, reading with O_DIRECT\n" in run.stderr, run
+    # The decision of a default (auto) load, cold or already cached, is shown too.
+    run = assert_ok(run_pinload("load", path, env={"PINLOAD_LOG_LEVEL": value}))
+    assert re.search(rf"\[pinload debug\] {re.escape(str(path))}: \d+% in page cache, "
+                     r"(under 50%, reading with O_DIRECT|reading buffered)", run.stderr), run
+
+
+@pytest.mark.parametrize("value", ["warn", "WARN", "Warning", "error", "off", "OFF", "info"])
+def test_log_level_known_without_debug(tmp_path, run_pinload, value):
+    path = tmp_path / "cold.safetensors"
+    write_cold_file(path)
+    run = assert_ok(run_pinload("load", "-q", path, env={"PINLOAD_LOG_LEVEL": value}))
+    assert run.stderr == "", run
+
+
+@pytest.mark.parametrize("value", ["bogus", "verbose", "pinload=loud"])
+def test_log_level_unknown_is_reported(tmp_path, run_pinload, value):
+    path = tmp_path / "t.safetensors"
+    stfiles.write_raw(path, [("a", "U8", [2], b"ab")])
+    run = assert_ok(run_pinload("load", "-q", path, env={"PINLOAD_LOG_LEVEL": value}))
+    bad = value.split("=")[-1]
+    assert run.stderr == (f"[pinload warning] PINLOAD_LOG_LEVEL={value}: '{bad}' is not a log level "
+                          "(trace, debug, info, warn, error, critical, off); logging at warning\n"), run
 
 
 # ---------------------------------------------------------------------------

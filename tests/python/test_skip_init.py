@@ -14,6 +14,10 @@ import pinload
 from pinload import skip_init
 from pl_helpers import DEVICES, in_use
 
+# The construction benchmark lives in bench/, outside the package.
+_SKIP_INIT_BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                "bench", "skip_init_bench.py")
+
 
 class Rotary(nn.Module):
     """Holds only non-persistent buffers computed from its arguments (like a rotary embedding)."""
@@ -183,7 +187,7 @@ def test_bench_module_runs_on_a_tiny_flux():
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(sys.path)
     out = subprocess.run(
-        [sys.executable, "-m", "pinload._bench_skip_init", "--repeat", "1", "--config",
+        [sys.executable, _SKIP_INIT_BENCH, "--repeat", "1", "--config",
          "num_layers=1", "num_single_layers=1", "num_attention_heads=2", "attention_head_dim=16",
          "joint_attention_dim=32", "pooled_projection_dim=16", "axes_dims_rope=[4,6,6]"],
         capture_output=True, text=True, env=env, timeout=300)

@@ -1,7 +1,8 @@
+#!/usr/bin/env python3
 """How long building a full-size FLUX transformer takes, normally and on the meta device.
 
-    python3 -m pinload._bench_skip_init [--dtype float32|bfloat16] [--repeat N] [--full]
-                                        [--config key=value ...]
+    bench/skip_init_bench.py [--dtype float32|bfloat16] [--repeat N] [--full]
+                             [--config key=value ...]
 
 "normal" is ``FluxTransformer2DModel(**config)``: every parameter allocated and initialised (the
 work ``load_state_dict`` then overwrites). "meta" is ``pinload.skip_init.empty_model`` of the same
@@ -73,7 +74,7 @@ def _time_normal(cls, config, dtype, repeat) -> Tuple[float, int]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python3 -m pinload._bench_skip_init", description=__doc__.split("\n")[1])
+    parser = argparse.ArgumentParser(prog="bench/skip_init_bench.py", description=__doc__.split("\n")[1])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                         help="default dtype of the build (diffusers builds in float32 unless told)")
     parser.add_argument("--repeat", type=int, default=3, help="builds per measurement (best is shown)")

@@ -1,0 +1,138 @@
+// pinload load [options] PATH...: loads each PATH in one parallel load and
+// prints a one-line summary (stderr), optionally digests of every tensor
+// (stdout), pool and device details (-v) and a progress bar (a terminal).
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <iostream>
+#include <memory>
+#include <thread>
+
+#include "cli/command.h"
+#include "cli/progress.h"
+#include "pinload/checkpoint.h"
+#include "pinload/device.h"
+#include "pinload/error.h"
+#include "pinload/loader.h"
+
+namespace pinload::cli {
+namespace {
+
+struct LoadArgs {
+  std::vector<std::string> paths;
+  bool digest = false, verbose = false, quiet = false, no_progress = false;
+  std::string device = "cpu";  // cpu: host memory only; sim: the CPU stand-in device
+  std::uint64_t staging_bytes = 0;
+  LoadOptions load;
+};
+
+// SHA-256 of a tensor's bytes, read back from the device when it has no host copy.
+std::string tensor_digest(const Tensor& t, Device* device) {
+  if (t.on_host()) return sha256_hex(t.bytes());
+  std::vector<std::byte> bytes(t.nbytes());
+  if (!bytes.empty()) device->copy_to_host(bytes.data(), *t.device_buffer(), t.device_offset(), bytes.size());
+  return sha256_hex(bytes);
+}
+
+void print_details(const Loader& loader, const LoadProgress& p, Device* device) {
+  const PoolStats s = loader.pool()->stats();
+  std::fprintf(stderr,
+               "  files: %llu direct, %llu buffered (%llu of them mapped)\n"
+               "  pool[%s]: reserved %.3f GB, in use %.3f GB, peak %.3f GB, %llu allocations "
+               "(%llu from free lists, %llu OS reservations)\n",
+               static_cast<unsigned long long>(p.files_direct), static_cast<unsigned long long>(p.files_buffered),
+               static_cast<unsigned long long>(p.files_mapped), std::string(loader.pool()->backend_name()).c_str(),
+               s.reserved_bytes / 1e9, s.in_use_bytes / 1e9, s.peak_in_use_bytes / 1e9,
+               static_cast<unsigned long long>(s.allocations), static_cast<unsigned long long>(s.free_list_hits),
+               static_cast<unsigned long long>(s.os_reservations));
+  const NumaPlacement& numa = loader.numa_placement();
+  if (numa.active()) {
+    std::fprintf(stderr, "  numa: pool and readers on node %d (CPUs %s)\n", numa.node,
+                 format_cpulist(numa.cpus).c_str());
+  }
+  if (device != nullptr) {
+    std::string staging;
+    if (loader.staging_pool()) {
+      staging = ", staging peak " + std::to_string(loader.staging_pool()->stats().peak_reserved_bytes / 1e9) + " GB";
+    }
+    std::fprintf(stderr, "  device %s: %.3f GB copied%s\n", device->description().c_str(), p.bytes_copied / 1e9,
+                 staging.c_str());
+  }
+}
+
+void run_load(const LoadArgs& args) {
+  std::unique_ptr<Device> device;
+  LoadOptions options = args.load;
+  const DeviceSpec spec = parse_device_spec(args.device, "--device");
+  if (args.staging_bytes != 0) {
+    if (spec.is_host()) throw UsageError("--staging-bytes needs --device");
+    options.target.staging_bytes = args.staging_bytes;
+    options.target.mode = DeviceMode::kStreaming;
+  }
+  if (!spec.is_host()) {
+    device = open_device(spec);
+    options.target.device = device.get();
+  }
+  Loader loader(options);
+  for (const std::string& path : args.paths) {
+    const auto start = std::chrono::steady_clock::now();
+    LoadHandle handle = loader.load_async({path});
+    ProgressBar bar(args.no_progress ? ProgressBar::kNever : ProgressBar::kOnTerminal);
+    while (!handle.done()) {
+      const LoadProgress p = handle.progress();
+      bar.update(p.bytes_done, p.bytes_total);
+      // Short polls first, so that a small load is timed closely.
+      const auto elapsed = std::chrono::steady_clock::now() - start;
+      std::this_thread::sleep_for(std::clamp<std::chrono::steady_clock::duration>(
+          elapsed / 20, std::chrono::milliseconds(1), std::chrono::milliseconds(50)));
+    }
+    StateDict sd = handle.wait();
+    const LoadProgress p = handle.progress();
+    bar.finish(p.bytes_done, p.bytes_total);
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (args.digest) {
+      for (const Tensor& t : sd) {
+        std::cout << t.name() << '\t' << dtype_name(t.dtype()) << '\t' << shape_text(t.shape()) << '\t'
+                  << tensor_digest(t, device.get()) << '\n';
+      }
+      std::cout.flush();
+    }
+    if (!args.quiet) {
+      std::fprintf(stderr, "%s: %zu tensors, %.3f GB in %.3f s = %.2f GB/s\n", printable(path).c_str(), sd.size(),
+                   p.bytes_total / 1e9, seconds, seconds > 0 ? p.bytes_total / 1e9 / seconds : 0.0);
+    }
+    if (args.verbose) print_details(loader, p, device.get());
+  }
+}
+
+}  // namespace
+
+void add_load_command(CLI::App& app) {
+  auto args = std::make_shared<LoadArgs>();
+  CLI::App* command = app.add_subcommand(
+      "load", "Load checkpoints into host (or device) memory, as a program using pinload would, and time it");
+  command->add_flag("--digest", args->digest, "print name, dtype, shape and SHA-256 of every tensor on stdout");
+  command->add_flag("-v,--verbose", args->verbose, "also print how files were read and the pool's statistics");
+  command->add_flag("-q,--quiet", args->quiet, "no summary line");
+  command->add_flag("--no-progress", args->no_progress, "no progress bar (shown on a terminal after a second)");
+  add_reader_options(*command, &args->load);
+  command->add_option("--device", args->device, "cpu (host memory only), sim (the CPU stand-in device) or cuda:N")
+      ->type_name("DEVICE")
+      ->capture_default_str();
+  command->add_option("--streams", args->load.target.copy.streams, "host-to-device copy streams")
+      ->transform(integer_range(1, kMaxCopyStreams))
+      ->type_name("1..64")
+      ->capture_default_str();
+  command->add_option("--chunk-size", args->load.target.copy.chunk_bytes, "bytes per host-to-device copy")
+      ->transform(size_range(1, std::uint64_t{1} << 40))
+      ->type_name("SIZE")
+      ->default_str(size_text(args->load.target.copy.chunk_bytes));
+  command->add_option("--staging-bytes", args->staging_bytes,
+                      "stream to the device through this much pinned host memory (needs --device)")
+      ->transform(size_range(1, std::uint64_t{1} << 50))
+      ->type_name("SIZE");
+  add_paths(*command, &args->paths);
+  command->callback([args] { run_load(*args); });
+}
+
+}  // namespace pinload::cli
