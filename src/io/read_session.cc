@@ -143,7 +143,7 @@ void open_for_load(Env* env, const CheckpointFile& cf, const LoadOptions& option
 // Reads [offset, offset + valid) of the file to `dest` with pread, direct
 // or buffered.
 void read_with_pread(Env* env, OpenFile& f, const FileRead& plan, const ReadChunk& c, DirectIo mode,
-                     Loader::Counters* counters, std::byte* dest, bool direct) {
+                     ReadCounters* counters, std::byte* dest, bool direct) {
   std::uint64_t done = 0;
   while (done < c.valid) {
     const std::uint64_t at = c.offset + done;
@@ -175,7 +175,7 @@ void read_with_pread(Env* env, OpenFile& f, const FileRead& plan, const ReadChun
 
 // Executes one chunk: reads [offset, offset + valid) of the file to `dest`.
 void read_chunk(Env* env, OpenFile& f, const FileRead& plan, const ReadChunk& c, DirectIo mode,
-                CachedReadChooser* chooser, Loader::Counters* counters, std::byte* dest) {
+                CachedReadChooser* chooser, ReadCounters* counters, std::byte* dest) {
   const bool direct = f.direct.load(std::memory_order_relaxed);
   if (direct || !f.mapping.valid()) {
     read_with_pread(env, f, plan, c, mode, counters, dest, direct);
@@ -197,53 +197,6 @@ void read_chunk(Env* env, OpenFile& f, const FileRead& plan, const ReadChunk& c,
   chooser->record(method, c.valid, nanoseconds_since(start));
 }
 
-// The chunks of `replay` when they tile every file's aligned range exactly
-// (each byte once, aligned), else nothing: a template is never trusted.
-// Sets ReadChunk::index (the position in its file's sweep) and returns the
-// chunk count per file.
-std::optional<std::vector<ReadChunk>> replay_chunks(const ReadPlan& plan, const TemplateReads& replay,
-                                                    std::vector<std::uint32_t>* chunk_counts) {
-  std::vector<std::vector<std::pair<std::uint64_t, std::uint64_t>>> spans(plan.files.size());
-  std::vector<ReadChunk> chunks;
-  chunks.reserve(replay.reads.size());
-  for (const TemplateRead& r : replay.reads) {
-    if (r.file >= plan.files.size()) return std::nullopt;
-    const FileRead& f = plan.files[r.file];
-    const std::uint64_t align = std::max<std::uint32_t>(f.alignment, 1);
-    if (r.length == 0 || r.offset < f.read_begin || r.offset >= f.file_size || r.offset % align != 0 ||
-        r.length > f.read_end - r.offset || (r.offset + r.length) % align != 0) {
-      return std::nullopt;
-    }
-    spans[r.file].emplace_back(r.offset, r.offset + r.length);
-    ReadChunk c;
-    c.file = r.file;
-    c.offset = r.offset;
-    c.length = r.length;
-    c.valid = std::min(r.offset + r.length, f.file_size) - r.offset;
-    chunks.push_back(c);
-  }
-  for (std::size_t i = 0; i < spans.size(); ++i) {
-    std::sort(spans[i].begin(), spans[i].end());
-    const FileRead& f = plan.files[i];
-    std::uint64_t at = f.read_begin;
-    for (const auto& [begin, end] : spans[i]) {
-      if (begin != at) return std::nullopt;
-      at = end;
-    }
-    const std::uint64_t expected_end = f.file_size > f.read_begin ? f.read_end : f.read_begin;
-    if (at != expected_end) return std::nullopt;
-  }
-  // Tiled: a chunk's index is the rank of its offset in its file.
-  chunk_counts->assign(spans.size(), 0);
-  for (ReadChunk& c : chunks) {
-    const auto& sp = spans[c.file];
-    c.index = static_cast<std::uint32_t>(
-        std::lower_bound(sp.begin(), sp.end(), std::make_pair(c.offset, std::uint64_t{0})) - sp.begin());
-    ++(*chunk_counts)[c.file];
-  }
-  return chunks;
-}
-
 }  // namespace
 
 int OpenFile::buffered(Env* env) {
@@ -254,46 +207,81 @@ int OpenFile::buffered(Env* env) {
 
 std::uint64_t ReadSession::bytes_done() const {
   std::uint64_t n = 0;
-  for (std::size_t i = 0; i < plan.chunks.size(); ++i) {
-    if (chunk_done(i)) n += plan.chunks[i].valid;
+  for (std::size_t i = 0; i < plan_.chunks.size(); ++i) {
+    if (chunk_done(i)) n += plan_.chunks[i].valid;
   }
   return n;
 }
 
 std::vector<std::size_t> ReadSession::pending() const {
   std::vector<std::size_t> out;
-  for (std::size_t i = 0; i < plan.chunks.size(); ++i) {
+  for (std::size_t i = 0; i < plan_.chunks.size(); ++i) {
     if (!chunk_done(i)) out.push_back(i);
   }
   return out;
 }
 
-TemplateReads ReadSession::completed_reads(std::string destination) {
+TemplateReads ReadSession::completed_reads(std::string destination) const {
   TemplateReads out{std::move(destination), {}};
-  std::lock_guard lock(completed_mu);
-  out.reads.reserve(completed.size());
-  for (std::uint32_t i : completed) {
-    const ReadChunk& c = plan.chunks[i];
+  std::lock_guard lock(completed_mu_);
+  out.reads.reserve(completed_.size());
+  for (std::uint32_t i : completed_) {
+    const ReadChunk& c = plan_.chunks[i];
     out.reads.push_back(TemplateRead{c.file, c.offset, c.length});
   }
   return out;
 }
 
-std::unique_ptr<ReadSession> open_session(Env* env, const LoadOptions& options, Checkpoint checkpoint,
-                                          std::shared_ptr<Pool> staging_pool, const TemplateReads* replay,
-                                          Loader::Counters* counters) {
-  auto s = std::make_unique<ReadSession>();
-  s->env = env;
-  s->direct_mode = options.direct;
-  s->cached_read = options.cached_read;
-  s->checkpoint = std::move(checkpoint);
-  s->streaming = staging_pool != nullptr;
-  s->staging_pool = std::move(staging_pool);
-  const std::size_t n = s->checkpoint.files.size();
+void ReadSession::check_idle(const char* what) const {
+  if (executing_.load(std::memory_order_acquire)) {
+    throw InvalidArgumentError(std::string(what) + " while execute() runs on the session");
+  }
+}
+
+void ReadSession::keep_staged(std::size_t i, std::shared_ptr<Block> block) {
+  // Called from execute()'s sink: each chunk once, by the worker that read it.
+  staged_.at(i) = std::move(block);
+}
+
+std::shared_ptr<Block> ReadSession::take_staged(std::size_t i) {
+  check_idle("take_staged()");
+  return std::move(staged_.at(i));
+}
+
+void ReadSession::release_unread_blocks() {
+  check_idle("release_unread_blocks()");
+  if (streaming()) return;
+  std::vector<bool> used(files_.size(), false);
+  for (std::size_t i = 0; i < plan_.chunks.size(); ++i) {
+    if (chunk_done(i)) used[plan_.chunks[i].file] = true;
+  }
+  for (std::size_t f = 0; f < files_.size(); ++f) {
+    if (!used[f]) files_[f]->block.reset();
+  }
+}
+
+void ReadSession::count_files(ReadCounters* counters) const {
+  counters->files_direct = 0;
+  counters->files_buffered = 0;
+  for (const auto& f : files_) (f->direct ? counters->files_direct : counters->files_buffered)++;
+  counters->bytes_total = plan_.total_bytes;
+  counters->bytes_done = bytes_done();
+}
+
+std::unique_ptr<ReadSession> ReadSession::open(Env* env, const LoadOptions& options, Checkpoint checkpoint,
+                                               std::shared_ptr<Pool> staging_pool, const TemplateReads* replay,
+                                               ReadCounters* counters) {
+  std::unique_ptr<ReadSession> s(new ReadSession);
+  s->env_ = env;
+  s->direct_mode_ = options.direct;
+  s->cached_read_ = options.cached_read;
+  s->checkpoint_ = std::move(checkpoint);
+  s->staging_pool_ = std::move(staging_pool);
+  const std::size_t n = s->checkpoint_.files.size();
   std::vector<FileRead> reads;
-  s->files.reserve(n);
+  s->files_.reserve(n);
   reads.reserve(n);
-  for (const CheckpointFile& cf : s->checkpoint.files) {
+  for (const CheckpointFile& cf : s->checkpoint_.files) {
     auto f = std::make_unique<OpenFile>();
     open_for_load(env, cf, options, f.get());
     FileRead r;
@@ -307,71 +295,78 @@ std::unique_ptr<ReadSession> open_session(Env* env, const LoadOptions& options, 
     (f->direct ? counters->files_direct : counters->files_buffered)++;
     if (!f->direct && f->mapping.valid()) counters->files_mapped++;
     reads.push_back(std::move(r));
-    s->files.push_back(std::move(f));
+    s->files_.push_back(std::move(f));
   }
-  s->plan = make_read_plan(std::move(reads), PlanOptions{options.block_size, options.files_in_flight});
+  s->plan_ = make_read_plan(std::move(reads), PlanOptions{options.block_size, options.files_in_flight});
   if (replay != nullptr) {
-    std::vector<std::uint32_t> counts;
-    if (auto chunks = replay_chunks(s->plan, *replay, &counts)) {
-      s->plan.chunks = std::move(*chunks);
-      for (std::size_t i = 0; i < counts.size(); ++i) s->plan.files[i].chunk_count = counts[i];
+    if (std::optional<ReadPlan> replayed = replay_plan(s->plan_, replay->reads)) {
+      s->plan_ = std::move(*replayed);
     } else {
       log::warn("the I/O template's reads for \"{}\" do not tile the checkpoint's files; using the default plan",
                 replay->destination);
     }
   }
-  counters->bytes_total = s->plan.total_bytes;
-  s->done = std::make_unique<std::atomic<bool>[]>(s->plan.chunks.size());
-  if (s->streaming) s->staged.resize(s->plan.chunks.size());
+  counters->bytes_total = s->plan_.total_bytes;
+  s->done_ = std::make_unique<std::atomic<bool>[]>(s->plan_.chunks.size());
+  if (s->streaming()) s->staged_.resize(s->plan_.chunks.size());
   return s;
 }
 
-void allocate_blocks(ReadSession& s, Pool& pool, std::stop_token stop) {
-  if (s.streaming) return;
+void ReadSession::allocate_blocks(Pool& pool, std::stop_token stop) {
+  check_idle("allocate_blocks()");
+  if (streaming()) return;
   // A load holds its blocks until it ends, so one that cannot fit the budget
   // fails now instead of waiting for memory only it could free.
   if (const std::uint64_t capacity = pool.options().capacity_bytes; capacity != 0) {
     std::uint64_t need = 0;
-    for (const FileRead& r : s.plan.files) need += Pool::size_class(std::max<std::uint64_t>(r.block_bytes(), 1));
+    for (const FileRead& r : plan_.files) need += Pool::size_class(std::max<std::uint64_t>(r.block_bytes(), 1));
     if (need > capacity) {
       throw OutOfMemoryError("checkpoint needs " + std::to_string(need) + " bytes of pool memory; the pool budget is " +
                              std::to_string(capacity) + " bytes");
     }
   }
-  for (std::size_t i = 0; i < s.files.size(); ++i) {
-    if (!s.files[i]->block) s.files[i]->block = pool.allocate(s.plan.files[i].block_bytes(), stop);
+  for (std::size_t i = 0; i < files_.size(); ++i) {
+    if (!files_[i]->block) files_[i]->block = pool.allocate(plan_.files[i].block_bytes(), stop);
   }
 }
 
-void execute(ReadSession& s, const std::vector<std::size_t>& todo, unsigned threads, std::stop_token stop,
-             Loader::Counters* counters, const std::vector<int>& cpus, const ChunkSink& sink) {
+void ReadSession::execute(const std::vector<std::size_t>& todo, unsigned threads, std::stop_token stop,
+                          ReadCounters* counters, const std::vector<int>& cpus, const ChunkSink& sink) {
+  if (executing_.exchange(true, std::memory_order_acq_rel)) {
+    throw InvalidArgumentError("execute() while another execute() runs on the session");
+  }
+  struct Idle {
+    std::atomic<bool>& executing;
+    ~Idle() { executing.store(false, std::memory_order_release); }
+  } idle{executing_};
+  ReadSession& s = *this;
   std::atomic<std::size_t> next{0};
   std::stop_source abort;  // the first error, or the caller's stop, ends every worker
   std::stop_callback forward_stop(stop, [&] { abort.request_stop(); });
   FirstError first_error;
   auto worker = [&] {
     try {
-      const ThreadAffinityScope near_pool(s.env, cpus);  // Note [NUMA placement]
+      const ThreadAffinityScope near_pool(s.env_, cpus);  // Note [NUMA placement]
       for (;;) {
         if (abort.stop_requested()) return;
         const std::size_t k = next.fetch_add(1, std::memory_order_relaxed);
         if (k >= todo.size()) return;
         const std::size_t i = todo[k];
-        const ReadChunk& c = s.plan.chunks[i];
-        const FileRead& r = s.plan.files[c.file];
-        OpenFile& f = *s.files[c.file];
+        const ReadChunk& c = s.plan_.chunks[i];
+        const FileRead& r = s.plan_.files[c.file];
+        OpenFile& f = *s.files_[c.file];
         // Streaming reads into a staging block of the chunk's own; the
         // others into the file's block.
-        std::shared_ptr<Block> dest = s.streaming ? s.staging_pool->allocate(c.length, abort.get_token()) : f.block;
-        const std::size_t dest_offset = s.streaming ? 0 : c.offset - r.read_begin;
-        read_chunk(s.env, f, r, c, s.direct_mode, s.cached_read == CachedRead::kAuto ? &s.chooser : nullptr,
+        std::shared_ptr<Block> dest = s.streaming() ? s.staging_pool_->allocate(c.length, abort.get_token()) : f.block;
+        const std::size_t dest_offset = s.streaming() ? 0 : c.offset - r.read_begin;
+        read_chunk(s.env_, f, r, c, s.direct_mode_, s.cached_read_ == CachedRead::kAuto ? &s.chooser_ : nullptr,
                    counters, dest->data() + dest_offset);
         counters->bytes_done.fetch_add(c.valid, std::memory_order_relaxed);
         {
-          std::lock_guard lock(s.completed_mu);
-          s.completed.push_back(static_cast<std::uint32_t>(i));
+          std::lock_guard lock(s.completed_mu_);
+          s.completed_.push_back(static_cast<std::uint32_t>(i));
         }
-        s.done[i].store(true, std::memory_order_release);
+        s.done_[i].store(true, std::memory_order_release);
         if (sink) sink(i, std::move(dest), dest_offset);
       }
     } catch (...) {
@@ -391,11 +386,11 @@ void execute(ReadSession& s, const std::vector<std::size_t>& todo, unsigned thre
     }
     worker();  // the calling thread works too
   }
-  if (s.chooser.chunks() > 0) {
+  if (chooser_.chunks() > 0) {
     log::debug("cached files: {} chunks; per chunk and thread, map {:.2f} GB/s, pread {:.2f} GB/s; faster: {}",
-               s.chooser.chunks(), s.chooser.bytes_per_second(CachedReadChooser::kMap) / 1e9,
-               s.chooser.bytes_per_second(CachedReadChooser::kPread) / 1e9,
-               s.chooser.faster() == CachedReadChooser::kMap ? "map" : "pread");
+               chooser_.chunks(), chooser_.bytes_per_second(CachedReadChooser::kMap) / 1e9,
+               chooser_.bytes_per_second(CachedReadChooser::kPread) / 1e9,
+               chooser_.faster() == CachedReadChooser::kMap ? "map" : "pread");
   }
   if (auto e = first_error.get()) std::rethrow_exception(e);
 }

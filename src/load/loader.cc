@@ -5,69 +5,28 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
-#include <condition_variable>
 #include <exception>
+#include <functional>
 #include <mutex>
 #include <optional>
+#include <string>
+#include <utility>
 #include <unordered_map>
 
 #include "base/log.h"
+#include "io/read_session.h"
+#include "load/load_counters.h"
+#include "load/prefetch_handover.h"
 #include "pinload/error.h"
 #include "pinload/io_template.h"
 #include "pinload/prefetch.h"
 #include "pinload/read_plan.h"
-#include "io/read_session.h"
 
 namespace pinload {
 
-namespace detail {
-
-// Tensors of a load in flight that are ready to hand out (Note [Ready
-// tensors] in loader.h), until the load ends.
-class ReadyQueue {
- public:
-  void push(std::vector<Tensor> tensors) {
-    if (tensors.empty()) return;
-    {
-      std::lock_guard lock(mu_);
-      if (closed_) return;
-      for (Tensor& t : tensors) ready_.push_back(std::move(t));
-    }
-    cv_.notify_all();
-  }
-  // The load has ended: nothing more comes. A failed load drops what was not
-  // taken, so that a partial result is never handed out after the failure.
-  void close(bool failed) {
-    {
-      std::lock_guard lock(mu_);
-      closed_ = true;
-      if (failed) ready_.clear();
-    }
-    cv_.notify_all();
-  }
-  // True once take() would not block.
-  bool wait_for(std::chrono::milliseconds timeout) {
-    std::unique_lock lock(mu_);
-    return cv_.wait_for(lock, timeout, [&] { return closed_ || !ready_.empty(); });
-  }
-  // Waits for tensors or for the end; empty at the end.
-  std::vector<Tensor> take() {
-    std::unique_lock lock(mu_);
-    cv_.wait(lock, [&] { return closed_ || !ready_.empty(); });
-    return std::exchange(ready_, {});
-  }
-
- private:
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::vector<Tensor> ready_;
-  bool closed_ = false;
-};
-
-}  // namespace detail
-
 namespace {
 
+using detail::PrefetchHandover;
 using detail::ReadSession;
 
 // Which tensors of a host load have all their bytes in memory (Note [Ready
@@ -143,6 +102,154 @@ NumaPlacement choose_numa_placement(const LoadOptions& options) {
   }
 }
 
+
+// ---- the stages of Loader::run ----
+
+// The session of a load: what an adopted prefetch of the same files and mode
+// read (Note [Prefetch and adoption]), else a new one.
+std::unique_ptr<ReadSession> session_for(const Checkpoint& checkpoint, const LoadRequest& request, bool streaming,
+                                         const std::function<std::unique_ptr<ReadSession>()>& open,
+                                         Loader::Counters* counters) {
+  std::unique_ptr<ReadSession> session;
+  if (request.adopt != nullptr) {
+    session = PrefetchHandover::take(*request.adopt);
+    if (session && (session->streaming() != streaming || !detail::same_files(session->checkpoint(), checkpoint))) {
+      log::debug("dropping a prefetch of other files or another destination mode");
+      session.reset();
+    }
+  }
+  if (session) {
+    session->count_files(counters);
+    return session;
+  }
+  return open();
+}
+
+// The tensors of a load, file by file in header order, over their files'
+// blocks and (device loads) device buffers; and the files' metadata, merged
+// (the first file wins a key).
+struct TensorIndex {
+  std::vector<Tensor> tensors;
+  std::vector<std::pair<std::string, std::string>> metadata;
+};
+
+TensorIndex index_tensors(const Checkpoint& checkpoint, const ReadSession& s,
+                          const std::vector<std::shared_ptr<DeviceBuffer>>& device_buffers) {
+  TensorIndex index;
+  index.tensors.reserve(checkpoint.tensor_count());
+  for (std::size_t i = 0; i < checkpoint.files.size(); ++i) {
+    const CheckpointFile& cf = checkpoint.files[i];
+    const std::uint64_t base = s.plan().files[i].data_in_block();
+    for (const TensorInfo& t : cf.header.tensors) {
+      if (s.streaming()) {
+        index.tensors.emplace_back(cf.name_prefix + t.name, t.dtype, t.shape, device_buffers[i], t.begin, t.nbytes());
+        continue;
+      }
+      Tensor& tensor =
+          index.tensors.emplace_back(cf.name_prefix + t.name, t.dtype, t.shape, s.block(i), base + t.begin, t.nbytes());
+      if (!device_buffers.empty()) tensor.set_device(device_buffers[i], t.begin);
+    }
+    for (const auto& kv : cf.header.metadata) {
+      if (std::none_of(index.metadata.begin(), index.metadata.end(), [&](const auto& m) { return m.first == kv.first; })) {
+        index.metadata.push_back(kv);
+      }
+    }
+  }
+  return index;
+}
+
+// The loader side of a device load (Note [Device loads]): one device buffer
+// per file (its data section) and the copy engine that fills them, chunk by
+// chunk as reads complete.
+class DevicePipeline {
+ public:
+  DevicePipeline(Device& device, const CopyOptions& copy, const Checkpoint& checkpoint) : engine_(device, copy) {
+    buffers_.reserve(checkpoint.files.size());
+    for (const CheckpointFile& f : checkpoint.files) {
+      buffers_.push_back(device.allocate(std::max<std::uint64_t>(f.header.data_size(), 1)));
+    }
+  }
+  const std::vector<std::shared_ptr<DeviceBuffer>>& buffers() const noexcept { return buffers_; }
+
+  // Queues the copy of chunk `c`, which lies at `block_offset` in `block`.
+  // Only the data section goes to the device: the header bytes that an
+  // aligned read brings along are clipped. In kStreaming the ticket holds the
+  // staging block until its copy completes, then the pool has it back.
+  void submit(const ReadPlan& plan, const ReadChunk& c, std::shared_ptr<Block> block, std::size_t block_offset) {
+    const FileRead& r = plan.files[c.file];
+    const std::uint64_t begin = std::max(c.offset, r.data_offset);
+    const std::uint64_t end = c.offset + c.valid;
+    if (end > begin) {
+      engine_.submit(std::move(block), block_offset + (begin - c.offset), buffers_[c.file], begin - r.data_offset,
+                     end - begin);
+    }
+  }
+
+  // Waits for every copy queued (never releases a block under a DMA), keeping
+  // the first error in *error; counts the bytes copied.
+  void drain(std::exception_ptr* error, Loader::Counters* counters) {
+    try {
+      engine_.wait_all();
+    } catch (...) {
+      if (!*error) *error = std::current_exception();
+    }
+    counters->bytes_copied = engine_.stats().bytes_completed;
+  }
+
+ private:
+  CopyEngine engine_;
+  std::vector<std::shared_ptr<DeviceBuffer>> buffers_;
+};
+
+// Hands a load's tensors out as they become ready (Note [Ready tensors]):
+// host tensors chunk by chunk, device tensors (and anything left) at the end.
+class HandOut {
+ public:
+  HandOut(const ReadPlan& plan, const Checkpoint& checkpoint, const std::vector<Tensor>& tensors,
+          detail::ReadyQueue* ready, bool host)
+      : plan_(plan), checkpoint_(checkpoint), tensors_(tensors), ready_(ready) {
+    if (ready_ != nullptr && host) arrivals_.emplace(plan, checkpoint);
+  }
+  // Chunk `c` has been read.
+  void arrived(const ReadChunk& c) {
+    if (!arrivals_) return;
+    std::vector<std::size_t> ready;
+    arrivals_->arrived(c, &ready);
+    push(ready);
+  }
+  // The load is complete: everything not handed out yet.
+  void rest() {
+    if (ready_ == nullptr) return;
+    if (!arrivals_) arrivals_.emplace(plan_, checkpoint_);
+    std::vector<std::size_t> rest;
+    arrivals_->rest(&rest);
+    push(rest);
+  }
+
+ private:
+  void push(const std::vector<std::size_t>& indices) {
+    if (indices.empty()) return;
+    std::vector<Tensor> out;
+    out.reserve(indices.size());
+    for (std::size_t i : indices) out.push_back(tensors_[i]);
+    ready_->push(std::move(out));
+  }
+  const ReadPlan& plan_;
+  const Checkpoint& checkpoint_;
+  const std::vector<Tensor>& tensors_;
+  detail::ReadyQueue* ready_;
+  std::optional<Arrivals> arrivals_;
+};
+
+// Records the reads of `s` for `destination` into *record (io_template.h).
+void record_template(const Checkpoint& checkpoint, const ReadSession& s, const std::string& destination,
+                     IoTemplate* record) {
+  IoTemplate recorded = template_files_of(checkpoint);
+  if (recorded.files == record->files) recorded.destinations = std::move(record->destinations);
+  recorded.set(s.completed_reads(destination));
+  *record = std::move(recorded);
+}
+
 }  // namespace
 
 Loader::Loader(LoadOptions options, std::shared_ptr<Pool> pool, Env* env)
@@ -190,8 +297,11 @@ StateDict Loader::load(const Checkpoint& checkpoint, std::stop_token stop) const
 StateDict Loader::load(const std::vector<std::string>& paths, const LoadRequest& request) const {
   Counters counters;
   // A prefetch of the same paths has read the headers already.
-  if (request.adopt != nullptr && request.adopt->paths() == paths && request.adopt->resolves_like(options_.resolve)) {
-    if (std::optional<Checkpoint> checkpoint = request.adopt->checkpoint()) return run(*checkpoint, request, &counters);
+  if (request.adopt != nullptr && request.adopt->paths() == paths &&
+      PrefetchHandover::resolves_like(*request.adopt, options_.resolve)) {
+    if (std::optional<Checkpoint> checkpoint = PrefetchHandover::checkpoint(*request.adopt)) {
+      return run(*checkpoint, request, &counters);
+    }
   }
   return run(open_checkpoint(env_, paths, options_.resolve), request, &counters);
 }
@@ -208,9 +318,9 @@ StateDict Loader::load(Prefetch& prefetch, LoadRequest request) const {
 
 StateDict Loader::adopt(Prefetch& prefetch, LoadRequest request, Counters* counters) const {
   request.adopt = &prefetch;
-  std::optional<Checkpoint> checkpoint = prefetch.checkpoint();
+  std::optional<Checkpoint> checkpoint = PrefetchHandover::checkpoint(prefetch);
   if (!checkpoint) {
-    if (!prefetch.state_ || prefetch.paths().empty()) {
+    if (PrefetchHandover::empty(prefetch)) {
       throw InvalidArgumentError("load(Prefetch&) of an empty prefetch, or one whose headers could not be read");
     }
     checkpoint = open_checkpoint(env_, prefetch.paths(), options_.resolve);
@@ -226,127 +336,48 @@ StateDict Loader::run(const Checkpoint& checkpoint, const LoadRequest& request, 
   const std::stop_token& stop = request.stop;
   const bool streaming = staging_pool_ != nullptr;
   Device* device = options_.target.device;
-  // Note [Prefetch and adoption]: take what a prefetch of the same files read.
-  std::unique_ptr<ReadSession> session;
-  if (request.adopt != nullptr) {
-    session = request.adopt->take();
-    if (session && (session->streaming != streaming || !detail::same_files(session->checkpoint, checkpoint))) {
-      log::debug("dropping a prefetch of other files or another destination mode");
-      session.reset();
-    }
-  }
-  if (session) {
-    counters->files_direct = 0;
-    counters->files_buffered = 0;
-    for (const auto& f : session->files) (f->direct ? counters->files_direct : counters->files_buffered)++;
-    counters->bytes_total = session->plan.total_bytes;
-    counters->bytes_done = session->bytes_done();
-  } else {
-    session = detail::open_session(env_, options_, checkpoint, staging_pool_, nullptr, counters);
-  }
+  std::unique_ptr<ReadSession> session = session_for(checkpoint, request, streaming, [&] {
+    return ReadSession::open(env_, options_, checkpoint, staging_pool_, nullptr, counters);
+  }, counters);
   ReadSession& s = *session;
-  const std::size_t n = s.files.size();
-  detail::allocate_blocks(s, *pool_, stop);
-  std::optional<CopyEngine> engine;
-  if (device != nullptr) {
-    engine.emplace(*device, options_.target.copy);
-    for (std::size_t i = 0; i < n; ++i) {
-      s.files[i]->device_buffer = device->allocate(std::max<std::uint64_t>(checkpoint.files[i].header.data_size(), 1));
-    }
-  }
+  s.allocate_blocks(*pool_, stop);
+  std::optional<DevicePipeline> pipeline;
+  if (device != nullptr) pipeline.emplace(*device, options_.target.copy, checkpoint);
+  static const std::vector<std::shared_ptr<DeviceBuffer>> kNoBuffers;
+  TensorIndex index = index_tensors(checkpoint, s, pipeline ? pipeline->buffers() : kNoBuffers);
+  HandOut hand_out(s.plan(), checkpoint, index.tensors, counters->ready, device == nullptr);
 
-  std::vector<Tensor> tensors;
-  tensors.reserve(checkpoint.tensor_count());
-  std::vector<std::pair<std::string, std::string>> metadata;
-  for (std::size_t i = 0; i < n; ++i) {
-    const CheckpointFile& cf = checkpoint.files[i];
-    const std::uint64_t base = s.plan.files[i].data_in_block();
-    for (const TensorInfo& t : cf.header.tensors) {
-      if (streaming) {
-        tensors.emplace_back(cf.name_prefix + t.name, t.dtype, t.shape, s.files[i]->device_buffer, t.begin, t.nbytes());
-        continue;
-      }
-      Tensor& tensor =
-          tensors.emplace_back(cf.name_prefix + t.name, t.dtype, t.shape, s.files[i]->block, base + t.begin, t.nbytes());
-      if (device != nullptr) tensor.set_device(s.files[i]->device_buffer, t.begin);
-    }
-    for (const auto& kv : cf.header.metadata) {
-      if (std::none_of(metadata.begin(), metadata.end(), [&](const auto& m) { return m.first == kv.first; })) {
-        metadata.push_back(kv);
-      }
-    }
-  }
-  // Host loads hand tensors out as they arrive; device loads once copied.
-  std::optional<Arrivals> arrivals;
-  if (counters->ready != nullptr && device == nullptr) arrivals.emplace(s.plan, checkpoint);
-  auto hand_out = [&](const std::vector<std::size_t>& ready) {
-    std::vector<Tensor> out;
-    out.reserve(ready.size());
-    for (std::size_t i : ready) out.push_back(tensors[i]);
-    counters->ready->push(std::move(out));
-  };
-  // After each chunk: its tensors that became ready, and its copy to the
-  // device. Only the data section goes to the device: clip the header bytes
-  // that an aligned read brings along. In kStreaming the ticket holds the
-  // staging block until its copy completes, then the pool has it back.
+  // Wiring reads to copies: after each chunk, its tensors that became ready
+  // and its copy to the device.
   auto on_read = [&](std::size_t i, std::shared_ptr<Block> block, std::size_t block_offset) {
-    const ReadChunk& c = s.plan.chunks[i];
-    if (arrivals) {
-      std::vector<std::size_t> ready;
-      arrivals->arrived(c, &ready);
-      if (!ready.empty()) hand_out(ready);
-    }
-    if (!engine) return;
-    const FileRead& r = s.plan.files[c.file];
-    const std::uint64_t begin = std::max(c.offset, r.data_offset);
-    const std::uint64_t end = c.offset + c.valid;
-    if (end > begin) {
-      engine->submit(std::move(block), block_offset + (begin - c.offset), s.files[c.file]->device_buffer,
-                     begin - r.data_offset, end - begin);
-    }
+    const ReadChunk& c = s.plan().chunks[i];
+    hand_out.arrived(c);
+    if (pipeline) pipeline->submit(s.plan(), c, std::move(block), block_offset);
   };
-
   std::exception_ptr error;
   try {
     // What a prefetch read goes first, in plan order; staging blocks are
     // handed to their copies and burnt as the copies complete.
-    for (std::size_t i = 0; i < s.plan.chunks.size(); ++i) {
+    for (std::size_t i = 0; i < s.plan().chunks.size(); ++i) {
       if (!s.chunk_done(i)) continue;
-      const ReadChunk& c = s.plan.chunks[i];
-      if (s.streaming) {
-        on_read(i, std::move(s.staged[i]), 0);
+      const ReadChunk& c = s.plan().chunks[i];
+      if (s.streaming()) {
+        on_read(i, s.take_staged(i), 0);
       } else {
-        on_read(i, s.files[c.file]->block, c.offset - s.plan.files[c.file].read_begin);
+        on_read(i, s.block(c.file), c.offset - s.plan().files[c.file].read_begin);
       }
     }
-    detail::execute(s, s.pending(), options_.threads, stop, counters, numa_.cpus, on_read);
+    s.execute(s.pending(), options_.threads, stop, counters, numa_.cpus, on_read);
   } catch (...) {
     error = std::current_exception();
   }
-  if (engine) {
-    // Copies already queued finish before anything is released, error or not.
-    try {
-      engine->wait_all();
-    } catch (...) {
-      if (!error) error = std::current_exception();
-    }
-    counters->bytes_copied = engine->stats().bytes_completed;
-  }
+  // Draining: copies already queued finish before anything is released, error or not.
+  if (pipeline) pipeline->drain(&error, counters);
   if (error) std::rethrow_exception(error);
   if (stop.stop_requested()) throw CancelledError("load cancelled");
-  if (request.record != nullptr) {
-    IoTemplate recorded = template_files_of(checkpoint);
-    if (recorded.files == request.record->files) recorded.destinations = std::move(request.record->destinations);
-    recorded.set(s.completed_reads(destination()));
-    *request.record = std::move(recorded);
-  }
-  if (counters->ready != nullptr) {
-    if (!arrivals) arrivals.emplace(s.plan, checkpoint);
-    std::vector<std::size_t> rest;
-    arrivals->rest(&rest);
-    hand_out(rest);
-  }
-  return StateDict(std::move(tensors), std::move(metadata));
+  if (request.record != nullptr) record_template(checkpoint, s, destination(), request.record);
+  hand_out.rest();
+  return StateDict(std::move(index.tensors), std::move(index.metadata));
 }
 
 // ---- asynchronous loads ----
