@@ -524,7 +524,8 @@ struct LoadPool {
 // The stand-in does not poison fresh memory here: a GPU's cudaMalloc writes nothing.
 std::unique_ptr<pinload::Device> open_target_device(const Args& args) {
   if (args.device.empty()) return nullptr;
-  return args.device == "sim" ? pinload::make_sim_device({.poison = false}) : pinload::open_device(args.device);
+  // "cpu" is host memory, not a device: open_device refuses it.
+  return pinload::open_device(pinload::parse_device_spec(args.device, "--device"), {.poison = false});
 }
 
 // The JSON's description of the run: tool, machine, files, options.

@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 
 APT_PACKAGES=(cmake ninja-build g++ clang libclang-rt-14-dev pkg-config
               libgtest-dev libgmock-dev libbenchmark-dev nlohmann-json3-dev libspdlog-dev libssl-dev
-              liburing-dev libnuma-dev pybind11-dev libcli11-dev fio
+              liburing-dev libnuma-dev pybind11-dev libdlpack-dev libcli11-dev fio
               libcurl4-openssl-dev nginx-light bindfs fuse3)  # remote sources and their test servers
 # torch (the PyPI wheel, CUDA build) and the Hugging Face libraries are for
 # the Python package's tests; each is installed only when it does not import.

@@ -188,7 +188,7 @@ TEST_F(CheckpointTest, SameFileTwiceIsADuplicate) {
 }
 
 TEST_F(CheckpointTest, NoPathIsInvalid) {
-  EXPECT_THROW(open({}), InvalidFileError);
+  EXPECT_THROW(open({}), InvalidArgumentError);
 }
 
 TEST_F(CheckpointTest, MissingPathIsNotFound) {

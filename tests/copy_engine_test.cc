@@ -84,11 +84,11 @@ TEST(PlanCopy, CoversEveryByteOnce) {
 }
 
 TEST(PlanCopy, ZeroChunkOrStreamsIsAnArgumentError) {
-  EXPECT_THROW(plan_copy(0, 0, 10, 0, 2), InvalidFileError);
-  EXPECT_THROW(plan_copy(0, 0, 10, 8, 0), InvalidFileError);
+  EXPECT_THROW(plan_copy(0, 0, 10, 0, 2), InvalidArgumentError);
+  EXPECT_THROW(plan_copy(0, 0, 10, 8, 0), InvalidArgumentError);
   auto d = make_sim_device();
-  EXPECT_THROW(CopyEngine(*d, CopyOptions{.streams = 0}), InvalidFileError);
-  EXPECT_THROW(CopyEngine(*d, CopyOptions{.chunk_bytes = 0}), InvalidFileError);
+  EXPECT_THROW(CopyEngine(*d, CopyOptions{.streams = 0}), InvalidArgumentError);
+  EXPECT_THROW(CopyEngine(*d, CopyOptions{.chunk_bytes = 0}), InvalidArgumentError);
 }
 
 TEST(CopyOptionsDefaults, AreTheDocumentedOnes) {
@@ -196,16 +196,16 @@ TEST_P(CopyContract, RangeErrorsQueueNothing) {
   CopyEngine engine(d);
   auto block = pool_->allocate(4096);
   auto dst = d.allocate(4096);
-  EXPECT_THROW(engine.submit(block, 1, dst, 0, 4096), InvalidFileError);
-  EXPECT_THROW(engine.submit(block, 0, dst, 1, 4096), InvalidFileError);
-  EXPECT_THROW(engine.submit(block, 0, dst, 0, 4097), InvalidFileError);
-  EXPECT_THROW(engine.submit(block, SIZE_MAX, dst, 0, 2), InvalidFileError);
-  EXPECT_THROW(engine.submit(block, 0, dst, 2, SIZE_MAX), InvalidFileError);
-  EXPECT_THROW(engine.submit(nullptr, 0, dst, 0, 1), InvalidFileError);
-  EXPECT_THROW(engine.submit(block, 0, nullptr, 0, 1), InvalidFileError);
+  EXPECT_THROW(engine.submit(block, 1, dst, 0, 4096), InvalidArgumentError);
+  EXPECT_THROW(engine.submit(block, 0, dst, 1, 4096), InvalidArgumentError);
+  EXPECT_THROW(engine.submit(block, 0, dst, 0, 4097), InvalidArgumentError);
+  EXPECT_THROW(engine.submit(block, SIZE_MAX, dst, 0, 2), InvalidArgumentError);
+  EXPECT_THROW(engine.submit(block, 0, dst, 2, SIZE_MAX), InvalidArgumentError);
+  EXPECT_THROW(engine.submit(nullptr, 0, dst, 0, 1), InvalidArgumentError);
+  EXPECT_THROW(engine.submit(block, 0, nullptr, 0, 1), InvalidArgumentError);
   auto other = make_sim_device();
   auto foreign = other->allocate(4096);
-  EXPECT_THROW(engine.submit(block, 0, foreign, 0, 1), InvalidFileError);
+  EXPECT_THROW(engine.submit(block, 0, foreign, 0, 1), InvalidArgumentError);
   EXPECT_EQ(engine.stats().tickets_submitted, 0u);
   EXPECT_EQ(block.use_count(), 1);  // no refused submit kept a reference
   CopyTicket empty = engine.submit(block, 4096, dst, 4096, 0);

@@ -159,7 +159,7 @@ TEST(DeviceLoadBudget, BudgetSmallerThanOneBlockIsAClearError) {
   LoadOptions options;
   options.block_size = 2 << 20;
   options.target = {device.get(), DeviceMode::kStreaming, {}, 1 << 20};
-  EXPECT_THROW(Loader loader(options), InvalidFileError);
+  EXPECT_THROW(Loader loader(options), InvalidArgumentError);
 }
 
 class DeviceLoadFaultTest : public ::testing::TestWithParam<DeviceMode> {};
@@ -249,7 +249,7 @@ TEST(Upload, RejectsDeviceOnlyTensors) {
   options.target = {device.get(), DeviceMode::kStreaming, {}, 8 << 20};
   Loader loader(options);
   const StateDict sd = loader.load({dir.file("m.safetensors")});
-  EXPECT_THROW(upload(sd, *device), InvalidFileError);
+  EXPECT_THROW(upload(sd, *device), InvalidArgumentError);
 }
 
 }  // namespace

@@ -31,13 +31,46 @@ constexpr std::size_t MiB = 1024 * KiB;
 
 // ---------------------------------------------------------------- factory
 
-TEST(OpenDevice, SimAndCpuAreTheStandIn) {
-  for (const char* spec : {"sim", "cpu"}) {
-    auto device = open_device(spec);
-    ASSERT_NE(device, nullptr);
-    EXPECT_EQ(device->kind(), DeviceKind::kSim);
-    EXPECT_EQ(device->name(), "sim");
-    EXPECT_FALSE(device->description().empty());
+TEST(OpenDevice, SimIsTheStandIn) {
+  auto device = open_device("sim");
+  ASSERT_NE(device, nullptr);
+  EXPECT_EQ(device->kind(), DeviceKind::kSim);
+  EXPECT_EQ(device->name(), "sim");
+  EXPECT_FALSE(device->description().empty());
+}
+
+// "cpu" is host memory: no Device, and never the stand-in in disguise.
+TEST(OpenDevice, CpuIsTheHostNotADevice) {
+  EXPECT_THROW(open_device("cpu"), InvalidArgumentError);
+  EXPECT_THROW(open_device(DeviceSpec{}), InvalidArgumentError);
+}
+
+TEST(ParseDeviceSpec, EverySpellingAndItsCanonicalName) {
+  using Kind = DeviceSpec::Kind;
+  struct Case {
+    const char* text;
+    DeviceSpec spec;
+    const char* name;
+  };
+  for (const Case& c : {Case{"cpu", {Kind::kHost, 0, false}, "cpu"}, Case{"sim", {Kind::kSim, 0, false}, "sim"},
+                        Case{"cuda", {Kind::kCuda, 0, false}, "cuda:0"}, Case{"cuda:0", {Kind::kCuda, 0, true}, "cuda:0"},
+                        Case{"cuda:7", {Kind::kCuda, 7, true}, "cuda:7"}}) {
+    SCOPED_TRACE(c.text);
+    const DeviceSpec spec = parse_device_spec(c.text);
+    EXPECT_EQ(spec, c.spec);
+    EXPECT_EQ(spec.name(), c.name);
+    EXPECT_EQ(spec.is_host(), c.spec.kind == Kind::kHost);
+  }
+}
+
+TEST(ParseDeviceSpec, MalformedSpecsNameTheOptionAndTheText) {
+  for (const char* text : {"", "gpu", "cuda:", "cuda:abc", "cuda:-1", "cuda:+1", "cuda: 1", "CPU", "cpu:0", "sim:0"}) {
+    try {
+      parse_device_spec(text, "--device");
+      ADD_FAILURE() << "'" << text << "' parsed";
+    } catch (const InvalidArgumentError& e) {
+      EXPECT_EQ(e.message(), "--device: unknown device '" + std::string(text) + "': expected cpu, sim, cuda or cuda:N");
+    }
   }
 }
 
@@ -49,7 +82,7 @@ TEST(OpenDevice, EachDeviceHasItsOwnId) {
 
 TEST(OpenDevice, MalformedSpecsAreArgumentErrors) {
   for (const char* spec : {"", "gpu", "cuda:", "cuda:x", "cuda:-1", "cuda:0x", "cuda:1.5", " sim", "CUDA:0"}) {
-    EXPECT_THROW(open_device(spec), InvalidFileError) << "spec '" << spec << "'";
+    EXPECT_THROW(open_device(spec), InvalidArgumentError) << "spec '" << spec << "'";
   }
 }
 
@@ -196,16 +229,16 @@ TEST_P(DeviceContract, RangesOutsideTheBufferAreErrorsNotCrashes) {
   auto buffer = d.allocate(4096);
   const auto source = make_pattern(8192, 6);
   Stream stream = d.create_stream();
-  EXPECT_THROW(d.copy_to_device_async(*buffer, 0, source.data(), 4097, stream), InvalidFileError);
-  EXPECT_THROW(d.copy_to_device_async(*buffer, 1, source.data(), 4096, stream), InvalidFileError);
-  EXPECT_THROW(d.copy_to_device_async(*buffer, 4097, source.data(), 0, stream), InvalidFileError);
+  EXPECT_THROW(d.copy_to_device_async(*buffer, 0, source.data(), 4097, stream), InvalidArgumentError);
+  EXPECT_THROW(d.copy_to_device_async(*buffer, 1, source.data(), 4096, stream), InvalidArgumentError);
+  EXPECT_THROW(d.copy_to_device_async(*buffer, 4097, source.data(), 0, stream), InvalidArgumentError);
   const std::size_t huge = std::numeric_limits<std::size_t>::max();
-  EXPECT_THROW(d.copy_to_device_async(*buffer, huge, source.data(), 2, stream), InvalidFileError);
-  EXPECT_THROW(d.copy_to_device_async(*buffer, 2, source.data(), huge, stream), InvalidFileError);
-  EXPECT_THROW(d.copy_to_device_async(*buffer, 0, nullptr, 16, stream), InvalidFileError);
+  EXPECT_THROW(d.copy_to_device_async(*buffer, huge, source.data(), 2, stream), InvalidArgumentError);
+  EXPECT_THROW(d.copy_to_device_async(*buffer, 2, source.data(), huge, stream), InvalidArgumentError);
+  EXPECT_THROW(d.copy_to_device_async(*buffer, 0, nullptr, 16, stream), InvalidArgumentError);
   std::vector<std::byte> out(8192);
-  EXPECT_THROW(d.copy_to_host(out.data(), *buffer, 0, 4097), InvalidFileError);
-  EXPECT_THROW(d.copy_to_host(out.data(), *buffer, huge, 1), InvalidFileError);
+  EXPECT_THROW(d.copy_to_host(out.data(), *buffer, 0, 4097), InvalidArgumentError);
+  EXPECT_THROW(d.copy_to_host(out.data(), *buffer, huge, 1), InvalidArgumentError);
   // Every refused copy queued nothing; a zero-byte copy at the end is legal.
   d.copy_to_device_async(*buffer, 4096, source.data(), 0, stream);
   d.copy_to_device_async(*buffer, 0, source.data(), 4096, stream);
@@ -221,18 +254,18 @@ TEST_P(DeviceContract, ObjectsOfAnotherDeviceOrEmptyHandlesAreRefused) {
   auto buffer = d.allocate(64);
   Stream stream = d.create_stream();
   std::byte src[64] = {};
-  EXPECT_THROW(d.copy_to_device_async(*foreign_buffer, 0, src, 64, stream), InvalidFileError);
-  EXPECT_THROW(d.copy_to_device_async(*buffer, 0, src, 64, foreign_stream), InvalidFileError);
-  EXPECT_THROW(d.record(foreign_stream), InvalidFileError);
-  EXPECT_THROW(d.copy_to_host(src, *foreign_buffer, 0, 64), InvalidFileError);
+  EXPECT_THROW(d.copy_to_device_async(*foreign_buffer, 0, src, 64, stream), InvalidArgumentError);
+  EXPECT_THROW(d.copy_to_device_async(*buffer, 0, src, 64, foreign_stream), InvalidArgumentError);
+  EXPECT_THROW(d.record(foreign_stream), InvalidArgumentError);
+  EXPECT_THROW(d.copy_to_host(src, *foreign_buffer, 0, 64), InvalidArgumentError);
   Stream empty;
   EXPECT_FALSE(empty.valid());
-  EXPECT_THROW(d.copy_to_device_async(*buffer, 0, src, 64, empty), InvalidFileError);
-  EXPECT_THROW(d.record(empty), InvalidFileError);
-  EXPECT_THROW(empty.synchronize(), InvalidFileError);
+  EXPECT_THROW(d.copy_to_device_async(*buffer, 0, src, 64, empty), InvalidArgumentError);
+  EXPECT_THROW(d.record(empty), InvalidArgumentError);
+  EXPECT_THROW(empty.synchronize(), InvalidArgumentError);
   Event no_event;
-  EXPECT_THROW(no_event.query(), InvalidFileError);
-  EXPECT_THROW(d.allocate(0), InvalidFileError);
+  EXPECT_THROW(no_event.query(), InvalidArgumentError);
+  EXPECT_THROW(d.allocate(0), InvalidArgumentError);
 }
 
 TEST_P(DeviceContract, PinnedBackendFeedsAPool) {

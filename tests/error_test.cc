@@ -109,6 +109,15 @@ TEST(ErrorTest, ThrowErrorMapsEveryCodeToItsSubclass) {
   expect_throw_error_maps<CancelledError>(ErrorCode::kCancelled);
 }
 
+// Caller mistakes have a code of their own, distinct from bad files.
+TEST(ErrorTest, InvalidArgumentIsItsOwnCode) {
+  EXPECT_STREQ(error_code_name(ErrorCode::kInvalidArgument), "invalid_argument");
+  expect_throw_error_maps<InvalidArgumentError>(ErrorCode::kInvalidArgument);
+  const InvalidArgumentError e("threads must be 1..1024, not 0");
+  EXPECT_EQ(dynamic_cast<const InvalidFileError*>(static_cast<const Error*>(&e)), nullptr);
+  EXPECT_EQ(static_cast<int>(ErrorCode::kInvalidArgument) + 1, kErrorCodeCount);
+}
+
 TEST(ErrorTest, ThrowErrorWithUnknownCodeStillThrowsError) {
   try {
     throw_error(static_cast<ErrorCode>(200), "odd");

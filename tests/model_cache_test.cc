@@ -369,7 +369,7 @@ TEST(ModelCache, RejectsALoaderWithADeviceTarget) {
   auto device = make_sim_device();
   LoadOptions options;
   options.target.device = device.get();
-  EXPECT_THROW(ModelCache(1 << 20, std::make_shared<const Loader>(options)), InvalidFileError);
+  EXPECT_THROW(ModelCache(1 << 20, std::make_shared<const Loader>(options)), InvalidArgumentError);
 }
 
 TEST(ModelCache, GetOnSimCopiesTheCachedModelWithoutReading) {

@@ -305,8 +305,8 @@ TEST(PlaceNuma, FollowsTheRules) {
   EXPECT_FALSE(place_numa(one, 0, 0).active());
   EXPECT_FALSE(place_numa(none, kNumaAuto, 0).active());
   EXPECT_FALSE(place_numa(none, 0, -1).active());  // an empty topology is node 0
-  EXPECT_THROW(place_numa(one, 1, 0), InvalidFileError);
-  EXPECT_THROW(place_numa(none, 1, -1), InvalidFileError);
+  EXPECT_THROW(place_numa(one, 1, 0), InvalidArgumentError);
+  EXPECT_THROW(place_numa(none, 1, -1), InvalidArgumentError);
   // Two nodes.
   const NumaPlacement p = place_numa(two, kNumaAuto, 1);
   EXPECT_EQ(p.node, 1);
@@ -315,8 +315,8 @@ TEST(PlaceNuma, FollowsTheRules) {
   EXPECT_FALSE(place_numa(two, kNumaAuto, 7).active());   // a node the machine does not have
   EXPECT_FALSE(place_numa(two, kNumaNone, 1).active());
   EXPECT_EQ(place_numa(two, 0, 1).node, 0);  // an explicit node wins over the device's
-  EXPECT_THROW(place_numa(two, 5, 1), InvalidFileError);
-  EXPECT_THROW(place_numa(two, -3, 1), InvalidFileError);
+  EXPECT_THROW(place_numa(two, 5, 1), InvalidArgumentError);
+  EXPECT_THROW(place_numa(two, -3, 1), InvalidArgumentError);
 }
 
 // ---- ThreadAffinityScope ----
@@ -621,7 +621,7 @@ TEST(NumaLoad, ExplicitNodeAppliesToHostOnlyLoads) {
   ASSERT_FALSE(env.reads().empty());
   for (const auto& read : env.reads()) EXPECT_EQ(read.pinned_to, (std::vector<int>{0, 1, 2, 3}));
   o.numa.node = 2;
-  EXPECT_THROW(Loader(o, nullptr, &env), InvalidFileError);
+  EXPECT_THROW(Loader(o, nullptr, &env), InvalidArgumentError);
 }
 
 // What auto does when sysfs does not say, or says nonsense: no placement, no

@@ -311,7 +311,7 @@ TEST_F(PrefetchTest, EmptyPrefetchAndFailedPrefetch) {
   Rig rig;
   Prefetch empty;
   EXPECT_TRUE(empty.done());
-  EXPECT_THROW(rig.loader.load(empty), InvalidFileError);
+  EXPECT_THROW(rig.loader.load(empty), InvalidArgumentError);
   // A prefetch that fails leaves nothing; the load reports its own error.
   Prefetch missing = prefetch(rig.loader, {models().dir.file("missing.safetensors")});
   missing.wait();

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <random>
 #include <set>
+#include <tuple>
 
 namespace pinload {
 namespace {
@@ -224,6 +225,86 @@ TEST(ReadPlanTest, RandomPlansKeepEveryRule) {
       if (--remaining[c.file] == 0) open.erase(c.file);
     }
   }
+}
+
+}  // namespace
+}  // namespace pinload
+
+// ---- replay_plan: a recorded template's reads, trusted only when they tile ----
+
+namespace pinload {
+namespace {
+
+std::vector<TemplateRead> reads_of(const ReadPlan& plan) {
+  std::vector<TemplateRead> out;
+  for (const ReadChunk& c : plan.chunks) out.push_back(TemplateRead{c.file, c.offset, c.length});
+  return out;
+}
+
+TEST(ReplayPlanTest, ItsOwnReadsInAnyOrderReplayWithIndicesInSweepOrder) {
+  const ReadPlan plan = make_read_plan({file(100, 10 * KiB + 5, 4096), file(8, 3 * KiB, 512)}, options(4 * KiB, 2));
+  std::vector<TemplateRead> reads = reads_of(plan);
+  std::reverse(reads.begin(), reads.end());
+  const std::optional<ReadPlan> replayed = replay_plan(plan, reads);
+  ASSERT_TRUE(replayed.has_value());
+  ASSERT_EQ(replayed->chunks.size(), reads.size());
+  for (std::size_t k = 0; k < reads.size(); ++k) {  // the recorded order
+    EXPECT_EQ(replayed->chunks[k].file, reads[k].file);
+    EXPECT_EQ(replayed->chunks[k].offset, reads[k].offset);
+  }
+  ReadPlan in_sweep_order = *replayed;  // the rules of a plan hold, file by file
+  std::sort(in_sweep_order.chunks.begin(), in_sweep_order.chunks.end(), [](const ReadChunk& a, const ReadChunk& b) {
+    return std::tie(a.file, a.offset) < std::tie(b.file, b.offset);
+  });
+  expect_valid_plan(in_sweep_order, 4 * KiB);
+  EXPECT_EQ(replayed->total_bytes, plan.total_bytes);
+  for (std::uint32_t f = 0; f < 2; ++f) {
+    EXPECT_EQ(replayed->files[f].chunk_count, plan.files[f].chunk_count);
+    for (const ReadChunk& c : replayed->chunks) {
+      if (c.file != f) continue;
+      // index is the rank of the offset in the file: the same as the made plan's
+      const auto made = chunks_of(plan, f);
+      EXPECT_EQ(made[c.index].offset, c.offset);
+      EXPECT_EQ(made[c.index].valid, c.valid);
+    }
+  }
+}
+
+TEST(ReplayPlanTest, OtherChunkSizesThatTileAreTaken) {
+  const ReadPlan plan = make_read_plan({file(0, 16 * KiB, 4096)}, options(4 * KiB));
+  const std::vector<TemplateRead> reads = {{0, 8 * KiB, 8 * KiB}, {0, 0, 8 * KiB}};
+  const std::optional<ReadPlan> replayed = replay_plan(plan, reads);
+  ASSERT_TRUE(replayed.has_value());
+  EXPECT_EQ(replayed->files[0].chunk_count, 2u);
+  EXPECT_EQ(replayed->chunks[0].index, 1u);
+  EXPECT_EQ(replayed->chunks[1].index, 0u);
+  EXPECT_EQ(replayed->total_bytes, 16 * KiB);
+}
+
+TEST(ReplayPlanTest, ReadsThatDoNotTileAreRefused) {
+  const ReadPlan plan = make_read_plan({file(0, 16 * KiB, 4096), file(0, 4 * KiB, 4096)}, options(4 * KiB));
+  auto refused = [&](std::vector<TemplateRead> reads) { return !replay_plan(plan, reads).has_value(); };
+  std::vector<TemplateRead> good = reads_of(plan);
+  ASSERT_FALSE(refused(good));
+  EXPECT_TRUE(refused({}));                                    // nothing read
+  auto missing = good;
+  missing.pop_back();
+  EXPECT_TRUE(refused(missing));                               // a gap
+  auto twice = good;
+  twice.push_back(good.front());
+  EXPECT_TRUE(refused(twice));                                 // a byte read twice
+  auto other_file = good;
+  other_file.push_back({2, 0, 4096});
+  EXPECT_TRUE(refused(other_file));                            // no such file
+  auto unaligned = good;
+  unaligned[0] = {unaligned[0].file, unaligned[0].offset + 1, unaligned[0].length};
+  EXPECT_TRUE(refused(unaligned));
+  auto past_end = good;
+  past_end.back().length += 4096;
+  EXPECT_TRUE(refused(past_end));                              // beyond read_end
+  auto empty = good;
+  empty.push_back({0, 0, 0});
+  EXPECT_TRUE(refused(empty));                                 // a zero-length read
 }
 
 }  // namespace

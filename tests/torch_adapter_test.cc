@@ -203,7 +203,7 @@ TEST_F(TorchAdapterTest, SubByteDtypesThrowNamingTheTensor) {
 TEST_F(TorchAdapterTest, PlacementMustExist) {
   Loader loader(small_options(), Pool::create_default());
   const StateDict sd = loader.load({path_});
-  EXPECT_THROW(to_torch(sd.at("f32"), TorchPlacement::kDevice), InvalidFileError);
+  EXPECT_THROW(to_torch(sd.at("f32"), TorchPlacement::kDevice), InvalidArgumentError);
   EXPECT_NO_THROW(to_torch(sd.at("f32"), TorchPlacement::kHost));
 }
 
@@ -231,7 +231,7 @@ TEST_F(TorchAdapterTest, SimDeviceTensorsBecomeCpuTensorsAliasingTheBuffer) {
       }
     }
     kept = to_torch(sd.at("bf16"));
-    EXPECT_THROW(to_torch(sd.at("bf16"), TorchPlacement::kHost), InvalidFileError);
+    EXPECT_THROW(to_torch(sd.at("bf16"), TorchPlacement::kHost), InvalidArgumentError);
   }
   expect_matches(kept, specs_[10], image_, where.at("bf16"));  // the buffer outlives the load
 }

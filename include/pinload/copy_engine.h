@@ -44,6 +44,7 @@
 namespace pinload {
 
 inline constexpr std::size_t kDefaultCopyStreams = 2;  // Note [Copy streams]
+inline constexpr std::size_t kMaxCopyStreams = 64;
 inline constexpr std::size_t kDefaultCopyChunkBytes = 8u << 20;
 
 struct CopyOptions {
@@ -67,7 +68,7 @@ struct CopyChunk {
 
 // Cuts a copy of `bytes` into pieces of `chunk_bytes` (the last one shorter),
 // in order, on streams first_stream, first_stream+1, ... modulo `streams`.
-// Empty when bytes == 0. Throws InvalidFileError when chunk_bytes or streams
+// Empty when bytes == 0. Throws InvalidArgumentError when chunk_bytes or streams
 // is 0.
 std::vector<CopyChunk> plan_copy(std::size_t host_offset, std::size_t device_offset, std::size_t bytes,
                                  std::size_t chunk_bytes, std::size_t streams, std::size_t first_stream = 0);
@@ -110,7 +111,7 @@ class CopyTicket {
 
 class CopyEngine {
  public:
-  // Creates options.streams streams on `device`. Throws InvalidFileError for
+  // Creates options.streams streams on `device`. Throws InvalidArgumentError for
   // zero streams or chunk_bytes, DeviceError when a stream cannot be made.
   explicit CopyEngine(Device& device, CopyOptions options = {});
   // Waits for every copy in flight (never cancels a DMA), then joins.
@@ -121,7 +122,7 @@ class CopyEngine {
   // Queues the copy of host_block[host_offset, +bytes) to
   // dst[dst_offset, +bytes) and returns at once (after a stall, see
   // max_in_flight_bytes). The ticket holds `host_block` and `dst` until the
-  // copies complete. Throws InvalidFileError when a range leaves its block or
+  // copies complete. Throws InvalidArgumentError when a range leaves its block or
   // buffer (nothing queued), DeviceError when the device refuses a copy (the
   // chunks already queued still complete before the block is released).
   CopyTicket submit(std::shared_ptr<Block> host_block, std::size_t host_offset,

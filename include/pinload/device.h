@@ -26,8 +26,8 @@
 //
 // Errors: a device or driver failure throws DeviceError naming the call and the
 // driver's message; exhausted device memory throws OutOfMemoryError; a range
-// outside a buffer, or an object of another device, throws InvalidFileError
-// (pinload's argument error). Nothing aborts.
+// outside a buffer, or an object of another device, throws
+// InvalidArgumentError. Nothing aborts.
 //
 // Thread safety: a Device and its Streams may be used from many threads at
 // once; copies queued concurrently on one stream run in some order between
@@ -216,7 +216,7 @@ class Device {
   Event record(Stream& stream);
   // Queues a copy of `bytes` from host `src` to dst[dst_offset, +bytes) on
   // `stream` and returns at once; see Note [Ordering] for when `src` may be
-  // reused. Throws InvalidFileError when the range leaves `dst` or `dst` or
+  // reused. Throws InvalidArgumentError when the range leaves `dst` or `dst` or
   // `stream` belong to another device; DeviceError when the device fails.
   void copy_to_device_async(DeviceBuffer& dst, std::size_t dst_offset, const void* src, std::size_t bytes,
                             Stream& stream);
@@ -274,10 +274,37 @@ struct SimDeviceOptions {
   std::string pci_bus_id;
 };
 
-// Opens a device: "cpu" or "sim" (the stand-in, default options), "cuda"
-// (= "cuda:0") or "cuda:N". Throws DeviceError when CUDA is unavailable (no
-// driver, no device, N out of range, or built without CUDA), naming the
-// reason; InvalidFileError for a spec of another form.
+// What a device string names. The one parser of device strings: the CLI, the
+// bench, the bindings and Python all go through parse_device_spec.
+//   "cpu"     host memory: no Device at all (LoadOptions::target.device null)
+//   "sim"     the CPU stand-in (make_sim_device)
+//   "cuda"    CUDA device 0 (ordinal_given false: torch's callers may pick
+//             their current device instead)
+//   "cuda:N"  CUDA device N
+struct DeviceSpec {
+  enum class Kind : std::uint8_t { kHost, kSim, kCuda };
+  Kind kind = Kind::kHost;
+  int ordinal = 0;             // kCuda: the CUDA ordinal
+  bool ordinal_given = false;  // kCuda: spelled "cuda:N", not "cuda"
+
+  bool is_host() const noexcept { return kind == Kind::kHost; }
+  // The canonical spelling: "cpu", "sim" or "cuda:N".
+  std::string name() const;
+  friend bool operator==(const DeviceSpec&, const DeviceSpec&) = default;
+};
+
+// Parses `text` as above (exact spellings: no whitespace, lowercase). Throws
+// InvalidArgumentError naming `option` ("device", "--device") and the text
+// for anything else.
+DeviceSpec parse_device_spec(std::string_view text, std::string_view option = "device");
+
+// Opens the device `spec` names: a stand-in with `sim` options, or a CUDA
+// device. Throws InvalidArgumentError for the host ("cpu" has no Device: a
+// host load has a null target device), DeviceError when CUDA is unavailable
+// (no driver, no device, N out of range, or built without CUDA), naming the
+// reason.
+std::unique_ptr<Device> open_device(const DeviceSpec& spec, SimDeviceOptions sim = {});
+// open_device(parse_device_spec(spec)).
 std::unique_ptr<Device> open_device(std::string_view spec);
 std::unique_ptr<Device> make_sim_device(SimDeviceOptions options = {});
 // The CUDA device `ordinal`; throws DeviceError as open_device does.

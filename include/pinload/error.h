@@ -14,13 +14,17 @@
 namespace pinload {
 
 enum class ErrorCode : std::uint8_t {
-  kInvalidFile,  // a malformed safetensors file, index or argument
-  kNotFound,     // a path or tensor that does not exist
-  kIo,           // the OS failed a read, open or stat
-  kOutOfMemory,  // the OS or the pool's budget refused memory
-  kDevice,       // the accelerator (or its driver) failed
-  kCancelled,    // the caller cancelled the operation
+  kInvalidFile,      // a malformed safetensors file, index, template or sysfs file
+  kNotFound,         // a path or tensor that does not exist
+  kIo,               // the OS failed a read, open or stat
+  kOutOfMemory,      // the OS or the pool's budget refused memory
+  kDevice,           // the accelerator (or its driver) failed
+  kCancelled,        // the caller cancelled the operation
+  kInvalidArgument,  // a caller's mistake: an option out of range, an object
+                     // of another device, a call out of order
 };
+
+inline constexpr int kErrorCodeCount = 7;
 
 // Stable lowercase name of a code ("invalid_file", "io", ...).
 const char* error_code_name(ErrorCode code) noexcept;
@@ -60,6 +64,7 @@ PINLOAD_DEFINE_ERROR(IoError, kIo)
 PINLOAD_DEFINE_ERROR(OutOfMemoryError, kOutOfMemory)
 PINLOAD_DEFINE_ERROR(DeviceError, kDevice)
 PINLOAD_DEFINE_ERROR(CancelledError, kCancelled)
+PINLOAD_DEFINE_ERROR(InvalidArgumentError, kInvalidArgument)
 #undef PINLOAD_DEFINE_ERROR
 
 // Throws the subclass of Error that matches `code`.

@@ -75,8 +75,10 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <stop_token>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -98,7 +100,19 @@ enum class DirectIo { kAuto, kOn, kOff };
 enum class CachedRead { kAuto, kMap, kPread };
 
 inline constexpr unsigned kDefaultThreads = 8;
-inline constexpr std::size_t kDefaultBlockSize = 8u << 20;
+inline constexpr unsigned kMaxThreads = 1024;
+inline constexpr std::size_t kDefaultBlockSize = 8u << 20;  // Note [Block size]
+inline constexpr std::size_t kMinBlockSize = 4u << 10;
+inline constexpr std::size_t kMaxBlockSize = 1u << 30;
+inline constexpr std::size_t kDefaultFilesInFlight = 2;
+inline constexpr double kDefaultResidentThreshold = 0.5;
+
+// The spellings of DirectIo ("auto", "on", "off") and CachedRead ("auto",
+// "map", "pread") that the CLI and Python take; nullopt for anything else.
+std::optional<DirectIo> parse_direct_io(std::string_view text) noexcept;
+const char* direct_io_name(DirectIo direct) noexcept;
+std::optional<CachedRead> parse_cached_read(std::string_view text) noexcept;
+const char* cached_read_name(CachedRead cached_read) noexcept;
 
 enum class DeviceMode { kCached, kStreaming };
 
@@ -120,17 +134,21 @@ struct NumaOptions {
   std::string sysfs_root = "/sys";  // where the topology is read (tests: a fake tree)
 };
 
+// The options of a Loader. validate() is the one check of them: the Loader,
+// the CLI and the Python bindings (pinload.LoadOptions) all call it, and
+// nothing clamps a value that fails it.
 struct LoadOptions {
-  unsigned threads = kDefaultThreads;
-  std::size_t block_size = kDefaultBlockSize;
+  unsigned threads = kDefaultThreads;              // 1..kMaxThreads
+  std::size_t block_size = kDefaultBlockSize;      // kMinBlockSize..kMaxBlockSize
   DirectIo direct = DirectIo::kAuto;
-  std::size_t files_in_flight = 2;  // shards read at once
+  std::size_t files_in_flight = kDefaultFilesInFlight;  // shards read at once, >= 1
   // A file at least this resident in the page cache is read buffered under
   // DirectIo::kAuto, and a buffered one is mapped unless CachedRead::kPread.
-  double resident_threshold = 0.5;
+  // Above 1: never counted as cached.
+  double resident_threshold = kDefaultResidentThreshold;
   CachedRead cached_read = CachedRead::kAuto;
   ResolveOptions resolve;
-  DeviceTarget target;  // Note [Device loads]
+  DeviceTarget target;  // Note [Device loads]; copy.streams 1..kMaxCopyStreams
   NumaOptions numa;
   // Hand floating tensors out in another dtype, converting inside the load
   // (Note [Conversion on load] in convert.h). With a device target the
@@ -142,6 +160,11 @@ struct LoadOptions {
   // memory_limit.h: a load that cannot fit it, or the process's memory
   // limit, fails with OutOfMemoryError before reading.
   std::uint64_t pool_bytes = 0;
+
+  // Throws InvalidArgumentError naming the first option out of range (its
+  // Python name: "threads", "block_size", "streams", ...) and its value.
+  // Checks values only: the Loader also refuses kStreaming without a device.
+  void validate() const;
 };
 
 // Counters of one load, readable while it runs.
@@ -185,8 +208,10 @@ class Loader {
  public:
   // `pool` null: a pool of its own, on the target device's pinned memory or
   // else locked host memory. `env` null: the POSIX env. *env must outlive the
-  // Loader and every load it starts. Throws InvalidFileError for a
-  // LoadOptions::numa.node the machine lacks.
+  // Loader and every load it starts. Throws InvalidArgumentError for options
+  // that fail LoadOptions::validate(), kStreaming without a target device, a
+  // LoadOptions::numa.node the machine lacks, or a staging budget below one
+  // read block.
   explicit Loader(LoadOptions options = {}, std::shared_ptr<Pool> pool = nullptr, Env* env = nullptr);
 
   // Loads every tensor of `paths` (files, indexes, folders). Blocks; throws
@@ -200,7 +225,7 @@ class Loader {
   StateDict load(const std::vector<std::string>& paths, const LoadRequest& request) const;
   StateDict load(const Checkpoint& checkpoint, const LoadRequest& request) const;
   // Loads what `prefetch` was started for, adopting what it read; its
-  // headers are not read again. An empty prefetch throws InvalidFileError.
+  // headers are not read again. An empty prefetch throws InvalidArgumentError.
   StateDict load(Prefetch& prefetch, LoadRequest request = {}) const;
   // Starts a load on a thread of its own and returns at once.
   LoadHandle load_async(std::vector<std::string> paths, HandOut hand_out = HandOut::kWhole) const;
@@ -235,7 +260,7 @@ class Loader {
 // host block, tensors at the same offsets, so a model cached in the pool goes
 // back to the device with only the host-to-device copy. The result's tensors
 // are on the device and still on the host. Throws DeviceError,
-// OutOfMemoryError, InvalidFileError (a tensor that is not on the host).
+// OutOfMemoryError, InvalidArgumentError (a tensor that is not on the host).
 StateDict upload(const StateDict& host, Device& device, const CopyOptions& options = {});
 
 // A load in flight. Destroying it, or assigning another handle over it,

@@ -76,7 +76,7 @@ class ModelCache {
  public:
   // Loads through `loader` (null: a Loader with default options on a pool of
   // its own), which must load to host memory only (no device target): throws
-  // InvalidFileError otherwise. The cache holds at most `budget_bytes` of pool
+  // InvalidArgumentError otherwise. The cache holds at most `budget_bytes` of pool
   // memory (Note [Cache budget]); 0 caches nothing.
   explicit ModelCache(std::uint64_t budget_bytes, std::shared_ptr<const Loader> loader = nullptr);
   ~ModelCache();

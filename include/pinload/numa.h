@@ -13,7 +13,7 @@
 //   - the machine has at most one node: never (nothing to choose; no mbind,
 //     no affinity change, no Env call at all);
 //   - numa.node is a node id: that node (one that does not exist is an
-//     InvalidFileError);
+//     InvalidArgumentError);
 //   - kNumaAuto: the target device's node (Device::numa_node: the PCI
 //     device's sysfs `numa_node`), when it is known and is one of the
 //     machine's nodes. Host-only loads have no device to be near: the OS's
@@ -104,7 +104,7 @@ struct NumaPlacement {
 
 // Decides the placement of Note [NUMA placement]. `requested` is kNumaAuto,
 // kNumaNone or a node id; `device_node` the target device's node (-1:
-// unknown or no device). Throws InvalidFileError for a requested node that
+// unknown or no device). Throws InvalidArgumentError for a requested node that
 // the topology lacks.
 NumaPlacement place_numa(const NumaTopology& topology, int requested, int device_node);
 

@@ -45,7 +45,8 @@
 namespace pinload {
 
 namespace detail {
-struct ReadSession;
+class ReadSession;
+struct PrefetchHandover;  // load/prefetch_handover.h
 }
 
 // A prefetch in flight, or stopped with what it read. Move-only. Destroying
@@ -77,16 +78,10 @@ class Prefetch {
   struct State;
 
  private:
-  friend class Loader;
+  friend struct detail::PrefetchHandover;  // the hand-over to the adopting load
   friend Prefetch prefetch(const Loader&, std::vector<std::string>, const IoTemplate*);
   friend Prefetch prefetch(const Loader&, const IoTemplate&);
   explicit Prefetch(std::shared_ptr<State> state) : state_(std::move(state)) {}
-  // For the adopting load: stop the readers and hand over what they read
-  // (null when nothing), or the checkpoint whose headers they read.
-  std::unique_ptr<detail::ReadSession> take();
-  std::optional<Checkpoint> checkpoint();
-  // Whether it resolves paths as `options` do (the same variant).
-  bool resolves_like(const ResolveOptions& options) const;
   std::shared_ptr<State> state_;
 };
 

@@ -8,8 +8,12 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
+#include <span>
 #include <string>
 #include <vector>
+
+#include "pinload/io_template.h"
 
 namespace pinload {
 
@@ -51,5 +55,13 @@ struct PlanOptions {
 
 // Fills read_begin/read_end of every file and cuts them into chunks.
 ReadPlan make_read_plan(std::vector<FileRead> files, const PlanOptions& options);
+
+// `plan` (from make_read_plan) with its chunks replaced by `reads`, a
+// recorded I/O template's (io_template.h), in their order: only when they
+// tile every file's aligned range exactly (each byte once, every offset and
+// end aligned, nothing past read_end); else nullopt, since a template is
+// never trusted. Sets each chunk's index (its rank in its file's sweep),
+// valid, the files' chunk_count and total_bytes.
+std::optional<ReadPlan> replay_plan(const ReadPlan& plan, std::span<const TemplateRead> reads);
 
 }  // namespace pinload

@@ -50,16 +50,16 @@ namespace pinload {
 
 enum class TorchPlacement {
   kAuto,    // the device copy when the tensor has one, else the host copy
-  kHost,    // the host copy (InvalidFileError when the tensor is device-only)
-  kDevice,  // the device copy (InvalidFileError when the tensor is host-only)
+  kHost,    // the host copy (InvalidArgumentError when the tensor is device-only)
+  kDevice,  // the device copy (InvalidArgumentError when the tensor is host-only)
 };
 
 // The torch dtype of `dtype`; nullopt for F4 and F6_*.
 std::optional<at::ScalarType> torch_dtype(DType dtype) noexcept;
 
 // `t` as an at::Tensor aliasing its memory (Note [Aliasing], [Placement]).
-// Throws InvalidFileError (dtype without a torch equivalent, placement the
-// tensor lacks, shape beyond int64), DeviceError (see Note [Placement]).
+// Throws InvalidFileError (dtype without a torch equivalent, shape beyond
+// int64), InvalidArgumentError (a placement the tensor lacks), DeviceError (see Note [Placement]).
 at::Tensor to_torch(const Tensor& t, TorchPlacement where = TorchPlacement::kAuto);
 
 // Every tensor of `sd`, in its (file) order.

@@ -5,9 +5,14 @@ The safetensors-compatible API (``safe_open``, ``pinload.torch.load_file``) and 
 :class:`ModelCache` (:mod:`pinload.cache`, docs/cache.md); they import torch on first use, so
 ``import pinload`` alone stays light. See docs/python.md.
 
+Load options are :class:`LoadOptions` (the C++ core's, checked there once), or the same as keyword
+arguments of every load (typed by :class:`LoadKwargs`).
+
 Every error pinload raises is a :class:`pinload.Error`:
 
-- :class:`InvalidFileError` (also a ``ValueError``): a malformed file, index or argument;
+- :class:`InvalidArgumentError` (also a ``ValueError``): a caller's mistake (an option out of range,
+  an unknown device), naming the argument;
+- :class:`InvalidFileError` (also a ``ValueError``): a malformed file or index;
 - :class:`NotFoundError` (also a ``FileNotFoundError``): a path or tensor that does not exist;
 - :class:`IoError` (also an ``OSError``): the OS failed a read, open or stat;
 - :class:`OutOfMemoryError` (also a ``MemoryError``): the OS or the pool's budget refused memory;
@@ -21,22 +26,28 @@ and ``.message``.
 from __future__ import annotations
 
 import pkgutil
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Optional
 
 # A build tree keeps the compiled module in <build>/python/pinload/ and the sources in python/pinload/:
 # with both on sys.path, this package spans the two folders.
 __path__ = pkgutil.extend_path(__path__, __name__)
 
-from . import _core  # noqa: E402
+from . import _core, _devices  # noqa: E402
 from ._core import (  # noqa: E402
     CancelledError,
     DeviceError,
     Error,
+    InvalidArgumentError,
     InvalidFileError,
     IoError,
+    LoadOptions,
     NotFoundError,
     OutOfMemoryError,
 )
+from ._options import LoadKwargs, request  # noqa: E402
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __version__ = _core.__version__
 
@@ -44,8 +55,11 @@ __all__ = [
     "CancelledError",
     "DeviceError",
     "Error",
+    "InvalidArgumentError",
     "InvalidFileError",
     "IoError",
+    "LoadKwargs",
+    "LoadOptions",
     "ModelCache",
     "NotFoundError",
     "OutOfMemoryError",
@@ -102,18 +116,6 @@ def __dir__():
     return sorted(set(globals()) | set(_LAZY) | set(_SUBMODULES))
 
 
-def _device_key(device) -> str:
-    """The pool key of a device argument: 'cpu', 'sim' or 'cuda:N'."""
-    if device is None:
-        return "cpu"
-    if isinstance(device, int):
-        return f"cuda:{device}"
-    text = str(device)
-    if text == "cuda":
-        return "cuda:0"
-    return text
-
-
 def pool_stats(device="cpu") -> dict:
     """Statistics of the pool that loads to ``device`` share ('cpu', 'sim', 'cuda:N').
 
@@ -122,15 +124,16 @@ def pool_stats(device="cpu") -> dict:
     ``free_list_hits`` (allocations that reused a block), ``os_reservations``, ``os_releases``,
     ``budget_waits``, ``live_blocks``; ``backend`` names the memory backend.
     """
-    return _core.pool_stats(_device_key(device))
+    return _core.pool_stats(_devices.key(device))
 
 
 def trim_pool(device="cpu") -> None:
     """Returns the idle memory of ``device``'s pool to the OS (blocks in use stay)."""
-    _core.trim_pool(_device_key(device))
+    _core.trim_pool(_devices.key(device))
 
 
-def prefetch(paths, device="cpu", **options) -> "_core.Prefetch":
+def prefetch(paths: Any, device: Any = "cpu", *, options: Optional[LoadOptions] = None,
+             **load_options: "Unpack[LoadKwargs]") -> "_core.Prefetch":
     """Starts reading ``paths`` (files, indexes, folders, as ``load_files`` takes them) in the
     background and returns at once, before torch or the framework is even imported.
 
@@ -138,19 +141,17 @@ def prefetch(paths, device="cpu", **options) -> "_core.Prefetch":
     with ``prefetch=handle`` adopts it: what was read is not read again, and blocks are handed over.
     The handle has ``done()``, ``wait(timeout)``, ``cancel()`` (stops promptly; what was read stays
     adoptable), ``progress()`` and ``adopted``. Dropping it stops it and frees its memory. Options as
-    for the loads (``threads``, ``block_size``, ``direct``, ``staging_bytes``, ...).
+    for the loads (``threads``, ``block_size``, ``direct``, ``staging_bytes``, ..., or ``options``).
     """
     import os
-
-    from ._options import _Options
 
     if isinstance(paths, (str, bytes, os.PathLike)):
         paths = [paths]
     names = [os.fsdecode(os.fspath(p)) for p in paths]
     if not names:
         raise ValueError("no path given")
-    o = _Options(**options)
-    return _core.prefetch([os.fsencode(p) for p in names], _device_key(device), **o.load_kwargs())
+    req = request(options=options, **load_options)
+    return _core.prefetch([os.fsencode(p) for p in names], _devices.key(device), req.options)
 
 
 def convert(input, output, to: str = "fp8-e4m3fn", scale: str = "per-tensor", keep=(), threads: int = 8,

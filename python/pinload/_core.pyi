@@ -1,4 +1,4 @@
-"""Type stub of pinload._core, the native module (src/python/bindings.cc)."""
+"""Type stub of pinload._core, the native module (src/python/: module.cc and the files it registers)."""
 
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -8,11 +8,12 @@ DEFAULT_BLOCK_SIZE: int
 DEFAULT_STREAMS: int
 DEFAULT_CHUNK_BYTES: int
 DEFAULT_STAGING_BYTES: int
+DEFAULT_FILES_IN_FLIGHT: int
 
 class Error(Exception):
     """Base class of every pinload error."""
 
-    code: str  # "invalid_file", "not_found", "io", "out_of_memory", "device", "cancelled"
+    code: str  # "invalid_file", "not_found", "io", "out_of_memory", "device", "cancelled", "invalid_argument"
     message: Optional[str]  # the text without the file/tensor context
     file: Optional[str]
     tensor: Optional[str]
@@ -25,10 +26,83 @@ class IoError(Error, OSError): ...
 class OutOfMemoryError(Error, MemoryError): ...
 class DeviceError(Error): ...
 class CancelledError(Error): ...
+class InvalidArgumentError(Error, ValueError): ...
 
-# (name, safetensors dtype, shape, DLPack capsule of the tensor's bytes as 1-D uint8, or None
-# for a tensor without bytes)
-Export = Tuple[str, str, List[int], Optional[object]]
+class LoadOptions:
+    """The options of a load, checked once by the C++ core (LoadOptions::validate); immutable."""
+
+    def __init__(
+        self,
+        *,
+        threads: int = ...,
+        block_size: Union[int, str] = ...,
+        direct: Union[str, bool] = "auto",
+        files_in_flight: int = ...,
+        streams: int = ...,
+        chunk_bytes: Union[int, str] = ...,
+        staging_bytes: Union[int, str, None] = None,
+        variant: Optional[str] = None,
+        dtype: Any = None,
+        keep: Union[str, Sequence[str]] = (),
+        keep_dtype: Any = None,
+        pool_bytes: Union[int, str, None] = None,
+    ) -> None: ...
+    @property
+    def threads(self) -> int: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def direct(self) -> str: ...
+    @property
+    def files_in_flight(self) -> int: ...
+    @property
+    def streams(self) -> int: ...
+    @property
+    def chunk_bytes(self) -> int: ...
+    @property
+    def staging_bytes(self) -> Optional[int]: ...
+    @property
+    def variant(self) -> str: ...
+    @property
+    def dtype(self) -> Optional[str]: ...  # "BF16", "F16", "F32"; None: as stored
+    @property
+    def keep(self) -> List[str]: ...
+    @property
+    def keep_dtype(self) -> Optional[str]: ...
+    @property
+    def pool_bytes(self) -> Optional[int]: ...
+
+class DeviceSpec:
+    """A parsed device string."""
+
+    @property
+    def kind(self) -> str: ...  # "cpu", "sim", "cuda"
+    @property
+    def ordinal(self) -> Optional[int]: ...  # N of "cuda:N"; None otherwise
+    @property
+    def name(self) -> str: ...  # "cpu", "sim", "cuda:N"
+
+def parse_device_spec(device: str) -> DeviceSpec: ...
+def parse_size(value: Union[int, str], option: str = "size") -> int: ...
+
+class TensorExport:
+    """One tensor's memory for DLPack consumers (torch.from_dlpack, numpy.from_dlpack)."""
+
+    def __dlpack__(
+        self,
+        *,
+        stream: Optional[Any] = None,
+        max_version: Optional[Tuple[int, int]] = None,
+        dl_device: Optional[Tuple[int, int]] = None,
+        copy: Optional[bool] = None,
+    ) -> object: ...
+    def __dlpack_device__(self) -> Tuple[int, int]: ...
+    def as_bytes(self) -> "TensorExport": ...  # the same memory as 1-D uint8
+    @property
+    def nbytes(self) -> int: ...
+
+# (name, safetensors dtype, shape, the tensor's DLPack export, or None for a tensor without bytes)
+Export = Tuple[str, str, List[int], Optional[TensorExport]]
 
 class StateDict:
     """A loaded checkpoint: tensors in pool or device memory. Exported capsules keep their memory
@@ -77,53 +151,65 @@ class Prefetch:
 def load_async(
     paths: Sequence[Union[bytes, str]],
     device: str = "cpu",
-    threads: int = ...,
-    block_size: int = ...,
-    direct: str = "auto",
-    files_in_flight: int = 2,
-    streams: int = ...,
-    chunk_bytes: int = ...,
-    staging_bytes: Optional[int] = None,
-    variant: str = "",
+    options: LoadOptions = ...,
     prefetch: Optional[Prefetch] = None,
     cached_read: str = "auto",
     stream: bool = False,
+    held: Optional["HeldFile"] = None,
 ) -> LoadHandle: ...
-def prefetch(
-    paths: Sequence[Union[bytes, str]],
-    device: str = "cpu",
-    threads: int = ...,
-    block_size: int = ...,
-    direct: str = "auto",
-    files_in_flight: int = 2,
-    streams: int = ...,
-    chunk_bytes: int = ...,
-    staging_bytes: Optional[int] = None,
-    variant: str = "",
-) -> Prefetch: ...
+
+class HeldFile:
+    """One safetensors file held open from its header to its load (safe_open)."""
+
+    def __init__(self, path: Union[bytes, str]) -> None: ...
+    def header(self) -> Dict[str, Any]: ...
+
+def prefetch(paths: Sequence[Union[bytes, str]], device: str = "cpu", options: LoadOptions = ...) -> Prefetch: ...
 class ModelCache:
     """Host copies of recently used checkpoints in the shared pool of `pool_device`, LRU under
     `budget_bytes` (include/pinload/model_cache.h)."""
 
     def __init__(
-        self,
-        budget_bytes: int,
-        pool_device: str = "cpu",
-        threads: int = ...,
-        block_size: int = ...,
-        direct: str = "auto",
-        files_in_flight: int = 2,
-        variant: str = "",
+        self, budget_bytes: Union[int, str], pool_device: str = "cpu", options: LoadOptions = ...
     ) -> None: ...
-    def get(
-        self, paths: Sequence[Union[bytes, str]], device: str = "cpu", streams: int = ..., chunk_bytes: int = ...
-    ) -> StateDict: ...
+    def get(self, paths: Sequence[Union[bytes, str]], device: str = "cpu") -> StateDict: ...
     def contains(self, paths: Sequence[Union[bytes, str]]) -> bool: ...
     def evict(self, paths: Sequence[Union[bytes, str]]) -> bool: ...
     def clear(self) -> None: ...
-    def set_budget(self, budget_bytes: int) -> None: ...
+    def set_budget(self, budget_bytes: Union[int, str]) -> None: ...
     def stats(self) -> Dict[str, int]: ...
 
+class ShardLoad:
+    """One rank's share of a checkpoint, read batch by batch (pinload/shard.h)."""
+
+    def next(self) -> Optional[StateDict]: ...
+    def tensors(self) -> List[Tuple[Any, ...]]: ...
+    @property
+    def planned_bytes(self) -> int: ...
+    @property
+    def bytes_read(self) -> int: ...
+
+def shard_load(
+    paths: Sequence[Union[bytes, str]],
+    rank: int,
+    world_size: int,
+    mode: str = "slice",
+    rules: Sequence[Tuple[str, int]] = (),
+    window_bytes: int = 0,
+    threads: int = ...,
+    block_size: int = ...,
+    direct: str = "auto",
+    max_gap: int = 0,
+    batch_bytes: int = 0,
+) -> ShardLoad: ...
+def convert_bytes(src: bytes, src_dtype: str, dst_dtype: str, scale: float = 1.0, row_scales: Optional[bytes] = None,
+                  row_elements: int = 0) -> bytes: ...
+def convert_bytes_on_device(device: str, src: bytes, src_dtype: str, dst_dtype: str, scale: float = 1.0,
+                            row_scales: Optional[bytes] = None, row_elements: int = 0) -> bytes: ...
+def quantize_bytes(src: bytes, src_dtype: str, dst_dtype: str, scale: float = 1.0, row_scales: Optional[bytes] = None,
+                   row_elements: int = 0) -> bytes: ...
+def convert(input: Union[bytes, str], output: Union[bytes, str], to: str = "fp8-e4m3fn", scale: str = "per-tensor",
+            keep: Sequence[str] = (), threads: int = 8, variant: str = "") -> Dict[str, int]: ...
 def read_header(path: Union[bytes, str]) -> Dict[str, Any]: ...
 def pool_stats(device: str = "cpu") -> Dict[str, Union[int, str]]: ...
 def trim_pool(device: str = "cpu") -> None: ...

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Iterable, List, Optional, Union
 from . import _core
 
 if TYPE_CHECKING:
-    from ._options import _Options
+    from ._options import Request
 
 PathLike = Union[str, "os.PathLike[str]", bytes]
 
@@ -94,16 +94,8 @@ def as_paths(paths: Union[PathLike, Iterable[PathLike]]) -> List[str]:
     return out
 
 
-def start(paths: List[str], spec: str, options: "_Options", *, cached_read: str = "auto",
+def start(paths: List[str], spec: str, req: "Request", *, cached_read: str = "auto",
           stream: bool = False, held: Optional["_core.HeldFile"] = None) -> "_core.LoadHandle":
     """Starts the load of ``paths`` to the pinload device ``spec``; ``stream``: HandOut::kStream."""
-    return _core.load_async(
-        [os.fsencode(p) for p in paths],
-        spec,
-        **options.load_kwargs(),
-        prefetch=options.prefetch,
-        cached_read=cached_read,
-        stream=stream,
-        held=held,
-        **options.convert_kwargs(),
-    )
+    return _core.load_async([os.fsencode(p) for p in paths], spec, req.options, req.prefetch,
+                            cached_read=cached_read, stream=stream, held=held)

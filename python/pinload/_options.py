@@ -1,122 +1,60 @@
-"""Load options shared by pinload.torch and pinload.prefetch, checked once (no torch import)."""
+"""Load options: :class:`pinload.LoadOptions` is the C++ ``LoadOptions``, checked there once
+(``LoadOptions::validate``); sizes go through the C++ size parser. No torch import here.
+
+Every load takes the options as keyword arguments (``threads=4``, typed by :class:`LoadKwargs`)
+or as one ``options=LoadOptions(...)`` object, plus ``progress`` and ``prefetch``.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional, Union
+from typing import Any, Iterable, NamedTuple, Optional, TypedDict, Union
 
 from . import _core
 
-_SIZE_UNITS = {"": 1, "K": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MIB": 1 << 20, "G": 1 << 30, "GIB": 1 << 30}
+LoadOptions = _core.LoadOptions
 
 
-def _size(value: Union[int, str], what: str) -> int:
-    if isinstance(value, bool):
-        raise TypeError(f"{what} must be an int or a size such as '2M', not {value!r}")
-    if isinstance(value, int):
-        if value < 0:
-            raise ValueError(f"{what} must be >= 0, not {value}")
-        return value
-    if isinstance(value, str):
-        text = value.strip()
-        digits = len(text) - len(text.lstrip("0123456789"))
-        unit = text[digits:].strip().upper()
-        if digits and unit in _SIZE_UNITS:
-            return int(text[:digits]) * _SIZE_UNITS[unit]
-        raise ValueError(f"{what}: not a size: {value!r} (use bytes or K, M, G)")
-    raise TypeError(f"{what} must be an int or a size such as '2M', not {type(value).__name__}")
+class LoadKwargs(TypedDict, total=False):
+    """The keyword arguments of :class:`pinload.LoadOptions`, as every load takes them; the defaults
+    are those of the C++ core (``_core.DEFAULT_*``)."""
+
+    threads: int  # reader threads, 1..1024 (8)
+    block_size: Union[int, str]  # bytes per read, 4 KiB..1 GiB, an int or "4M" (8 MiB)
+    direct: Union[str, bool]  # O_DIRECT reads: "auto" (unless cached), "on", "off"
+    files_in_flight: int  # shards read at once (2)
+    streams: int  # host-to-device copy streams, 1..64 (2)
+    chunk_bytes: Union[int, str]  # bytes per host-to-device copy (8 MiB)
+    staging_bytes: Union[int, str, None]  # streaming mode for device loads: host memory cap
+    variant: Optional[str]  # "fp16" loads *.fp16.safetensors
+    dtype: Any  # convert floating tensors on load: torch.bfloat16, torch.float16, torch.float32 (None: as stored)
+    keep: Union[str, Iterable[str]]  # name patterns not converted to dtype
+    keep_dtype: Any  # the dtype of the kept tensors (None: as stored)
+    pool_bytes: Union[int, str, None]  # the budget of the load's pool (None: the device's shared pool)
 
 
-_DTYPE_NAMES = {
-    "bfloat16": "BF16", "bf16": "BF16", "BF16": "BF16",
-    "float16": "F16", "half": "F16", "fp16": "F16", "F16": "F16",
-    "float32": "F32", "float": "F32", "fp32": "F32", "F32": "F32",
-}
+class Request(NamedTuple):
+    """What one load call was given, checked."""
+
+    options: "_core.LoadOptions"
+    progress: bool
+    prefetch: Optional["_core.Prefetch"]
 
 
-def _dtype_name(dtype: Any) -> str:
-    """'' (as stored) or the format's spelling of a torch dtype or name: 'BF16', 'F16', 'F32'."""
-    if dtype is None:
-        return ""
-    text = str(dtype)
-    if text.startswith("torch."):
-        text = text[len("torch."):]
-    if text not in _DTYPE_NAMES:
-        raise ValueError(f"dtype must be torch.bfloat16, torch.float16 or torch.float32 (or None), not {dtype!r}")
-    return _DTYPE_NAMES[text]
+def request(*, progress: bool = False, prefetch: Optional["_core.Prefetch"] = None,
+            options: Optional["_core.LoadOptions"] = None, **load_options: Any) -> Request:
+    """The options of a load: ``options`` or ``LoadOptions(**load_options)`` (not both). Raises
+    TypeError for an unknown option, pinload.InvalidArgumentError for a value out of range."""
+    if options is None:
+        options = _core.LoadOptions(**load_options)
+    elif not isinstance(options, _core.LoadOptions):
+        raise TypeError(f"options must be a pinload.LoadOptions, not {type(options).__name__}")
+    elif load_options:
+        raise TypeError(f"pass load options as options= or as keywords, not both: {sorted(load_options)}")
+    if prefetch is not None and not isinstance(prefetch, _core.Prefetch):
+        raise TypeError(f"prefetch must be a pinload.prefetch(...) handle, not {type(prefetch).__name__}")
+    return Request(options, bool(progress), prefetch)
 
 
-class _Options:
-    """Load options, checked once."""
-
-    __slots__ = ("threads", "block_size", "direct", "files_in_flight", "streams", "chunk_bytes",
-                 "staging_bytes", "variant", "progress", "prefetch", "dtype", "keep", "keep_dtype", "pool_bytes")
-
-    def __init__(
-        self,
-        threads: int = _core.DEFAULT_THREADS,
-        block_size: Union[int, str] = _core.DEFAULT_BLOCK_SIZE,
-        direct: str = "auto",
-        files_in_flight: int = 2,
-        streams: int = _core.DEFAULT_STREAMS,
-        chunk_bytes: Union[int, str] = _core.DEFAULT_CHUNK_BYTES,
-        staging_bytes: Union[int, str, None] = None,
-        variant: Optional[str] = None,
-        progress: bool = False,
-        prefetch: Optional["_core.Prefetch"] = None,
-        dtype: Any = None,
-        keep: Iterable[str] = (),
-        keep_dtype: Any = None,
-        pool_bytes: Union[int, str, None] = None,
-    ):
-        if not isinstance(threads, int) or not 1 <= threads <= 1024:
-            raise ValueError(f"threads must be 1..1024, not {threads!r}")
-        self.threads = threads
-        self.block_size = _size(block_size, "block_size")
-        if not (4096 <= self.block_size <= 1 << 30):
-            raise ValueError(f"block_size must be 4 KiB..1 GiB, not {block_size!r}")
-        if direct is True or direct is False:
-            direct = "on" if direct else "off"
-        if direct not in ("auto", "on", "off"):
-            raise ValueError(f"direct must be 'auto', 'on' or 'off', not {direct!r}")
-        self.direct = direct
-        if not isinstance(files_in_flight, int) or files_in_flight < 1:
-            raise ValueError(f"files_in_flight must be >= 1, not {files_in_flight!r}")
-        self.files_in_flight = files_in_flight
-        if not isinstance(streams, int) or not 1 <= streams <= 64:
-            raise ValueError(f"streams must be 1..64, not {streams!r}")
-        self.streams = streams
-        self.chunk_bytes = _size(chunk_bytes, "chunk_bytes")
-        if self.chunk_bytes == 0:
-            raise ValueError("chunk_bytes must be > 0")
-        self.staging_bytes = None if staging_bytes is None else _size(staging_bytes, "staging_bytes")
-        self.variant = variant or ""
-        self.progress = bool(progress)
-        if prefetch is not None and not isinstance(prefetch, _core.Prefetch):
-            raise TypeError(f"prefetch must be a pinload.prefetch(...) handle, not {type(prefetch).__name__}")
-        self.prefetch = prefetch
-        # The budget of the pool the load's blocks come from (None: the shared pool, no budget); a
-        # load that cannot fit it fails with OutOfMemoryError before reading.
-        self.pool_bytes = None if pool_bytes is None else _size(pool_bytes, "pool_bytes")
-        if self.pool_bytes == 0:
-            raise ValueError("pool_bytes must be > 0")
-        self.dtype = _dtype_name(dtype)
-        if isinstance(keep, str):
-            keep = [keep]
-        self.keep = [str(k) for k in keep]
-        self.keep_dtype = _dtype_name(keep_dtype)
-        if (self.keep or self.keep_dtype) and not self.dtype:
-            raise ValueError("keep and keep_dtype need dtype: they name tensors not converted to it")
-
-    def convert_kwargs(self) -> dict:
-        """The conversion-on-load arguments of _core.load_async (Note [Conversion on load])."""
-        return dict(dtype=self.dtype, keep=self.keep, keep_dtype=self.keep_dtype)
-
-    def reader_kwargs(self) -> dict:
-        """The keyword arguments of the reader that every _core entry point takes."""
-        return dict(threads=self.threads, block_size=self.block_size, direct=self.direct,
-                    files_in_flight=self.files_in_flight, variant=self.variant)
-
-    def load_kwargs(self) -> dict:
-        """reader_kwargs() plus the device copy options: what _core.load_async and prefetch take."""
-        return dict(self.reader_kwargs(), streams=self.streams, chunk_bytes=self.chunk_bytes,
-                    staging_bytes=self.staging_bytes, pool_bytes=self.pool_bytes)
+def size(value: Union[int, str], what: str) -> int:
+    """Bytes from an int >= 0 or a size string ("64K", "8M"); InvalidArgumentError naming ``what``."""
+    return _core.parse_size(value, what)

@@ -5,7 +5,7 @@ tests/python/safetensors_suite) written against the reference runs unchanged.
 
 Errors stay pinload errors (``pinload.Error`` subclasses, with ``.file`` and ``.tensor``); where
 safetensors is installed they are ``safetensors.SafetensorError`` too (Note [SafetensorError] in
-src/python/bindings.cc). Imports neither torch nor numpy.
+src/python/errors.cc). Imports neither torch nor numpy.
 """
 
 from __future__ import annotations

@@ -14,12 +14,16 @@ caller's tensors over it are gone too.
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, Iterable, Union
+from typing import TYPE_CHECKING, Dict, Iterable, Optional, Union
 
 import torch
 
-from . import _core, _device_key
-from .torch import Device, PathLike, _as_paths, _check_dtypes, _describe, _Options, _resolve_device, _size, _to_torch
+from . import _core, _devices
+from ._options import LoadKwargs, LoadOptions, request
+from .torch import Device, PathLike, _as_paths, _check_dtypes, _describe, _resolve_device, _to_torch
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["ModelCache"]
 
@@ -30,16 +34,15 @@ class ModelCache:
     ``budget_bytes``: an int or a size such as "8G"; a model larger than the budget is loaded and
     returned but not cached. ``pool_device``: the device whose shared pinned pool holds the host
     copies ("cpu", or "cuda:N" so that copies to that GPU run at full speed). Load options
-    (``threads``, ``block_size``, ``direct``, ``files_in_flight``, ``variant``) as for
+    (``threads``, ``block_size``, ``direct``, ``files_in_flight``, ``variant``; ``streams`` and
+    ``chunk_bytes`` for gets to a device; or one ``options=pinload.LoadOptions(...)``) as for
     ``pinload.torch.load_files``. Thread-safe: concurrent gets of one missing model load it once.
     """
 
-    def __init__(self, budget_bytes: Union[int, str], *, pool_device: Device = "cpu", **options: Any) -> None:
-        opts = _Options(**options)
-        self._streams = opts.streams
-        self._chunk_bytes = opts.chunk_bytes
-        self._core = _core.ModelCache(_size(budget_bytes, "budget_bytes"), _device_key(pool_device),
-                                      **opts.reader_kwargs())
+    def __init__(self, budget_bytes: Union[int, str], *, pool_device: Device = "cpu",
+                 options: Optional[LoadOptions] = None, **load_options: "Unpack[LoadKwargs]") -> None:
+        req = request(options=options, **load_options)
+        self._core = _core.ModelCache(budget_bytes, _devices.key(pool_device), req.options)
 
     @staticmethod
     def _paths(paths: Union[PathLike, Iterable[PathLike]]):
@@ -51,13 +54,13 @@ class ModelCache:
         loaded (and cached when it fits the budget)."""
         names = _as_paths(paths)
         spec, move_to = _resolve_device(device)
-        sd = self._core.get([os.fsencode(p) for p in names], spec, self._streams, self._chunk_bytes)
+        sd = self._core.get([os.fsencode(p) for p in names], spec)
         file = _describe(names)
         _check_dtypes(sd, file)
         torch_device = sd.torch_device
         return {
-            name: _to_torch(dtype, shape, capsule, torch_device, move_to, name, file)
-            for name, dtype, shape, capsule in sd.export_all()
+            name: _to_torch(dtype, shape, export, torch_device, move_to, name, file)
+            for name, dtype, shape, export in sd.export_all()
         }
 
     def contains(self, paths: Union[PathLike, Iterable[PathLike]]) -> bool:
@@ -80,7 +83,7 @@ class ModelCache:
 
     @budget_bytes.setter
     def budget_bytes(self, value: Union[int, str]) -> None:
-        self._core.set_budget(_size(value, "budget_bytes"))
+        self._core.set_budget(value)
 
     def stats(self) -> Dict[str, int]:
         """hits, misses, waits (gets that shared a concurrent load), evictions, invalidations (files

@@ -24,7 +24,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 import torch
 
 from . import Error, _core
-from ._options import _size
+from ._options import size as _size
 from .torch import _as_paths, _torch_dtype
 
 # vLLM's tensor-parallel layout of Llama-style decoders: column-parallel layers split their output

@@ -143,22 +143,13 @@ def _is_safetensors_file(path: Any) -> bool:
 
 def _pinload_device(device: Any) -> bool:
     """Whether pinload serves loads to ``device`` itself (else the original function does)."""
-    import torch
+    from . import InvalidArgumentError, _devices
 
-    if device is None:
-        return True
-    if isinstance(device, int) and not isinstance(device, bool):
-        return True
-    if isinstance(device, str):
-        if device == "sim":
-            return True
-        try:
-            device = torch.device(device)
-        except (RuntimeError, TypeError, ValueError):
-            return False
-    if isinstance(device, torch.device):
-        return device.type in ("cpu", "cuda")
-    return False
+    try:
+        _devices.parse(device)
+    except (InvalidArgumentError, TypeError):
+        return False
+    return True
 
 
 def _bind(original: Callable, args: tuple, kwargs: dict) -> Optional[inspect.BoundArguments]:
@@ -256,9 +247,9 @@ def patch_diffusers(*, transformers: bool = True, **options: Any) -> Patch:
 
     Returns a Patch: use it as a context manager, or call ``.undo()``.
     """
-    from .torch import _Options
+    from ._options import request
 
-    _Options(**options)  # check them now
+    request(**options)  # check them now
     import diffusers.models.model_loading_utils as mlu
 
     _import_all(_DIFFUSERS_MODULES)
@@ -310,9 +301,9 @@ def patch_transformers(**options: Any) -> Patch:
     """Routes transformers' safetensors loading (``PreTrainedModel.from_pretrained``) through
     pinload. ``options`` are pinload load options. Returns a Patch (context manager, ``.undo()``).
     """
-    from .torch import _Options
+    from ._options import request
 
-    _Options(**options)
+    request(**options)
     import safetensors
     import transformers.modeling_utils as mu
 

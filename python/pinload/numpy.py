@@ -20,7 +20,7 @@ import numpy as np
 from . import _core, _loading
 from . import _safetensors_compat as compat
 from ._core import InvalidFileError, NotFoundError
-from ._options import _Options
+from ._options import request
 
 __all__ = ["load", "load_file", "save", "save_file"]
 
@@ -68,10 +68,13 @@ class _Exported:
 
 
 def to_numpy(dtype: str, shape: list, capsule: Any, name: str, file: Optional[str]) -> "np.ndarray":
-    """An array over an exported tensor's bytes (no copy); ``capsule`` None: no bytes."""
+    """An array over an exported tensor's bytes (no copy); ``capsule`` None: no bytes. A
+    pinload TensorExport goes out as its bytes (``as_bytes()``), viewed as the numpy dtype."""
     np_dtype = numpy_dtype(dtype, name, file)
     if capsule is None:
         return np.empty(shape, dtype=np_dtype)
+    if hasattr(capsule, "as_bytes"):
+        capsule = capsule.as_bytes()
     raw = capsule if hasattr(capsule, "__dlpack__") else _Exported(capsule)
     array = np.from_dlpack(raw)
     return array.reshape(-1).view(np.uint8).view(np_dtype).reshape(shape)
@@ -95,9 +98,9 @@ def load_file(filename: Any, device: str = "cpu", *, backend: Optional[str] = No
         raise compat.error(InvalidFileError, f"numpy arrays live in host memory; device must be 'cpu', not {device!r}")
     path = compat.filename_of(filename)
     cached_read = compat.cached_read_of(backend)
-    o = _Options(**options)
+    req = request(**options)
     try:
-        sd = _loading.wait(_loading.start([path], "cpu", o, cached_read=cached_read), o.progress)
+        sd = _loading.wait(_loading.start([path], "cpu", req, cached_read=cached_read), req.progress)
     except NotFoundError as e:
         raise compat.missing_file(e, path) from None
     return _arrays(sd, path)

@@ -7,7 +7,8 @@ it keeps alive on its own: tensors stay valid after the state dict, the ``safe_o
 load that made them is gone, and the memory goes back to the pool when the last tensor over it is
 freed. See docs/python.md for the lifetime rules.
 
-Options accepted by every load (keyword-only):
+Options accepted by every load (keyword-only), checked once by the C++ core (a value out of range
+raises :class:`pinload.InvalidArgumentError`, a ``ValueError``, naming the option):
 
 - ``threads`` (8): reader threads; ``block_size`` (8 MiB): bytes per read, an int or "4M";
 - ``direct`` ("auto" | "on" | "off"): O_DIRECT reads (auto: unless the file is already cached);
@@ -19,6 +20,9 @@ Options accepted by every load (keyword-only):
 - ``pool_bytes``: the budget of the pool the load's blocks come from (one shared pool per device
   and budget; default: the device's shared pool, no budget). A host load that cannot fit it, or
   the process's memory limit (cgroup, MemAvailable), fails with OutOfMemoryError before reading;
+- ``dtype``, ``keep``, ``keep_dtype``: conversion on load (floating tensors to ``dtype``, except
+  names matching a ``keep`` pattern);
+- or all of these as one ``options=pinload.LoadOptions(...)`` (typed: :class:`pinload.LoadKwargs`);
 - ``prefetch``: a ``pinload.prefetch(...)`` handle of the same paths and device, adopted: what it
   has read is not read again (the prefetch's own options then apply).
 """
@@ -29,13 +33,17 @@ import collections
 import os
 import threading
 import warnings
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from . import _core, _loading
+from . import _core, _devices, _loading
 from . import _safetensors_compat as _compat
-from ._core import InvalidFileError, NotFoundError
+from ._core import Error, InvalidArgumentError, InvalidFileError, NotFoundError
+from ._options import LoadKwargs, LoadOptions, Request, request
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["DTYPES", "iter_tensors", "load", "load_file", "load_files", "load_model", "safe_open", "save",
            "save_file", "save_model"]
@@ -108,11 +116,6 @@ def _torch_dtype(dtype: str, tensor: str, file: Optional[str]) -> torch.dtype:
     return torch_dtype
 
 
-# ---- options ----
-
-from ._options import _SIZE_UNITS, _Options, _size  # noqa: E402,F401  (hooks import _Options from here)
-
-
 # ---- devices ----
 
 _cuda_state: Optional[Tuple[bool, str]] = None
@@ -126,43 +129,48 @@ def _pinload_cuda() -> Tuple[bool, str]:
     return _cuda_state  # type: ignore[return-value]
 
 
+def _other_torch_device(device: Device) -> Optional[torch.device]:
+    """A torch device that pinload does not serve itself ('meta', 'mps', 'xpu', ...), or None."""
+    try:
+        d = device if isinstance(device, torch.device) else torch.device(device)  # type: ignore[arg-type]
+    except (RuntimeError, TypeError, ValueError):
+        return None
+    return None if d.type in ("cpu", "cuda") else d
+
+
 def _resolve_device(device: Device) -> Tuple[str, Optional[torch.device]]:
     """(pinload device spec, torch device to move to afterwards or None).
 
-    'cpu' and 'sim' load to host memory (sim: the CPU stand-in device, whose memory is host
-    memory); 'cuda[:N]' and ints load through pinload's device target. Any other torch device
-    ('mps', 'xpu', 'meta', ...) and CUDA when pinload itself cannot drive it but torch can: a CPU
-    load, then ``.to(device)``.
+    The spec is read by the C++ parser (pinload._devices): 'cpu' loads to host memory, 'sim' to the
+    CPU stand-in device (whose memory is host memory), 'cuda[:N]' and ints through pinload's device
+    target ('cuda' alone: torch's current device). Any other torch device ('mps', 'xpu', 'meta',
+    ...), and CUDA when pinload itself cannot drive it but torch can: a CPU load, then
+    ``.to(device)``. Anything else raises InvalidArgumentError naming ``device``.
     """
     global _warned_fallback
-    if device is None:
-        return "cpu", None
-    if isinstance(device, int) and not isinstance(device, bool):
-        device = torch.device("cuda", device)
-    if isinstance(device, str):
-        if device == "sim":
-            return "sim", None
-        device = torch.device(device)
-    if not isinstance(device, torch.device):
-        raise TypeError(f"device must be a str, int or torch.device, not {type(device).__name__}")
-    if device.type == "cpu":
-        return "cpu", None
-    if device.type == "cuda":
-        index = device.index
-        if index is None:
-            index = torch.cuda.current_device() if torch.cuda.is_available() else 0
-        ok, why = _pinload_cuda()
-        if not ok and torch.cuda.is_available():
-            if not _warned_fallback:
-                _warned_fallback = True
-                warnings.warn(
-                    f"pinload cannot use CUDA ({why}); loading to host memory and copying with torch",
-                    RuntimeWarning,
-                    stacklevel=4,
-                )
-            return "cpu", torch.device("cuda", index)
-        return f"cuda:{index}", None
-    return "cpu", device
+    try:
+        spec = _devices.parse(device)
+    except InvalidArgumentError:
+        other = _other_torch_device(device)
+        if other is None:
+            raise
+        return "cpu", other
+    if spec.kind != "cuda":
+        return spec.name, None
+    index = spec.ordinal
+    if index is None:
+        index = torch.cuda.current_device() if torch.cuda.is_available() else 0
+    ok, why = _pinload_cuda()
+    if not ok and torch.cuda.is_available():
+        if not _warned_fallback:
+            _warned_fallback = True
+            warnings.warn(
+                f"pinload cannot use CUDA ({why}); loading to host memory and copying with torch",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        return "cpu", torch.device("cuda", index)
+    return f"cuda:{index}", None
 
 
 # ---- loads ----
@@ -173,15 +181,15 @@ _wait = _loading.wait
 _as_paths = _loading.as_paths
 
 
-def _start(paths: List[str], spec: str, options: _Options, cached_read: str = "auto",
+def _start(paths: List[str], spec: str, req: Request, cached_read: str = "auto",
            stream: bool = False, held: Optional["_core.HeldFile"] = None) -> "_core.LoadHandle":
-    return _loading.start(paths, spec, options, cached_read=cached_read, stream=stream, held=held)
+    return _loading.start(paths, spec, req, cached_read=cached_read, stream=stream, held=held)
 
 
-def _load(paths: List[str], device: Device, options: _Options, cached_read: str = "auto",
+def _load(paths: List[str], device: Device, req: Request, cached_read: str = "auto",
           held: Optional["_core.HeldFile"] = None) -> Tuple["_core.StateDict", Optional[torch.device]]:
     spec, move_to = _resolve_device(device)
-    return _wait(_start(paths, spec, options, cached_read, held=held), options.progress), move_to
+    return _wait(_start(paths, spec, req, cached_read, held=held), req.progress), move_to
 
 
 _MAX_TORCH_RANK = 64  # c10's limit on dimensions
@@ -212,15 +220,20 @@ def _check_dtypes(sd: "_core.StateDict", file: Optional[str]) -> None:
         _torch_shape(dtype, shape, name, file)
 
 
-def _to_torch(dtype: str, shape: List[int], capsule: Any, torch_device: str, move_to: Optional[torch.device],
+def _to_torch(dtype: str, shape: List[int], export: Any, torch_device: str, move_to: Optional[torch.device],
               name: str, file: Optional[str]) -> torch.Tensor:
     torch_dtype = _torch_dtype(dtype, name, file)
     shape = _torch_shape(dtype, shape, name, file)
     try:
-        if capsule is None:  # no bytes (a zero-size tensor): nothing to alias
+        if export is None:  # no bytes (a zero-size tensor): nothing to alias
             tensor = torch.empty(shape, dtype=torch_dtype, device=torch_device)
         else:
-            tensor = torch.from_dlpack(capsule).view(torch_dtype).reshape(shape)
+            # Typed and shaped already, but for the types DLPack spells as bytes (Note [DLPack export]).
+            tensor = torch.from_dlpack(export)
+            if tensor.dtype != torch_dtype:
+                tensor = tensor.view(torch_dtype)
+            if list(tensor.shape) != list(shape):
+                tensor = tensor.reshape(shape)
     except (TypeError, ValueError, RuntimeError, OverflowError) as e:
         raise _error(InvalidFileError, f"torch cannot hold a {dtype} tensor of shape {shape}: {str(e).splitlines()[0]}",
                      file=file, tensor=name) from None
@@ -241,28 +254,28 @@ def _yield_all(sd: "_core.StateDict", move_to: Optional[torch.device],
 
 def _yield_entries(entries: "collections.deque", torch_device: str, move_to: Optional[torch.device],
                    file: str) -> Iterator[Tuple[str, torch.Tensor]]:
-    # One capsule per tensor, dropped as soon as it is converted (the state dict that exported
+    # One export per tensor, dropped as soon as it is converted (the state dict that exported
     # them is gone): a file's block goes back to the pool once the caller has dropped every tensor
     # of that file.
     while entries:
-        name, dtype, shape, capsule = entries.popleft()
-        tensor = _to_torch(dtype, shape, capsule, torch_device, move_to, name, file)
-        del capsule
+        name, dtype, shape, export = entries.popleft()
+        tensor = _to_torch(dtype, shape, export, torch_device, move_to, name, file)
+        del export
         yield name, tensor
 
 
-def _iterate(paths: List[str], device: Device, options: _Options) -> Iterator[Tuple[str, torch.Tensor]]:
-    sd, move_to = _load(paths, device, options)
+def _iterate(paths: List[str], device: Device, req: Request) -> Iterator[Tuple[str, torch.Tensor]]:
+    sd, move_to = _load(paths, device, req)
     return _yield_all(sd, move_to, _describe(paths))
 
 
-def _stream(paths: List[str], device: Device, options: _Options) -> Iterator[Tuple[str, torch.Tensor]]:
+def _stream(paths: List[str], device: Device, req: Request) -> Iterator[Tuple[str, torch.Tensor]]:
     """Yields tensors as the load hands them out (Note [Ready tensors] in loader.h); stopping early,
     or an error, cancels the load."""
     spec, move_to = _resolve_device(device)
     # HandOut::kStream: the load keeps none of the tensors it hands out (loader.h).
-    handle = _start(paths, spec, options, stream=True)
-    shown = _LoadProgress(handle, options.progress)
+    handle = _start(paths, spec, req, stream=True)
+    shown = _LoadProgress(handle, req.progress)
     file = _describe(paths)
     try:
         while True:
@@ -272,7 +285,7 @@ def _stream(paths: List[str], device: Device, options: _Options) -> Iterator[Tup
             shown.tick()
             _check_dtypes(batch, file)
             entries, torch_device = collections.deque(batch.export_all()), batch.torch_device
-            del batch  # the capsules alone hold the tensors now
+            del batch  # the exports alone hold the tensors now
             yield from _yield_entries(entries, torch_device, move_to, file)
     except BaseException:
         handle.cancel()
@@ -281,8 +294,9 @@ def _stream(paths: List[str], device: Device, options: _Options) -> Iterator[Tup
     shown.finish()
 
 
-def load_file(filename: PathLike, device: Device = "cpu", *, backend: Optional[str] = None,
-              **options: Any) -> Dict[str, torch.Tensor]:
+def load_file(filename: PathLike, device: Device = "cpu", *, backend: Optional[str] = None, progress: bool = False,
+              prefetch: Optional["_core.Prefetch"] = None, options: Optional[LoadOptions] = None,
+              **load_options: "Unpack[LoadKwargs]") -> Dict[str, torch.Tensor]:
     """Loads a safetensors file: a drop-in for ``safetensors.torch.load_file``.
 
     ``device``: "cpu" (the default), "cuda", "cuda:N", an int or a torch.device; "sim" (pinload's
@@ -295,7 +309,8 @@ def load_file(filename: PathLike, device: Device = "cpu", *, backend: Optional[s
     path = _compat.filename_of(filename)
     cached_read = _compat.cached_read_of(backend)
     try:
-        sd, move_to = _load([path], device, _Options(**options), cached_read)
+        sd, move_to = _load([path], device, request(progress=progress, prefetch=prefetch, options=options,
+                                                    **load_options), cached_read)
     except NotFoundError as e:
         raise _compat.missing_file(e, path) from None
     return dict(_yield_all(sd, move_to, path))
@@ -365,18 +380,22 @@ def save_model(model: "torch.nn.Module", filename: str, metadata: Optional[Dict[
     reference_save_model(model, filename, metadata=metadata, force_contiguous=force_contiguous)
 
 
-def load_files(index_or_paths: Union[PathLike, Sequence[PathLike]], device: Device = "cpu",
-               **options: Any) -> Dict[str, torch.Tensor]:
+def load_files(index_or_paths: Union[PathLike, Sequence[PathLike]], device: Device = "cpu", *,
+               progress: bool = False, prefetch: Optional["_core.Prefetch"] = None,
+               options: Optional[LoadOptions] = None, **load_options: "Unpack[LoadKwargs]") -> Dict[str, torch.Tensor]:
     """Loads a sharded checkpoint: files, ``*.safetensors.index.json`` indexes, model folders or
     diffusers pipeline folders (whose tensors are named ``component/name``), in one parallel load.
 
     Returns name -> tensor in load order. Options: see the module docstring.
     """
-    return dict(_iterate(_as_paths(index_or_paths), device, _Options(**options)))
+    req = request(progress=progress, prefetch=prefetch, options=options, **load_options)
+    return dict(_iterate(_as_paths(index_or_paths), device, req))
 
 
-def iter_tensors(paths: Union[PathLike, Sequence[PathLike]], device: Device = "cpu",
-                 **options: Any) -> Iterator[Tuple[str, torch.Tensor]]:
+def iter_tensors(paths: Union[PathLike, Sequence[PathLike]], device: Device = "cpu", *,
+                 progress: bool = False, prefetch: Optional["_core.Prefetch"] = None,
+                 options: Optional[LoadOptions] = None,
+                 **load_options: "Unpack[LoadKwargs]") -> Iterator[Tuple[str, torch.Tensor]]:
     """Yields (name, tensor) for every tensor of ``paths`` (as ``load_files`` takes them) as its
     bytes arrive: the contract of vLLM's ``load_weights(weights: Iterable[tuple[str, Tensor]])``.
 
@@ -387,7 +406,8 @@ def iter_tensors(paths: Union[PathLike, Sequence[PathLike]], device: Device = "c
     every tensor of that file has been dropped by the caller. The load starts on the first
     ``next()``.
     """
-    return _stream(_as_paths(paths), device, _Options(**options))
+    req = request(progress=progress, prefetch=prefetch, options=options, **load_options)
+    return _stream(_as_paths(paths), device, req)
 
 
 # ---- safe_open ----
@@ -441,7 +461,9 @@ class safe_open:
     """
 
     def __init__(self, filename: PathLike, framework: str = "pt", device: Device = "cpu", *,
-                 backend: Optional[str] = None, **options: Any) -> None:
+                 backend: Optional[str] = None, progress: bool = False,
+                 prefetch: Optional["_core.Prefetch"] = None, options: Optional[LoadOptions] = None,
+                 **load_options: "Unpack[LoadKwargs]") -> None:
         self._path = _compat.filename_of(filename)
         self._closed = True  # until the header is read
         if framework in ("np", "numpy"):
@@ -458,7 +480,7 @@ class safe_open:
                          file=self._path)
         self._cached_read = _compat.cached_read_of(backend)
         self._device = device
-        self._options = _Options(**options)
+        self._request = request(progress=progress, prefetch=prefetch, options=options, **load_options)
         spec, _ = _resolve_device(device)
         if spec != "cpu":
             _core.pool_stats(spec)  # opens the device now: an unusable one fails here, not at get_tensor
@@ -507,7 +529,7 @@ class safe_open:
         with self._lock:
             self._check_open()
             if self._sd is None:
-                self._sd, self._move_to = _load([self._path], self._device, self._options, self._cached_read,
+                self._sd, self._move_to = _load([self._path], self._device, self._request, self._cached_read,
                                                 self._held)
                 self._loaded()
             return self._sd
@@ -546,12 +568,12 @@ class safe_open:
         self._check_dtype(dtype, name)
         _torch_shape(dtype, shape, name, self._path)
         sd = self._state_dict()
-        _, dtype, shape, capsule = sd.export(name)
+        _, dtype, shape, export = sd.export(name)
         if self._numpy:
             from .numpy import to_numpy
 
-            return to_numpy(dtype, shape, capsule, name, self._path)
-        return _to_torch(dtype, shape, capsule, sd.torch_device, self._move_to, name, self._path)
+            return to_numpy(dtype, shape, export, name, self._path)
+        return _to_torch(dtype, shape, export, sd.torch_device, self._move_to, name, self._path)
 
     def get_tensors(self) -> Dict[str, Any]:
         """Every tensor, in file order."""

@@ -27,7 +27,6 @@ safetensors files (``.bin``/``.pt``) falls back to vLLM's default iterator, with
 from __future__ import annotations
 
 import copy
-import inspect
 import logging
 import os
 from typing import Any, Dict, Iterator, List, Tuple
@@ -37,14 +36,14 @@ import torch
 from vllm.model_executor.model_loader import register_model_loader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
-from ._options import _Options, _size
+from ._options import LoadKwargs, request, size
 
 logger = logging.getLogger("pinload.vllm")
 
 LOAD_FORMAT = "pinload"
 
 # The load options pinload.torch takes (prefetch is a handle, not a config value).
-_PASS_THROUGH = frozenset(p for p in inspect.signature(_Options.__init__).parameters if p not in ("self", "prefetch"))
+_PASS_THROUGH = frozenset(LoadKwargs.__annotations__) | {"progress"}
 _PLUGIN_KEYS = frozenset({"device", "dtype", "cache"})
 # Options of pinload builds with remote sources or a load budget; ignored where this build lacks them.
 _OPTIONAL = frozenset({"connections", "budget"})
@@ -85,7 +84,7 @@ def split_extra_config(extra: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str,
             if not ok:
                 logger.warning("pinload: device %r unavailable (%s); loading to host memory", ours["device"], why)
                 ours["device"] = "cpu"
-    _Options(**{k: v for k, v in ours.items() if k in _PASS_THROUGH})  # checks the values now, not mid-load
+    request(**{k: v for k, v in ours.items() if k in _PASS_THROUGH})  # checks the values now, not mid-load
     return ours, theirs
 
 
@@ -109,7 +108,7 @@ def pinload_weights_iterator(hf_weights_files: List[str], use_tqdm_on_load: bool
     options.setdefault("progress", bool(use_tqdm_on_load))
     files = sorted((os.fspath(f) for f in hf_weights_files), key=_natural_key)
     if cache_budget is not None:
-        budget = _size(cache_budget, "cache")
+        budget = size(cache_budget, "cache")
         cache = _caches.get(budget)
         if cache is None:
             cache = _caches[budget] = pinload.ModelCache(

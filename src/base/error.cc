@@ -30,6 +30,7 @@ const char* error_code_name(ErrorCode code) noexcept {
     case ErrorCode::kOutOfMemory: return "out_of_memory";
     case ErrorCode::kDevice: return "device";
     case ErrorCode::kCancelled: return "cancelled";
+    case ErrorCode::kInvalidArgument: return "invalid_argument";
   }
   return "unknown";
 }
@@ -48,6 +49,7 @@ void throw_error(ErrorCode code, std::string message, ErrorContext context) {
     case ErrorCode::kOutOfMemory: throw OutOfMemoryError(std::move(message), std::move(context));
     case ErrorCode::kDevice: throw DeviceError(std::move(message), std::move(context));
     case ErrorCode::kCancelled: throw CancelledError(std::move(message), std::move(context));
+    case ErrorCode::kInvalidArgument: throw InvalidArgumentError(std::move(message), std::move(context));
   }
   throw Error(code, std::move(message), std::move(context));
 }

@@ -92,11 +92,11 @@ void add_variant_option(CLI::App& command, ResolveOptions* options) {
 
 void add_reader_options(CLI::App& command, LoadOptions* options) {
   command.add_option("--threads", options->threads, "reader threads")
-      ->transform(integer_range(1, 1024))
+      ->transform(integer_range(1, kMaxThreads))
       ->type_name("1..1024")
       ->capture_default_str();
   command.add_option("--block-size", options->block_size, "bytes per read")
-      ->transform(size_range(4096, std::uint64_t{1} << 30))
+      ->transform(size_range(kMinBlockSize, kMaxBlockSize))
       ->type_name("SIZE 4K..1G")
       ->default_str(size_text(options->block_size));
   add_spelling_option(command, "--direct", &options->direct, kDirectSpellings,

@@ -65,15 +65,16 @@ void print_details(const Loader& loader, const LoadProgress& p, Device* device) 
 void run_load(const LoadArgs& args) {
   std::unique_ptr<Device> device;
   LoadOptions options = args.load;
+  const DeviceSpec spec = parse_device_spec(args.device, "--device");
   if (args.staging_bytes != 0) {
-    if (args.device == "cpu") throw UsageError("--staging-bytes needs --device");
+    if (spec.is_host()) throw UsageError("--staging-bytes needs --device");
     options.target.staging_bytes = args.staging_bytes;
     options.target.mode = DeviceMode::kStreaming;
   }
   if (!args.dtype.empty()) options.dtype.to = parse_dtype_arg(args.dtype);  // checked by CLI11
   if (!options.dtype.keep.empty() && !options.dtype.to) throw UsageError("--keep needs --dtype");
-  if (args.device != "cpu") {
-    device = open_device(args.device);
+  if (!spec.is_host()) {
+    device = open_device(spec);
     options.target.device = device.get();
   }
   Loader loader(options);
@@ -123,7 +124,7 @@ void add_load_command(CLI::App& app) {
       ->type_name("DEVICE")
       ->capture_default_str();
   command->add_option("--streams", args->load.target.copy.streams, "host-to-device copy streams")
-      ->transform(integer_range(1, 64))
+      ->transform(integer_range(1, kMaxCopyStreams))
       ->type_name("1..64")
       ->capture_default_str();
   command->add_option("--chunk-size", args->load.target.copy.chunk_bytes, "bytes per host-to-device copy")

@@ -1,51 +1,29 @@
 // Internal to the command-line programs (pinload, pinload-bench): the
-// spellings of LoadOptions::direct and LoadOptions::cached_read.
+// spellings of LoadOptions::direct and LoadOptions::cached_read, the tables
+// of load/option_spellings.h (the ones parse_direct_io and parse_cached_read
+// in loader.h read).
 #pragma once
 
-#include <cstddef>
 #include <optional>
 #include <string_view>
 
+#include "load/option_spellings.h"
 #include "pinload/loader.h"
 
 namespace pinload::cli {
 
-template <class E>
-struct Spelling {
-  std::string_view text;
-  E value;
-};
-
-inline constexpr Spelling<DirectIo> kDirectSpellings[] = {
-    {"auto", DirectIo::kAuto}, {"on", DirectIo::kOn}, {"off", DirectIo::kOff}};
-inline constexpr Spelling<CachedRead> kCachedReadSpellings[] = {
-    {"auto", CachedRead::kAuto}, {"map", CachedRead::kMap}, {"pread", CachedRead::kPread}};
-
-// The value spelled `text`; nullopt for anything else.
-template <class E, std::size_t N>
-std::optional<E> parse_spelling(const Spelling<E> (&spellings)[N], std::string_view text) {
-  for (const auto& s : spellings) {
-    if (s.text == text) return s.value;
-  }
-  return std::nullopt;
-}
-
-template <class E, std::size_t N>
-const char* spelling_of(const Spelling<E> (&spellings)[N], E value) {
-  for (const auto& s : spellings) {
-    if (s.value == value) return s.text.data();  // literals: NUL-terminated
-  }
-  return "?";
-}
+using detail::kCachedReadSpellings;
+using detail::kDirectSpellings;
+using detail::Spelling;
+using detail::parse_spelling;
+using detail::spelling_of;
 
 // --direct auto|on|off
-inline std::optional<DirectIo> parse_direct_arg(std::string_view text) { return parse_spelling(kDirectSpellings, text); }
-inline const char* direct_arg_name(DirectIo d) { return spelling_of(kDirectSpellings, d); }
+inline std::optional<DirectIo> parse_direct_arg(std::string_view text) { return parse_direct_io(text); }
+inline const char* direct_arg_name(DirectIo d) { return direct_io_name(d); }
 
 // --cached-read auto|map|pread
-inline std::optional<CachedRead> parse_cached_read_arg(std::string_view text) {
-  return parse_spelling(kCachedReadSpellings, text);
-}
-inline const char* cached_read_arg_name(CachedRead c) { return spelling_of(kCachedReadSpellings, c); }
+inline std::optional<CachedRead> parse_cached_read_arg(std::string_view text) { return parse_cached_read(text); }
+inline const char* cached_read_arg_name(CachedRead c) { return cached_read_name(c); }
 
 }  // namespace pinload::cli

@@ -32,7 +32,7 @@ namespace {
 
 void check_range(const char* what, std::size_t offset, std::size_t bytes, std::size_t size) {
   if (offset > size || bytes > size - offset) {
-    throw InvalidFileError(std::string("copy of ") + std::to_string(bytes) + " bytes at offset " +
+    throw InvalidArgumentError(std::string("copy of ") + std::to_string(bytes) + " bytes at offset " +
                            std::to_string(offset) + " leaves the " + what + " of " + std::to_string(size) + " bytes");
   }
 }
@@ -41,8 +41,8 @@ void check_range(const char* what, std::size_t offset, std::size_t bytes, std::s
 
 std::vector<CopyChunk> plan_copy(std::size_t host_offset, std::size_t device_offset, std::size_t bytes,
                                  std::size_t chunk_bytes, std::size_t streams, std::size_t first_stream) {
-  if (chunk_bytes == 0) throw InvalidFileError("copy chunk size must be positive");
-  if (streams == 0) throw InvalidFileError("copy stream count must be positive");
+  if (chunk_bytes == 0) throw InvalidArgumentError("copy chunk size must be positive");
+  if (streams == 0) throw InvalidArgumentError("copy stream count must be positive");
   std::vector<CopyChunk> plan;
   plan.reserve(bytes / chunk_bytes + 1);
   for (std::size_t done = 0, i = 0; done < bytes; ++i) {
@@ -85,10 +85,10 @@ CopyEngine::~CopyEngine() {
 
 CopyTicket CopyEngine::submit(std::shared_ptr<Block> host_block, std::size_t host_offset,
                               const std::shared_ptr<DeviceBuffer>& dst, std::size_t dst_offset, std::size_t bytes) {
-  if (!host_block) throw InvalidFileError("copy submitted without a host block");
-  if (!dst) throw InvalidFileError("copy submitted without a device buffer");
+  if (!host_block) throw InvalidArgumentError("copy submitted without a host block");
+  if (!dst) throw InvalidArgumentError("copy submitted without a device buffer");
   if (dst->device_id() != device_.id()) {
-    throw InvalidFileError("copy submitted with a DeviceBuffer of another device than " + device_.name());
+    throw InvalidArgumentError("copy submitted with a DeviceBuffer of another device than " + device_.name());
   }
   check_range("host block", host_offset, bytes, host_block->size());
   check_range("device buffer", dst_offset, bytes, dst->size());

@@ -4,6 +4,7 @@
 #include <atomic>
 #include <charconv>
 #include <string>
+#include <utility>
 
 #include "pinload/error.h"
 
@@ -14,7 +15,7 @@ std::atomic<std::uint64_t> g_next_device_id{1};
 
 void check_range(const char* what, std::size_t offset, std::size_t bytes, std::size_t size) {
   if (offset > size || bytes > size - offset) {
-    throw InvalidFileError(std::string(what) + " of " + std::to_string(bytes) + " bytes at offset " +
+    throw InvalidArgumentError(std::string(what) + " of " + std::to_string(bytes) + " bytes at offset " +
                            std::to_string(offset) + " leaves the device buffer of " + std::to_string(size) +
                            " bytes");
   }
@@ -23,22 +24,22 @@ void check_range(const char* what, std::size_t offset, std::size_t bytes, std::s
 }  // namespace
 
 void Stream::synchronize() {
-  if (!impl_) throw InvalidFileError("synchronize on an empty Stream");
+  if (!impl_) throw InvalidArgumentError("synchronize on an empty Stream");
   impl_->synchronize();
 }
 
 bool Stream::query() {
-  if (!impl_) throw InvalidFileError("query on an empty Stream");
+  if (!impl_) throw InvalidArgumentError("query on an empty Stream");
   return impl_->query();
 }
 
 bool Event::query() {
-  if (!impl_) throw InvalidFileError("query on an empty Event");
+  if (!impl_) throw InvalidArgumentError("query on an empty Event");
   return impl_->query();
 }
 
 void Event::synchronize() {
-  if (!impl_) throw InvalidFileError("synchronize on an empty Event");
+  if (!impl_) throw InvalidArgumentError("synchronize on an empty Event");
   impl_->synchronize();
 }
 
@@ -64,7 +65,7 @@ std::shared_ptr<DeviceAllocator> Device::allocator() const {
 }
 
 std::shared_ptr<DeviceBuffer> Device::allocate(std::size_t bytes) {
-  if (bytes == 0) throw InvalidFileError("device allocation of 0 bytes on " + name());
+  if (bytes == 0) throw InvalidArgumentError("device allocation of 0 bytes on " + name());
   std::shared_ptr<DeviceAllocator> alloc = allocator();
   void* data = alloc->allocate(bytes);
   try {
@@ -77,13 +78,13 @@ std::shared_ptr<DeviceBuffer> Device::allocate(std::size_t bytes) {
 }
 
 std::shared_ptr<DeviceBuffer> Device::wrap(void* data, std::size_t bytes, DeviceBuffer::Release release) {
-  if (data == nullptr && bytes != 0) throw InvalidFileError("wrap of a null device pointer on " + name());
+  if (data == nullptr && bytes != 0) throw InvalidArgumentError("wrap of a null device pointer on " + name());
   return std::make_shared<DeviceBuffer>(id_, data, bytes, std::move(release));
 }
 
 void Device::check_stream(const Stream& stream) const {
-  if (!stream.valid()) throw InvalidFileError("empty Stream given to " + name());
-  if (stream.impl()->device_id() != id_) throw InvalidFileError("a Stream of another device given to " + name());
+  if (!stream.valid()) throw InvalidArgumentError("empty Stream given to " + name());
+  if (stream.impl()->device_id() != id_) throw InvalidArgumentError("a Stream of another device given to " + name());
 }
 
 Event Device::record(Stream& stream) {
@@ -94,10 +95,10 @@ Event Device::record(Stream& stream) {
 void Device::copy_to_device_async(DeviceBuffer& dst, std::size_t dst_offset, const void* src, std::size_t bytes,
                                   Stream& stream) {
   check_stream(stream);
-  if (dst.device_id() != id_) throw InvalidFileError("a DeviceBuffer of another device given to " + name());
+  if (dst.device_id() != id_) throw InvalidArgumentError("a DeviceBuffer of another device given to " + name());
   check_range("host-to-device copy", dst_offset, bytes, dst.size());
   if (bytes == 0) return;
-  if (src == nullptr) throw InvalidFileError("host-to-device copy from a null pointer");
+  if (src == nullptr) throw InvalidArgumentError("host-to-device copy from a null pointer");
   do_copy_to_device_async(static_cast<std::byte*>(dst.data()) + dst_offset, src, bytes, stream);
 }
 
@@ -119,25 +120,48 @@ void Device::convert_async(DeviceBuffer& dst, std::size_t dst_offset, const Devi
 }
 
 void Device::copy_to_host(void* dst, const DeviceBuffer& src, std::size_t src_offset, std::size_t bytes) {
-  if (src.device_id() != id_) throw InvalidFileError("a DeviceBuffer of another device given to " + name());
+  if (src.device_id() != id_) throw InvalidArgumentError("a DeviceBuffer of another device given to " + name());
   check_range("device-to-host copy", src_offset, bytes, src.size());
   if (bytes == 0) return;
-  if (dst == nullptr) throw InvalidFileError("device-to-host copy to a null pointer");
+  if (dst == nullptr) throw InvalidArgumentError("device-to-host copy to a null pointer");
   do_copy_to_host(dst, static_cast<const std::byte*>(src.data()) + src_offset, bytes);
 }
 
-std::unique_ptr<Device> open_device(std::string_view spec) {
-  if (spec == "cpu" || spec == "sim") return make_sim_device();
-  if (spec == "cuda") return open_cuda_device(0);
-  if (spec.starts_with("cuda:")) {
-    std::string_view digits = spec.substr(5);
+std::string DeviceSpec::name() const {
+  switch (kind) {
+    case Kind::kHost: return "cpu";
+    case Kind::kSim: return "sim";
+    case Kind::kCuda: return "cuda:" + std::to_string(ordinal);
+  }
+  return "?";
+}
+
+DeviceSpec parse_device_spec(std::string_view text, std::string_view option) {
+  if (text == "cpu") return DeviceSpec{DeviceSpec::Kind::kHost};
+  if (text == "sim") return DeviceSpec{DeviceSpec::Kind::kSim};
+  if (text == "cuda") return DeviceSpec{DeviceSpec::Kind::kCuda, 0, false};
+  if (text.starts_with("cuda:")) {
+    const std::string_view digits = text.substr(5);
     int ordinal = -1;
-    auto [end, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), ordinal);
+    const auto [end, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), ordinal);
+    // from_chars takes a '-' sign but no '+' and no space: "cuda:-1" is caught below.
     if (!digits.empty() && ec == std::errc() && end == digits.data() + digits.size() && ordinal >= 0) {
-      return open_cuda_device(ordinal);
+      return DeviceSpec{DeviceSpec::Kind::kCuda, ordinal, true};
     }
   }
-  throw InvalidFileError("unknown device '" + std::string(spec) + "': expected cpu, sim, cuda or cuda:N");
+  throw InvalidArgumentError(std::string(option) + ": unknown device '" + std::string(text) +
+                             "': expected cpu, sim, cuda or cuda:N");
 }
+
+std::unique_ptr<Device> open_device(const DeviceSpec& spec, SimDeviceOptions sim) {
+  switch (spec.kind) {
+    case DeviceSpec::Kind::kHost: break;
+    case DeviceSpec::Kind::kSim: return make_sim_device(std::move(sim));
+    case DeviceSpec::Kind::kCuda: return open_cuda_device(spec.ordinal);
+  }
+  throw InvalidArgumentError("device 'cpu' is host memory, not a Device: load with no target device instead");
+}
+
+std::unique_ptr<Device> open_device(std::string_view spec) { return open_device(parse_device_spec(spec)); }
 
 }  // namespace pinload

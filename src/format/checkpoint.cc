@@ -257,7 +257,7 @@ CheckpointFile read_checkpoint_file(Env* env, const std::string& path) {
 }
 
 Checkpoint open_checkpoint(Env* env, const std::vector<std::string>& paths, const ResolveOptions& options) {
-  if (paths.empty()) throw InvalidFileError("no checkpoint path given");
+  if (paths.empty()) throw InvalidArgumentError("no checkpoint path given");
   Checkpoint checkpoint;
   Resolver resolver(env, options, &checkpoint);
   try {

@@ -1,6 +1,7 @@
 #include "pinload/read_plan.h"
 
 #include <algorithm>
+#include <utility>
 
 namespace pinload {
 
@@ -43,6 +44,50 @@ ReadPlan make_read_plan(std::vector<FileRead> files, const PlanOptions& options)
   }
   plan.files = std::move(files);
   return plan;
+}
+
+std::optional<ReadPlan> replay_plan(const ReadPlan& plan, std::span<const TemplateRead> reads) {
+  std::vector<std::vector<std::pair<std::uint64_t, std::uint64_t>>> spans(plan.files.size());
+  ReadPlan out;
+  out.files = plan.files;
+  out.chunks.reserve(reads.size());
+  for (const TemplateRead& r : reads) {
+    if (r.file >= plan.files.size()) return std::nullopt;
+    const FileRead& f = plan.files[r.file];
+    const std::uint64_t align = std::max<std::uint32_t>(f.alignment, 1);
+    if (r.length == 0 || r.offset < f.read_begin || r.offset >= f.file_size || r.offset % align != 0 ||
+        r.length > f.read_end - r.offset || (r.offset + r.length) % align != 0) {
+      return std::nullopt;
+    }
+    spans[r.file].emplace_back(r.offset, r.offset + r.length);
+    ReadChunk c;
+    c.file = r.file;
+    c.offset = r.offset;
+    c.length = r.length;
+    c.valid = std::min(r.offset + r.length, f.file_size) - r.offset;
+    out.total_bytes += c.valid;
+    out.chunks.push_back(c);
+  }
+  for (std::size_t i = 0; i < spans.size(); ++i) {
+    std::sort(spans[i].begin(), spans[i].end());
+    const FileRead& f = plan.files[i];
+    std::uint64_t at = f.read_begin;
+    for (const auto& [begin, end] : spans[i]) {
+      if (begin != at) return std::nullopt;
+      at = end;
+    }
+    const std::uint64_t expected_end = f.file_size > f.read_begin ? f.read_end : f.read_begin;
+    if (at != expected_end) return std::nullopt;
+  }
+  // Tiled: a chunk's index is the rank of its offset in its file.
+  for (FileRead& f : out.files) f.chunk_count = 0;
+  for (ReadChunk& c : out.chunks) {
+    const auto& sp = spans[c.file];
+    c.index = static_cast<std::uint32_t>(
+        std::lower_bound(sp.begin(), sp.end(), std::make_pair(c.offset, std::uint64_t{0})) - sp.begin());
+    ++out.files[c.file].chunk_count;
+  }
+  return out;
 }
 
 }  // namespace pinload

@@ -184,7 +184,7 @@ void open_for_load(Env* env, const LoadOptions& options, OpenFile* f) {
 // Reads [offset, offset + valid) of the file to `dest` with pread, direct
 // or buffered.
 void read_with_pread(Env* env, OpenFile& f, const FileRead& plan, const ReadChunk& c, DirectIo mode,
-                     Loader::Counters* counters, std::byte* dest, bool direct) {
+                     ReadCounters* counters, std::byte* dest, bool direct) {
   std::uint64_t done = 0;
   while (done < c.valid) {
     const std::uint64_t at = c.offset + done;
@@ -216,7 +216,7 @@ void read_with_pread(Env* env, OpenFile& f, const FileRead& plan, const ReadChun
 
 // Executes one chunk: reads [offset, offset + valid) of the file to `dest`.
 void read_chunk(Env* env, OpenFile& f, const FileRead& plan, const ReadChunk& c, DirectIo mode,
-                CachedReadChooser* chooser, Loader::Counters* counters, std::byte* dest) {
+                CachedReadChooser* chooser, ReadCounters* counters, std::byte* dest) {
   if (f.remote) {
     f.remote->read(f.object, c.offset, c.valid, dest);
     if (f.cache_writer) f.cache_writer->write(c.offset, dest, c.valid, *f.remote);
@@ -243,53 +243,6 @@ void read_chunk(Env* env, OpenFile& f, const FileRead& plan, const ReadChunk& c,
   chooser->record(method, c.valid, nanoseconds_since(start));
 }
 
-// The chunks of `replay` when they tile every file's aligned range exactly
-// (each byte once, aligned), else nothing: a template is never trusted.
-// Sets ReadChunk::index (the position in its file's sweep) and returns the
-// chunk count per file.
-std::optional<std::vector<ReadChunk>> replay_chunks(const ReadPlan& plan, const TemplateReads& replay,
-                                                    std::vector<std::uint32_t>* chunk_counts) {
-  std::vector<std::vector<std::pair<std::uint64_t, std::uint64_t>>> spans(plan.files.size());
-  std::vector<ReadChunk> chunks;
-  chunks.reserve(replay.reads.size());
-  for (const TemplateRead& r : replay.reads) {
-    if (r.file >= plan.files.size()) return std::nullopt;
-    const FileRead& f = plan.files[r.file];
-    const std::uint64_t align = std::max<std::uint32_t>(f.alignment, 1);
-    if (r.length == 0 || r.offset < f.read_begin || r.offset >= f.file_size || r.offset % align != 0 ||
-        r.length > f.read_end - r.offset || (r.offset + r.length) % align != 0) {
-      return std::nullopt;
-    }
-    spans[r.file].emplace_back(r.offset, r.offset + r.length);
-    ReadChunk c;
-    c.file = r.file;
-    c.offset = r.offset;
-    c.length = r.length;
-    c.valid = std::min(r.offset + r.length, f.file_size) - r.offset;
-    chunks.push_back(c);
-  }
-  for (std::size_t i = 0; i < spans.size(); ++i) {
-    std::sort(spans[i].begin(), spans[i].end());
-    const FileRead& f = plan.files[i];
-    std::uint64_t at = f.read_begin;
-    for (const auto& [begin, end] : spans[i]) {
-      if (begin != at) return std::nullopt;
-      at = end;
-    }
-    const std::uint64_t expected_end = f.file_size > f.read_begin ? f.read_end : f.read_begin;
-    if (at != expected_end) return std::nullopt;
-  }
-  // Tiled: a chunk's index is the rank of its offset in its file.
-  chunk_counts->assign(spans.size(), 0);
-  for (ReadChunk& c : chunks) {
-    const auto& sp = spans[c.file];
-    c.index = static_cast<std::uint32_t>(
-        std::lower_bound(sp.begin(), sp.end(), std::make_pair(c.offset, std::uint64_t{0})) - sp.begin());
-    ++(*chunk_counts)[c.file];
-  }
-  return chunks;
-}
-
 }  // namespace
 
 int OpenFile::buffered(Env* env) {
@@ -301,34 +254,29 @@ int OpenFile::buffered(Env* env) {
   return buffered_fd.get();
 }
 
-namespace {
-
-// Opens file `index` of the session for its first chunk (Note [Files in
-// flight]), waiting while max_open_files are open. Throws CancelledError
-// where `stop` ends the wait, or the open's error.
-void open_in_flight(ReadSession& s, std::size_t index, std::stop_token stop, Loader::Counters* counters) {
-  OpenFile& f = *s.files[index];
+void ReadSession::open_in_flight(std::size_t index, std::stop_token stop, ReadCounters* counters) {
+  OpenFile& f = *files_[index];
   if (f.opened.load(std::memory_order_acquire)) return;
   std::lock_guard lock(f.mu);
   if (f.opened.load(std::memory_order_relaxed) || f.closed) return;
   {
-    std::unique_lock open_lock(s.open_mu);
-    if (!s.open_cv.wait(open_lock, stop, [&] { return s.open_files < s.max_open_files; })) {
+    std::unique_lock open_lock(open_mu_);
+    if (!open_cv_.wait(open_lock, stop, [&] { return open_files_ < max_open_files_; })) {
       throw CancelledError("load cancelled", ErrorContext{f.path});
     }
-    ++s.open_files;
+    ++open_files_;
   }
   try {
-    open_for_load(s.env, s.options, &f);
+    open_for_load(env_, options_, &f);
   } catch (...) {
     f.mapping.reset();
     f.direct_fd.reset();
     f.buffered_fd.reset();
     {
-      std::lock_guard open_lock(s.open_mu);
-      --s.open_files;
+      std::lock_guard open_lock(open_mu_);
+      --open_files_;
     }
-    s.open_cv.notify_all();
+    open_cv_.notify_all();
     throw;
   }
   (f.direct ? counters->files_direct : counters->files_buffered)++;
@@ -336,10 +284,8 @@ void open_in_flight(ReadSession& s, std::size_t index, std::stop_token stop, Loa
   f.opened.store(true, std::memory_order_release);
 }
 
-// The last chunk of file `index` has been read: closes its descriptors and
-// its mapping, and lets a waiting worker open the next file.
-void close_in_flight(ReadSession& s, std::size_t index) {
-  OpenFile& f = *s.files[index];
+void ReadSession::close_in_flight(std::size_t index) {
+  OpenFile& f = *files_[index];
   {
     std::lock_guard lock(f.mu);
     if (f.closed || !f.opened.load(std::memory_order_relaxed)) return;
@@ -349,11 +295,13 @@ void close_in_flight(ReadSession& s, std::size_t index) {
     f.closed = true;
   }
   {
-    std::lock_guard open_lock(s.open_mu);
-    --s.open_files;
+    std::lock_guard open_lock(open_mu_);
+    --open_files_;
   }
-  s.open_cv.notify_all();
+  open_cv_.notify_all();
 }
+
+namespace {
 
 // The most files whose chunks interleave in the claim order of `plan`
 // (Note [Files in flight]); at least 1.
@@ -380,47 +328,90 @@ std::size_t interleaved_files(const ReadPlan& plan) {
 
 std::uint64_t ReadSession::bytes_done() const {
   std::uint64_t n = 0;
-  for (std::size_t i = 0; i < plan.chunks.size(); ++i) {
-    if (chunk_done(i)) n += plan.chunks[i].valid;
+  for (std::size_t i = 0; i < plan_.chunks.size(); ++i) {
+    if (chunk_done(i)) n += plan_.chunks[i].valid;
   }
   return n;
 }
 
 std::vector<std::size_t> ReadSession::pending() const {
   std::vector<std::size_t> out;
-  for (std::size_t i = 0; i < plan.chunks.size(); ++i) {
+  for (std::size_t i = 0; i < plan_.chunks.size(); ++i) {
     if (!chunk_done(i)) out.push_back(i);
   }
   return out;
 }
 
-TemplateReads ReadSession::completed_reads(std::string destination) {
+TemplateReads ReadSession::completed_reads(std::string destination) const {
   TemplateReads out{std::move(destination), {}};
-  std::lock_guard lock(completed_mu);
-  out.reads.reserve(completed.size());
-  for (std::uint32_t i : completed) {
-    const ReadChunk& c = plan.chunks[i];
+  std::lock_guard lock(completed_mu_);
+  out.reads.reserve(completed_.size());
+  for (std::uint32_t i : completed_) {
+    const ReadChunk& c = plan_.chunks[i];
     out.reads.push_back(TemplateRead{c.file, c.offset, c.length});
   }
   return out;
 }
 
-std::unique_ptr<ReadSession> open_session(Env* env, const LoadOptions& options, Checkpoint checkpoint,
-                                          std::shared_ptr<Pool> staging_pool, const TemplateReads* replay,
-                                          Loader::Counters* counters) {
-  auto s = std::make_unique<ReadSession>();
-  s->env = env;
-  s->options = options;
-  s->direct_mode = options.direct;
-  s->cached_read = options.cached_read;
-  s->checkpoint = std::move(checkpoint);
-  s->streaming = staging_pool != nullptr;
-  s->staging_pool = std::move(staging_pool);
-  const std::size_t n = s->checkpoint.files.size();
+void ReadSession::check_idle(const char* what) const {
+  if (executing_.load(std::memory_order_acquire)) {
+    throw InvalidArgumentError(std::string(what) + " while execute() runs on the session");
+  }
+}
+
+void ReadSession::keep_staged(std::size_t i, std::shared_ptr<Block> block) {
+  // Called from execute()'s sink: each chunk once, by the worker that read it.
+  staged_.at(i) = std::move(block);
+}
+
+std::shared_ptr<Block> ReadSession::take_staged(std::size_t i) {
+  check_idle("take_staged()");
+  return std::move(staged_.at(i));
+}
+
+void ReadSession::release_unread_blocks() {
+  check_idle("release_unread_blocks()");
+  if (streaming()) return;
+  std::vector<bool> used(files_.size(), false);
+  for (std::size_t i = 0; i < plan_.chunks.size(); ++i) {
+    if (chunk_done(i)) used[plan_.chunks[i].file] = true;
+  }
+  for (std::size_t f = 0; f < files_.size(); ++f) {
+    if (!used[f]) files_[f]->block.reset();
+  }
+}
+
+void ReadSession::release_block(std::size_t file) {
+  // Called from execute()'s sink after the file's last chunk: no reader
+  // touches the block again.
+  files_.at(file)->block.reset();
+}
+
+void ReadSession::count_files(ReadCounters* counters) const {
+  counters->files_direct = 0;
+  counters->files_buffered = 0;
+  for (const auto& f : files_) {
+    if (f->opened) (f->direct ? counters->files_direct : counters->files_buffered)++;  // the rest count as they open
+  }
+  counters->bytes_total = plan_.total_bytes;
+  counters->bytes_done = bytes_done();
+}
+
+std::unique_ptr<ReadSession> ReadSession::open(Env* env, const LoadOptions& options, Checkpoint checkpoint,
+                                               std::shared_ptr<Pool> staging_pool, const TemplateReads* replay,
+                                               ReadCounters* counters) {
+  std::unique_ptr<ReadSession> s(new ReadSession);
+  s->env_ = env;
+  s->options_ = options;
+  s->direct_mode_ = options.direct;
+  s->cached_read_ = options.cached_read;
+  s->checkpoint_ = std::move(checkpoint);
+  s->staging_pool_ = std::move(staging_pool);
+  const std::size_t n = s->checkpoint_.files.size();
   std::vector<FileRead> reads;
-  s->files.reserve(n);
+  s->files_.reserve(n);
   reads.reserve(n);
-  for (const CheckpointFile& cf : s->checkpoint.files) {
+  for (const CheckpointFile& cf : s->checkpoint_.files) {
     auto f = std::make_unique<OpenFile>();
     f->path = cf.path;
     f->stat = cf.stat;
@@ -436,32 +427,31 @@ std::unique_ptr<ReadSession> open_session(Env* env, const LoadOptions& options, 
     // Readers are decided here, from the paths, not from opened files (those
     // open at their first chunk: Note [Files in flight]).
     prepare_source(env, cf, options, f.get());
-    if (f->remote) s->remote_threads = f->remote->connections();
-    if (f->network_fs) s->min_threads = effective_connections(options.resolve.remote);
+    if (f->remote) s->remote_threads_ = f->remote->connections();
+    if (f->network_fs) s->min_threads_ = effective_connections(options.resolve.remote);
     reads.push_back(std::move(r));
-    s->files.push_back(std::move(f));
+    s->files_.push_back(std::move(f));
   }
-  s->plan = make_read_plan(std::move(reads), PlanOptions{options.block_size, options.files_in_flight});
+  s->plan_ = make_read_plan(std::move(reads), PlanOptions{options.block_size, options.files_in_flight});
   if (replay != nullptr) {
-    std::vector<std::uint32_t> counts;
-    if (auto chunks = replay_chunks(s->plan, *replay, &counts)) {
-      s->plan.chunks = std::move(*chunks);
-      for (std::size_t i = 0; i < counts.size(); ++i) s->plan.files[i].chunk_count = counts[i];
+    if (std::optional<ReadPlan> replayed = replay_plan(s->plan_, replay->reads)) {
+      s->plan_ = std::move(*replayed);
     } else {
       log::warn("the I/O template's reads for \"{}\" do not tile the checkpoint's files; using the default plan",
                 replay->destination);
     }
   }
-  counters->bytes_total = s->plan.total_bytes;
-  for (const ReadChunk& c : s->plan.chunks) s->files[c.file]->chunks_left.fetch_add(1, std::memory_order_relaxed);
-  s->max_open_files = interleaved_files(s->plan);
-  s->done = std::make_unique<std::atomic<bool>[]>(s->plan.chunks.size());
-  if (s->streaming) s->staged.resize(s->plan.chunks.size());
+  counters->bytes_total = s->plan_.total_bytes;
+  for (const ReadChunk& c : s->plan_.chunks) s->files_[c.file]->chunks_left.fetch_add(1, std::memory_order_relaxed);
+  s->max_open_files_ = interleaved_files(s->plan_);
+  s->done_ = std::make_unique<std::atomic<bool>[]>(s->plan_.chunks.size());
+  if (s->streaming()) s->staged_.resize(s->plan_.chunks.size());
   return s;
 }
 
-void allocate_blocks(ReadSession& s, Pool& pool, std::stop_token stop) {
-  if (s.streaming) return;
+void ReadSession::allocate_blocks(Pool& pool, std::stop_token stop) {
+  check_idle("allocate_blocks()");
+  if (streaming()) return;
   // A load holds its blocks until it ends, so one that cannot fit the budget
   // fails now instead of waiting for memory only it could free. The error
   // names the file whose block crosses the line.
@@ -469,15 +459,15 @@ void allocate_blocks(ReadSession& s, Pool& pool, std::stop_token stop) {
   std::size_t crossing = 0;
   auto blocks_up_to = [&](std::uint64_t limit) {
     need = 0;
-    crossing = s.files.size();
-    for (std::size_t i = 0; i < s.files.size(); ++i) {
-      if (s.files[i]->block) continue;
-      need += Pool::size_class(std::max<std::uint64_t>(s.plan.files[i].block_bytes(), 1));
-      if (need > limit && crossing == s.files.size()) crossing = i;
+    crossing = files_.size();
+    for (std::size_t i = 0; i < files_.size(); ++i) {
+      if (files_[i]->block) continue;
+      need += Pool::size_class(std::max<std::uint64_t>(plan_.files[i].block_bytes(), 1));
+      if (need > limit && crossing == files_.size()) crossing = i;
     }
-    return crossing == s.files.size();
+    return crossing == files_.size();
   };
-  auto file_at = [&](std::size_t i) { return crossing < s.files.size() ? s.files[i]->path : std::string{}; };
+  auto file_at = [&](std::size_t i) { return crossing < files_.size() ? files_[i]->path : std::string{}; };
   if (const std::uint64_t capacity = pool.options().capacity_bytes; capacity != 0 && !blocks_up_to(capacity)) {
     throw OutOfMemoryError("checkpoint needs " + std::to_string(need) + " bytes of pool memory; the pool budget is " +
                                std::to_string(capacity) + " bytes",
@@ -496,42 +486,50 @@ void allocate_blocks(ReadSession& s, Pool& pool, std::stop_token stop) {
                              ErrorContext{file_at(crossing)});
     }
   }
-  for (std::size_t i = 0; i < s.files.size(); ++i) {
-    if (!s.files[i]->block) s.files[i]->block = pool.allocate(s.plan.files[i].block_bytes(), stop);
+  for (std::size_t i = 0; i < files_.size(); ++i) {
+    if (!files_[i]->block) files_[i]->block = pool.allocate(plan_.files[i].block_bytes(), stop);
   }
 }
 
-void execute(ReadSession& s, const std::vector<std::size_t>& todo, unsigned threads, std::stop_token stop,
-             Loader::Counters* counters, const std::vector<int>& cpus, const ChunkSink& sink) {
+void ReadSession::execute(const std::vector<std::size_t>& todo, unsigned threads, std::stop_token stop,
+                          ReadCounters* counters, const std::vector<int>& cpus, const ChunkSink& sink) {
+  if (executing_.exchange(true, std::memory_order_acq_rel)) {
+    throw InvalidArgumentError("execute() while another execute() runs on the session");
+  }
+  struct Idle {
+    std::atomic<bool>& executing;
+    ~Idle() { executing.store(false, std::memory_order_release); }
+  } idle{executing_};
+  ReadSession& s = *this;
   std::atomic<std::size_t> next{0};
   std::stop_source abort;  // the first error, or the caller's stop, ends every worker
   std::stop_callback forward_stop(stop, [&] { abort.request_stop(); });
   FirstError first_error;
   auto worker = [&] {
     try {
-      const ThreadAffinityScope near_pool(s.env, cpus);  // Note [NUMA placement]
+      const ThreadAffinityScope near_pool(s.env_, cpus);  // Note [NUMA placement]
       for (;;) {
         if (abort.stop_requested()) return;
         const std::size_t k = next.fetch_add(1, std::memory_order_relaxed);
         if (k >= todo.size()) return;
         const std::size_t i = todo[k];
-        const ReadChunk& c = s.plan.chunks[i];
-        const FileRead& r = s.plan.files[c.file];
-        OpenFile& f = *s.files[c.file];
-        open_in_flight(s, c.file, abort.get_token(), counters);
+        const ReadChunk& c = s.plan_.chunks[i];
+        const FileRead& r = s.plan_.files[c.file];
+        OpenFile& f = *s.files_[c.file];
+        s.open_in_flight(c.file, abort.get_token(), counters);
         // Streaming reads into a staging block of the chunk's own; the
         // others into the file's block.
-        std::shared_ptr<Block> dest = s.streaming ? s.staging_pool->allocate(c.length, abort.get_token()) : f.block;
-        const std::size_t dest_offset = s.streaming ? 0 : c.offset - r.read_begin;
-        read_chunk(s.env, f, r, c, s.direct_mode, s.cached_read == CachedRead::kAuto ? &s.chooser : nullptr,
+        std::shared_ptr<Block> dest = s.streaming() ? s.staging_pool_->allocate(c.length, abort.get_token()) : f.block;
+        const std::size_t dest_offset = s.streaming() ? 0 : c.offset - r.read_begin;
+        read_chunk(s.env_, f, r, c, s.direct_mode_, s.cached_read_ == CachedRead::kAuto ? &s.chooser_ : nullptr,
                    counters, dest->data() + dest_offset);
         counters->bytes_done.fetch_add(c.valid, std::memory_order_relaxed);
         {
-          std::lock_guard lock(s.completed_mu);
-          s.completed.push_back(static_cast<std::uint32_t>(i));
+          std::lock_guard lock(s.completed_mu_);
+          s.completed_.push_back(static_cast<std::uint32_t>(i));
         }
-        s.done[i].store(true, std::memory_order_release);
-        if (f.chunks_left.fetch_sub(1, std::memory_order_acq_rel) == 1) close_in_flight(s, c.file);
+        s.done_[i].store(true, std::memory_order_release);
+        if (f.chunks_left.fetch_sub(1, std::memory_order_acq_rel) == 1) s.close_in_flight(c.file);
         if (sink) sink(i, std::move(dest), dest_offset);
       }
     } catch (...) {
@@ -539,7 +537,7 @@ void execute(ReadSession& s, const std::vector<std::size_t>& todo, unsigned thre
       abort.request_stop();
     }
   };
-  threads = s.remote_threads != 0 ? s.remote_threads : std::max(threads, s.min_threads);  // Note [Remote reads]
+  threads = remote_threads_ != 0 ? remote_threads_ : std::max(threads, min_threads_);  // Note [Remote reads]
   const std::size_t thread_count = std::min<std::size_t>(std::max(threads, 1u), std::max<std::size_t>(todo.size(), 1));
   {
     std::vector<std::jthread> workers;
@@ -552,11 +550,11 @@ void execute(ReadSession& s, const std::vector<std::size_t>& todo, unsigned thre
     }
     worker();  // the calling thread works too
   }
-  if (s.chooser.chunks() > 0) {
+  if (chooser_.chunks() > 0) {
     log::debug("cached files: {} chunks; per chunk and thread, map {:.2f} GB/s, pread {:.2f} GB/s; faster: {}",
-               s.chooser.chunks(), s.chooser.bytes_per_second(CachedReadChooser::kMap) / 1e9,
-               s.chooser.bytes_per_second(CachedReadChooser::kPread) / 1e9,
-               s.chooser.faster() == CachedReadChooser::kMap ? "map" : "pread");
+               chooser_.chunks(), chooser_.bytes_per_second(CachedReadChooser::kMap) / 1e9,
+               chooser_.bytes_per_second(CachedReadChooser::kPread) / 1e9,
+               chooser_.faster() == CachedReadChooser::kMap ? "map" : "pread");
   }
   if (auto e = first_error.get()) std::rethrow_exception(e);
 }

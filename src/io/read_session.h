@@ -1,14 +1,17 @@
 // Internal: one checkpoint being read, shared by a prefetch and the load that
 // adopts it (Note [Prefetch and adoption] in prefetch.h).
 //
-// A session holds the open files, the plan, the destination memory (one block
-// per file, or in streaming mode one staging block per chunk) and which chunks
-// are done. execute() is the one chunk executor: Loader::load and prefetch()
-// both run it, so there is a single reader.
+// A session holds the open files, the plan, the host memory reads land in
+// (one block per file, or in streaming mode one staging block per chunk) and
+// which chunks are done. execute() is the one chunk executor: Loader::load and
+// prefetch() both run it, so there is a single reader. Where the bytes go next
+// (device copies, tensors handed out) is the loader's business: the session
+// knows neither the Loader nor devices.
 //
-// Thread safety: execute() may run on one session from one caller at a time;
-// its workers share the session through atomics. Everything else is called
-// with no execute() running.
+// Thread safety: one execute() at a time on a session (a second one throws
+// InvalidArgumentError); its workers share the session through atomics. The
+// other members that change the session throw the same while execute() runs;
+// the const ones may be called at any time.
 #pragma once
 
 #include <atomic>
@@ -17,48 +20,24 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <stop_token>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "io/cached_read_chooser.h"
+#include "io/read_counters.h"
 #include "io/remote/object_cache.h"
 #include "io/remote/remote_client.h"
 #include "pinload/checkpoint.h"
 #include "pinload/file_identity.h"
 #include "pinload/io_template.h"
-#include "pinload/loader.h"
+#include "pinload/loader.h"  // LoadOptions only: the session knows no Loader
 #include "pinload/pool.h"
 #include "pinload/read_plan.h"
 
 namespace pinload {
-
-namespace detail {
-class ReadyQueue;  // loader.cc: tensors handed out as they arrive (Note [Ready tensors])
-}
-
-struct Loader::Counters {
-  std::atomic<std::uint64_t> bytes_done{0};
-  std::atomic<std::uint64_t> bytes_total{0};
-  std::atomic<std::uint64_t> files_direct{0};
-  std::atomic<std::uint64_t> files_buffered{0};
-  std::atomic<std::uint64_t> files_mapped{0};
-  std::atomic<std::uint64_t> bytes_copied{0};
-  detail::ReadyQueue* ready = nullptr;  // set by load_async
-  bool stream = false;                  // HandOut::kStream: keep nothing handed out
-
-  LoadProgress snapshot() const noexcept {
-    LoadProgress p;
-    p.bytes_done = bytes_done.load(std::memory_order_relaxed);
-    p.bytes_total = bytes_total.load(std::memory_order_relaxed);
-    p.files_direct = files_direct.load(std::memory_order_relaxed);
-    p.files_buffered = files_buffered.load(std::memory_order_relaxed);
-    p.files_mapped = files_mapped.load(std::memory_order_relaxed);
-    p.bytes_copied = bytes_copied.load(std::memory_order_relaxed);
-    return p;
-  }
-};
 
 namespace detail {
 
@@ -117,12 +96,11 @@ struct OpenFile {
   ScopedFd buffered_fd;
   FileMapping mapping;  // buffered files in the page cache, unless CachedRead::kPread
   std::atomic<bool> direct{false};
-  std::atomic<bool> opened{false};  // open_for_load ran; counted in files_direct/buffered
+  std::atomic<bool> opened{false};  // open_in_flight ran; counted in files_direct/buffered
   bool closed = false;              // every chunk read, descriptors closed (guarded by mu)
   std::atomic<std::uint32_t> chunks_left{0};  // chunks not read yet
   std::mutex mu;  // guards opening and closing the descriptors
-  std::shared_ptr<Block> block;                 // host and kCached loads
-  std::shared_ptr<DeviceBuffer> device_buffer;  // device loads: the data section
+  std::shared_ptr<Block> block;  // not in streaming mode
   // Remote files (Note [Remote reads]): no descriptors; chunks are ranged GETs.
   std::shared_ptr<remote::RemoteClient> remote;
   remote::ObjectInfo object;
@@ -134,71 +112,111 @@ struct OpenFile {
   int buffered(Env* env);
 };
 
-struct ReadSession {
-  Env* env = nullptr;
-  LoadOptions options;  // of open_session: how files are opened and read
-  DirectIo direct_mode = DirectIo::kAuto;
-  CachedRead cached_read = CachedRead::kAuto;
-  CachedReadChooser chooser;  // kAuto: map or pread, chunk by chunk
-  Checkpoint checkpoint;
-  std::vector<std::unique_ptr<OpenFile>> files;
-  ReadPlan plan;
-  bool streaming = false;  // each chunk into a staging block instead of its file's block
-  // Readers: remote files take exactly one per connection (Note [Remote
-  // reads]); files on network filesystems at least one per connection.
-  unsigned remote_threads = 0;
-  unsigned min_threads = 0;
-  std::shared_ptr<Pool> staging_pool;
-  // Streaming only: chunks read but not yet handed to a copy (prefetched).
-  std::vector<std::shared_ptr<Block>> staged;
-  std::unique_ptr<std::atomic<bool>[]> done;  // per chunk
-
-  // Note [Files in flight]: files open now, and the bound.
-  std::mutex open_mu;
-  std::condition_variable_any open_cv;
-  std::size_t open_files = 0;
-  std::size_t max_open_files = 1;
-
-  // Chunk indices in the order their reads completed (for IoTemplate).
-  std::mutex completed_mu;
-  std::vector<std::uint32_t> completed;
-
-  bool chunk_done(std::size_t i) const { return done[i].load(std::memory_order_acquire); }
-  // Bytes of the chunks done.
-  std::uint64_t bytes_done() const;
-  // The chunks not done, in plan order.
-  std::vector<std::size_t> pending() const;
-  // The reads that completed, in order, as a template destination.
-  TemplateReads completed_reads(std::string destination);
-};
-
-// Plans the reads of every file of `checkpoint` (replaying `replay` when it
-// tiles the files exactly, else make_read_plan). Files are opened later, as
-// execute() reaches them (Note [Files in flight]), and counted as direct or
-// buffered in *counters then. No memory is allocated. Throws pinload::Error.
-std::unique_ptr<ReadSession> open_session(Env* env, const LoadOptions& options, Checkpoint checkpoint,
-                                          std::shared_ptr<Pool> staging_pool, const TemplateReads* replay,
-                                          Loader::Counters* counters);
-
-// Gives every file without one its block from `pool` (not in streaming
-// mode). A session whose blocks cannot fit the pool's budget together fails
-// at once with OutOfMemoryError.
-void allocate_blocks(ReadSession& s, Pool& pool, std::stop_token stop);
-
 // Called after each chunk is read: (chunk index, the block holding it, the
 // chunk's offset in that block). In streaming mode the block is the chunk's
 // own staging block, which the callee takes.
 using ChunkSink = std::function<void(std::size_t, std::shared_ptr<Block>, std::size_t)>;
 
-// Reads the chunks `todo` (indices into s.plan.chunks, in claim order) with
-// `threads` workers, the calling thread being one of them. Each chunk is
-// marked done and recorded, then handed to `sink`. Workers run on `cpus`
-// (Note [NUMA placement] in numa.h; empty: anywhere). Once `stop` is requested
-// no new chunk starts; reads in flight finish. Returns after every worker
-// has joined; throws the first error (a CancelledError when the stop ended a
-// wait for staging memory).
-void execute(ReadSession& s, const std::vector<std::size_t>& todo, unsigned threads, std::stop_token stop,
-             Loader::Counters* counters, const std::vector<int>& cpus, const ChunkSink& sink);
+class ReadSession {
+ public:
+  // Plans the reads of every file of `checkpoint` (replaying `replay` when
+  // it tiles the files exactly: replay_plan in read_plan.h; else
+  // make_read_plan). Files are opened later, as execute() reaches them (Note
+  // [Files in flight]), and counted as direct or buffered in *counters then.
+  // With `staging_pool`, chunks are read into staging blocks of their own
+  // (streaming). No memory is allocated. Throws pinload::Error.
+  static std::unique_ptr<ReadSession> open(Env* env, const LoadOptions& options, Checkpoint checkpoint,
+                                           std::shared_ptr<Pool> staging_pool, const TemplateReads* replay,
+                                           ReadCounters* counters);
+
+  ReadSession(const ReadSession&) = delete;
+  ReadSession& operator=(const ReadSession&) = delete;
+
+  // Gives every file without one its block from `pool` (not in streaming
+  // mode). A session whose blocks cannot fit the pool's budget together fails
+  // at once with OutOfMemoryError.
+  void allocate_blocks(Pool& pool, std::stop_token stop);
+
+  // Reads the chunks `todo` (indices into plan().chunks, in claim order) with
+  // `threads` workers, the calling thread being one of them. Each chunk is
+  // marked done and recorded, then handed to `sink`. Workers run on `cpus`
+  // (Note [NUMA placement] in numa.h; empty: anywhere). Once `stop` is
+  // requested no new chunk starts; reads in flight finish. Returns after every
+  // worker has joined; throws the first error (a CancelledError when the stop
+  // ended a wait for staging memory), or InvalidArgumentError when another
+  // execute() is running on this session.
+  void execute(const std::vector<std::size_t>& todo, unsigned threads, std::stop_token stop, ReadCounters* counters,
+               const std::vector<int>& cpus, const ChunkSink& sink);
+
+  // Streaming only: keeps chunk `i`'s staging block (read, not yet copied:
+  // a prefetch's), and hands it over once.
+  void keep_staged(std::size_t i, std::shared_ptr<Block> block);
+  std::shared_ptr<Block> take_staged(std::size_t i);
+  // Releases the blocks of files that no chunk was read into (a cancelled prefetch).
+  void release_unread_blocks();
+  // Drops the session's hold on file `file`'s block once every chunk of it
+  // has been read (HandOut::kStream: the tensors handed out alone hold it).
+  // May be called from execute()'s sink.
+  void release_block(std::size_t file);
+  // Counts the files opened so far as direct and buffered into *counters
+  // again, and the bytes total and done (a load adopting this session counts
+  // its own; the files not open yet count as they open).
+  void count_files(ReadCounters* counters) const;
+
+  const Checkpoint& checkpoint() const noexcept { return checkpoint_; }
+  const ReadPlan& plan() const noexcept { return plan_; }
+  bool streaming() const noexcept { return staging_pool_ != nullptr; }
+  std::size_t file_count() const noexcept { return files_.size(); }
+  // File `i`'s block (null in streaming mode, or before allocate_blocks).
+  const std::shared_ptr<Block>& block(std::size_t i) const { return files_[i]->block; }
+  bool chunk_done(std::size_t i) const { return done_[i].load(std::memory_order_acquire); }
+  // Bytes of the chunks done.
+  std::uint64_t bytes_done() const;
+  // The chunks not done, in plan order.
+  std::vector<std::size_t> pending() const;
+  // The reads that completed, in order, as a template destination.
+  TemplateReads completed_reads(std::string destination) const;
+
+ private:
+  ReadSession() = default;
+  // Throws InvalidArgumentError naming `what` while execute() runs.
+  void check_idle(const char* what) const;
+  // Opens file `index` for its first chunk (Note [Files in flight]), waiting
+  // while max_open_files_ are open. Throws CancelledError where `stop` ends
+  // the wait, or the open's error.
+  void open_in_flight(std::size_t index, std::stop_token stop, ReadCounters* counters);
+  // The last chunk of file `index` has been read: closes its descriptors and
+  // its mapping, and lets a waiting worker open the next file.
+  void close_in_flight(std::size_t index);
+
+  Env* env_ = nullptr;
+  LoadOptions options_;  // of open(): how files are opened and read
+  DirectIo direct_mode_ = DirectIo::kAuto;
+  CachedRead cached_read_ = CachedRead::kAuto;
+  CachedReadChooser chooser_;  // kAuto: map or pread, chunk by chunk
+  Checkpoint checkpoint_;
+  std::vector<std::unique_ptr<OpenFile>> files_;
+  ReadPlan plan_;
+  std::shared_ptr<Pool> staging_pool_;  // set: streaming
+  // Readers: remote files take exactly one per connection (Note [Remote
+  // reads]); files on network filesystems at least one per connection.
+  unsigned remote_threads_ = 0;
+  unsigned min_threads_ = 0;
+  // Streaming only: chunks read but not yet handed to a copy (prefetched).
+  std::vector<std::shared_ptr<Block>> staged_;
+  std::unique_ptr<std::atomic<bool>[]> done_;  // per chunk
+  std::atomic<bool> executing_{false};         // Thread safety above
+
+  // Note [Files in flight]: files open now, and the bound.
+  std::mutex open_mu_;
+  std::condition_variable_any open_cv_;
+  std::size_t open_files_ = 0;
+  std::size_t max_open_files_ = 1;
+
+  // Chunk indices in the order their reads completed (for IoTemplate).
+  mutable std::mutex completed_mu_;
+  std::vector<std::uint32_t> completed_;
+};
 
 // Whether `checkpoint` names the same files as the session, in the same order.
 bool same_files(const Checkpoint& a, const Checkpoint& b);

@@ -5,70 +5,29 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
-#include <condition_variable>
 #include <exception>
+#include <functional>
 #include <mutex>
 #include <optional>
+#include <string>
+#include <utility>
 #include <unordered_map>
 
 #include "base/log.h"
+#include "io/read_session.h"
+#include "load/convert_on_load.h"
+#include "load/load_counters.h"
+#include "load/prefetch_handover.h"
 #include "pinload/error.h"
 #include "pinload/io_template.h"
 #include "pinload/prefetch.h"
 #include "pinload/read_plan.h"
-#include "io/read_session.h"
-#include "load/convert_on_load.h"
 
 namespace pinload {
 
-namespace detail {
-
-// Tensors of a load in flight that are ready to hand out (Note [Ready
-// tensors] in loader.h), until the load ends.
-class ReadyQueue {
- public:
-  void push(std::vector<Tensor> tensors) {
-    if (tensors.empty()) return;
-    {
-      std::lock_guard lock(mu_);
-      if (closed_) return;
-      for (Tensor& t : tensors) ready_.push_back(std::move(t));
-    }
-    cv_.notify_all();
-  }
-  // The load has ended: nothing more comes. A failed load drops what was not
-  // taken, so that a partial result is never handed out after the failure.
-  void close(bool failed) {
-    {
-      std::lock_guard lock(mu_);
-      closed_ = true;
-      if (failed) ready_.clear();
-    }
-    cv_.notify_all();
-  }
-  // True once take() would not block.
-  bool wait_for(std::chrono::milliseconds timeout) {
-    std::unique_lock lock(mu_);
-    return cv_.wait_for(lock, timeout, [&] { return closed_ || !ready_.empty(); });
-  }
-  // Waits for tensors or for the end; empty at the end.
-  std::vector<Tensor> take() {
-    std::unique_lock lock(mu_);
-    cv_.wait(lock, [&] { return closed_ || !ready_.empty(); });
-    return std::exchange(ready_, {});
-  }
-
- private:
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::vector<Tensor> ready_;
-  bool closed_ = false;
-};
-
-}  // namespace detail
-
 namespace {
 
+using detail::PrefetchHandover;
 using detail::ReadSession;
 
 // Which tensors of a host load have all their bytes in memory (Note [Ready
@@ -146,15 +105,241 @@ NumaPlacement choose_numa_placement(const LoadOptions& options) {
   }
 }
 
+
+// ---- the stages of Loader::run ----
+
+// The session of a load: what an adopted prefetch of the same files and mode
+// read (Note [Prefetch and adoption]), else a new one.
+std::unique_ptr<ReadSession> session_for(const Checkpoint& checkpoint, const LoadRequest& request, bool streaming,
+                                         const std::function<std::unique_ptr<ReadSession>()>& open,
+                                         Loader::Counters* counters) {
+  std::unique_ptr<ReadSession> session;
+  if (request.adopt != nullptr) {
+    session = PrefetchHandover::take(*request.adopt);
+    if (session && (session->streaming() != streaming || !detail::same_files(session->checkpoint(), checkpoint))) {
+      log::debug("dropping a prefetch of other files or another destination mode");
+      session.reset();
+    }
+  }
+  if (session) {
+    session->count_files(counters);
+    return session;
+  }
+  return open();
+}
+
+// Where converted tensors live (Note [Conversion on load] in convert.h): per
+// file, a pool block (host loads) or a device buffer (device loads) holding
+// its converted tensors; null for a file with none.
+struct ConvertedMemory {
+  std::vector<std::shared_ptr<Block>> blocks;
+  std::vector<std::shared_ptr<DeviceBuffer>> buffers;
+};
+
+ConvertedMemory allocate_converted(const detail::ConversionPlan& conversions, std::size_t files, Device* device,
+                                   Pool& pool, std::stop_token stop) {
+  ConvertedMemory out{std::vector<std::shared_ptr<Block>>(files), std::vector<std::shared_ptr<DeviceBuffer>>(files)};
+  for (std::size_t i = 0; i < files && !conversions.empty(); ++i) {
+    if (conversions.out_bytes[i] == 0) continue;
+    if (device != nullptr) {
+      out.buffers[i] = device->allocate(conversions.out_bytes[i]);
+    } else {
+      out.blocks[i] = pool.allocate(conversions.out_bytes[i], stop);
+    }
+  }
+  return out;
+}
+
+// The tensors of a load, file by file in header order, over their files'
+// blocks and (device loads) device buffers, converted ones over their
+// converted memory; which of them a conversion uses up (scales, markers);
+// and the files' metadata, merged (the first file wins a key).
+struct TensorIndex {
+  std::vector<Tensor> tensors;
+  std::vector<bool> dropped;
+  std::vector<std::pair<std::string, std::string>> metadata;
+};
+
+TensorIndex index_tensors(const Checkpoint& checkpoint, const ReadSession& s,
+                          const std::vector<std::shared_ptr<DeviceBuffer>>& device_buffers,
+                          const detail::ConversionPlan& conversions, const ConvertedMemory& converted) {
+  TensorIndex index;
+  index.tensors.reserve(checkpoint.tensor_count());
+  const bool on_device = !device_buffers.empty();
+  for (std::size_t i = 0; i < checkpoint.files.size(); ++i) {
+    const CheckpointFile& cf = checkpoint.files[i];
+    const std::uint64_t base = s.plan().files[i].data_in_block();
+    for (std::size_t k = 0; k < cf.header.tensors.size(); ++k) {
+      const TensorInfo& t = cf.header.tensors[k];
+      const std::int64_t role = conversions.empty() ? detail::kKeptTensor : conversions.role[i][k];
+      index.dropped.push_back(role == detail::kDroppedTensor);
+      if (role >= 0) {
+        const detail::TensorConversion& tc = conversions.tensors[static_cast<std::size_t>(role)];
+        if (on_device) {
+          index.tensors.emplace_back(cf.name_prefix + t.name, tc.to, t.shape, converted.buffers[i], tc.out_offset,
+                                     tc.out_bytes());
+        } else {
+          index.tensors.emplace_back(cf.name_prefix + t.name, tc.to, t.shape, converted.blocks[i], tc.out_offset,
+                                     tc.out_bytes());
+        }
+        continue;
+      }
+      if (s.streaming()) {
+        index.tensors.emplace_back(cf.name_prefix + t.name, t.dtype, t.shape, device_buffers[i], t.begin, t.nbytes());
+        continue;
+      }
+      Tensor& tensor =
+          index.tensors.emplace_back(cf.name_prefix + t.name, t.dtype, t.shape, s.block(i), base + t.begin, t.nbytes());
+      if (on_device) tensor.set_device(device_buffers[i], t.begin);
+    }
+    for (const auto& kv : cf.header.metadata) {
+      if (std::none_of(index.metadata.begin(), index.metadata.end(), [&](const auto& m) { return m.first == kv.first; })) {
+        index.metadata.push_back(kv);
+      }
+    }
+  }
+  return index;
+}
+
+// Converts what could not convert chunk by chunk once every read (and copy)
+// is done: on the host the elements across chunks, on a device everything;
+// then drops the tensors the conversion used up.
+void finish_conversions(const detail::ConversionPlan& conversions, const Checkpoint& checkpoint, const ReadSession& s,
+                        Device* device, Stream* stream, const std::vector<std::shared_ptr<DeviceBuffer>>& device_buffers,
+                        const ConvertedMemory& converted, TensorIndex* index) {
+  if (conversions.empty()) return;
+  if (device == nullptr) {
+    std::vector<std::shared_ptr<Block>> file_blocks(s.file_count());
+    for (std::size_t i = 0; i < file_blocks.size(); ++i) file_blocks[i] = s.block(i);
+    detail::convert_straddlers(conversions, s.plan(), file_blocks, converted.blocks);
+  } else {
+    detail::convert_on_device(conversions, checkpoint, *device, *stream, device_buffers, converted.buffers);
+  }
+  std::vector<Tensor> kept;
+  kept.reserve(index->tensors.size());
+  for (std::size_t i = 0; i < index->tensors.size(); ++i) {
+    if (!index->dropped[i]) kept.push_back(std::move(index->tensors[i]));
+  }
+  index->tensors = std::move(kept);
+}
+
+// The loader side of a device load (Note [Device loads]): one device buffer
+// per file (its data section) and the copy engine that fills them, chunk by
+// chunk as reads complete.
+class DevicePipeline {
+ public:
+  DevicePipeline(Device& device, const CopyOptions& copy, const Checkpoint& checkpoint) : engine_(device, copy) {
+    buffers_.reserve(checkpoint.files.size());
+    for (const CheckpointFile& f : checkpoint.files) {
+      buffers_.push_back(device.allocate(std::max<std::uint64_t>(f.header.data_size(), 1)));
+    }
+  }
+  const std::vector<std::shared_ptr<DeviceBuffer>>& buffers() const noexcept { return buffers_; }
+  // The stream device-side conversions run on, after drain().
+  Stream& stream() { return engine_.stream(0); }
+
+  // Queues the copy of chunk `c`, which lies at `block_offset` in `block`.
+  // Only the data section goes to the device: the header bytes that an
+  // aligned read brings along are clipped. In kStreaming the ticket holds the
+  // staging block until its copy completes, then the pool has it back.
+  void submit(const ReadPlan& plan, const ReadChunk& c, std::shared_ptr<Block> block, std::size_t block_offset) {
+    const FileRead& r = plan.files[c.file];
+    const std::uint64_t begin = std::max(c.offset, r.data_offset);
+    const std::uint64_t end = c.offset + c.valid;
+    if (end > begin) {
+      engine_.submit(std::move(block), block_offset + (begin - c.offset), buffers_[c.file], begin - r.data_offset,
+                     end - begin);
+    }
+  }
+
+  // Waits for every copy queued (never releases a block under a DMA), keeping
+  // the first error in *error; counts the bytes copied.
+  void drain(std::exception_ptr* error, Loader::Counters* counters) {
+    try {
+      engine_.wait_all();
+    } catch (...) {
+      if (!*error) *error = std::current_exception();
+    }
+    counters->bytes_copied = engine_.stats().bytes_completed;
+  }
+
+ private:
+  CopyEngine engine_;
+  std::vector<std::shared_ptr<DeviceBuffer>> buffers_;
+};
+
+// Hands a load's tensors out as they become ready (Note [Ready tensors]):
+// host tensors chunk by chunk, device tensors (and anything left) at the end,
+// converting loads' all at the end. Under HandOut::kStream each tensor is
+// moved out, so the load keeps none.
+class TensorHandOut {
+ public:
+  // `tensors` are the load's (TensorIndex); `by_chunk`: a host load without
+  // conversion; `converting`: a load with conversions (whole at the end).
+  TensorHandOut(const ReadPlan& plan, const Checkpoint& checkpoint, std::vector<Tensor>& tensors,
+          const Loader::Counters& counters, bool by_chunk, bool converting)
+      : plan_(plan), checkpoint_(checkpoint), tensors_(tensors), ready_(counters.ready), stream_(counters.stream),
+        converting_(converting) {
+    if (ready_ != nullptr && by_chunk) arrivals_.emplace(plan, checkpoint);
+  }
+  // Chunk `c` has been read. True when it was the last of its file: the
+  // file's tensors are then all handed out.
+  bool arrived(const ReadChunk& c) {
+    if (!arrivals_) return false;
+    std::vector<std::size_t> ready;
+    const bool file_read = arrivals_->arrived(c, &ready);
+    push(ready);
+    return file_read;
+  }
+  // The load is complete: everything not handed out yet.
+  void rest() {
+    if (ready_ == nullptr) return;
+    if (converting_) {
+      ready_->push(tensors_);
+      return;
+    }
+    if (!arrivals_) arrivals_.emplace(plan_, checkpoint_);
+    std::vector<std::size_t> rest;
+    arrivals_->rest(&rest);
+    push(rest);
+  }
+
+ private:
+  void push(const std::vector<std::size_t>& indices) {
+    if (indices.empty()) return;
+    std::vector<Tensor> out;
+    out.reserve(indices.size());
+    for (std::size_t i : indices) out.push_back(stream_ ? std::move(tensors_[i]) : tensors_[i]);
+    ready_->push(std::move(out));
+  }
+  const ReadPlan& plan_;
+  const Checkpoint& checkpoint_;
+  std::vector<Tensor>& tensors_;
+  detail::ReadyQueue* ready_;
+  const bool stream_;
+  const bool converting_;
+  std::optional<Arrivals> arrivals_;
+};
+
+// Records the reads of `s` for `destination` into *record (io_template.h).
+void record_template(const Checkpoint& checkpoint, const ReadSession& s, const std::string& destination,
+                     IoTemplate* record) {
+  IoTemplate recorded = template_files_of(checkpoint);
+  if (recorded.files == record->files) recorded.destinations = std::move(record->destinations);
+  recorded.set(s.completed_reads(destination));
+  *record = std::move(recorded);
+}
+
 }  // namespace
 
 Loader::Loader(LoadOptions options, std::shared_ptr<Pool> pool, Env* env)
-    : options_(options),
+    : options_((options.validate(), options)),
       pool_(std::move(pool)),
       env_(env != nullptr ? env : default_env()),
       numa_(choose_numa_placement(options_)) {
-  if (options_.threads == 0) options_.threads = 1;
-  if (options_.block_size < 4096) options_.block_size = 4096;
+  if (options_.target.mode == DeviceMode::kStreaming && options_.target.device == nullptr) {
+    throw InvalidArgumentError("staging_bytes (streaming mode) needs a target device");
+  }
   Device* device = options_.target.device;
   if (!pool_) {
     LockedMemoryOptions host = kHostPoolMemory;  // Note [Locking host pools]
@@ -173,7 +358,7 @@ Loader::Loader(LoadOptions options, std::shared_ptr<Pool> pool, Env* env)
     const std::uint64_t align = backend->alignment();
     const std::uint64_t one_block = (Pool::size_class(options_.block_size) + align - 1) / align * align;
     if (options_.target.staging_bytes < one_block) {
-      throw InvalidFileError("staging budget of " + std::to_string(options_.target.staging_bytes) +
+      throw InvalidArgumentError("staging budget of " + std::to_string(options_.target.staging_bytes) +
                              " bytes cannot hold one " + std::to_string(one_block) + "-byte read block");
     }
     PoolOptions staging;
@@ -195,8 +380,11 @@ StateDict Loader::load(const Checkpoint& checkpoint, std::stop_token stop) const
 StateDict Loader::load(const std::vector<std::string>& paths, const LoadRequest& request) const {
   Counters counters;
   // A prefetch of the same paths has read the headers already.
-  if (request.adopt != nullptr && request.adopt->paths() == paths && request.adopt->resolves_like(options_.resolve)) {
-    if (std::optional<Checkpoint> checkpoint = request.adopt->checkpoint()) return run(*checkpoint, request, &counters);
+  if (request.adopt != nullptr && request.adopt->paths() == paths &&
+      PrefetchHandover::resolves_like(*request.adopt, options_.resolve)) {
+    if (std::optional<Checkpoint> checkpoint = PrefetchHandover::checkpoint(*request.adopt)) {
+      return run(*checkpoint, request, &counters);
+    }
   }
   return run(open_checkpoint(env_, paths, options_.resolve), request, &counters);
 }
@@ -213,10 +401,10 @@ StateDict Loader::load(Prefetch& prefetch, LoadRequest request) const {
 
 StateDict Loader::adopt(Prefetch& prefetch, LoadRequest request, Counters* counters) const {
   request.adopt = &prefetch;
-  std::optional<Checkpoint> checkpoint = prefetch.checkpoint();
+  std::optional<Checkpoint> checkpoint = PrefetchHandover::checkpoint(prefetch);
   if (!checkpoint) {
-    if (!prefetch.state_ || prefetch.paths().empty()) {
-      throw InvalidFileError("load(Prefetch&) of an empty prefetch, or one whose headers could not be read");
+    if (PrefetchHandover::empty(prefetch)) {
+      throw InvalidArgumentError("load(Prefetch&) of an empty prefetch, or one whose headers could not be read");
     }
     checkpoint = open_checkpoint(env_, prefetch.paths(), options_.resolve);
   }
@@ -231,185 +419,62 @@ StateDict Loader::run(const Checkpoint& checkpoint, const LoadRequest& request, 
   const std::stop_token& stop = request.stop;
   const bool streaming = staging_pool_ != nullptr;
   Device* device = options_.target.device;
-  // Note [Prefetch and adoption]: take what a prefetch of the same files read.
-  std::unique_ptr<ReadSession> session;
-  if (request.adopt != nullptr) {
-    session = request.adopt->take();
-    if (session && (session->streaming != streaming || !detail::same_files(session->checkpoint, checkpoint))) {
-      log::debug("dropping a prefetch of other files or another destination mode");
-      session.reset();
-    }
-  }
-  if (session) {
-    counters->files_direct = 0;
-    counters->files_buffered = 0;
-    for (const auto& f : session->files) {
-      if (f->opened) (f->direct ? counters->files_direct : counters->files_buffered)++;  // the rest count as they open
-    }
-    counters->bytes_total = session->plan.total_bytes;
-    counters->bytes_done = session->bytes_done();
-  } else {
-    session = detail::open_session(env_, options_, checkpoint, staging_pool_, nullptr, counters);
-  }
+  std::unique_ptr<ReadSession> session = session_for(checkpoint, request, streaming, [&] {
+    return ReadSession::open(env_, options_, checkpoint, staging_pool_, nullptr, counters);
+  }, counters);
   ReadSession& s = *session;
-  const std::size_t n = s.files.size();
-  detail::allocate_blocks(s, *pool_, stop);
-  std::optional<CopyEngine> engine;
-  if (device != nullptr) {
-    engine.emplace(*device, options_.target.copy);
-    for (std::size_t i = 0; i < n; ++i) {
-      s.files[i]->device_buffer = device->allocate(std::max<std::uint64_t>(checkpoint.files[i].header.data_size(), 1));
-    }
-  }
-
+  s.allocate_blocks(*pool_, stop);
+  std::optional<DevicePipeline> pipeline;
+  if (device != nullptr) pipeline.emplace(*device, options_.target.copy, checkpoint);
+  static const std::vector<std::shared_ptr<DeviceBuffer>> kNoBuffers;
+  const std::vector<std::shared_ptr<DeviceBuffer>>& device_buffers = pipeline ? pipeline->buffers() : kNoBuffers;
   // Note [Conversion on load]: what converts, into which output memory.
-  detail::ConversionPlan conversions = detail::plan_conversions(env_, checkpoint, options_.dtype);
-  std::vector<std::shared_ptr<Block>> converted_blocks(n);
-  std::vector<std::shared_ptr<DeviceBuffer>> converted_buffers(n);
-  for (std::size_t i = 0; i < n && !conversions.empty(); ++i) {
-    if (conversions.out_bytes[i] == 0) continue;
-    if (device != nullptr) {
-      converted_buffers[i] = device->allocate(conversions.out_bytes[i]);
-    } else {
-      converted_blocks[i] = pool_->allocate(conversions.out_bytes[i], stop);
-    }
-  }
+  const detail::ConversionPlan conversions = detail::plan_conversions(env_, checkpoint, options_.dtype);
+  const ConvertedMemory converted = allocate_converted(conversions, s.file_count(), device, *pool_, stop);
+  TensorIndex index = index_tensors(checkpoint, s, device_buffers, conversions, converted);
+  TensorHandOut hand_out(s.plan(), checkpoint, index.tensors, *counters, device == nullptr && conversions.empty(),
+                         !conversions.empty());
 
-  std::vector<Tensor> tensors;
-  tensors.reserve(checkpoint.tensor_count());
-  std::vector<bool> dropped;  // scales and markers used up by a conversion
-  std::vector<std::pair<std::string, std::string>> metadata;
-  for (std::size_t i = 0; i < n; ++i) {
-    const CheckpointFile& cf = checkpoint.files[i];
-    const std::uint64_t base = s.plan.files[i].data_in_block();
-    for (std::size_t k = 0; k < cf.header.tensors.size(); ++k) {
-      const TensorInfo& t = cf.header.tensors[k];
-      const std::int64_t role = conversions.empty() ? detail::kKeptTensor : conversions.role[i][k];
-      dropped.push_back(role == detail::kDroppedTensor);
-      if (role >= 0) {
-        const detail::TensorConversion& tc = conversions.tensors[static_cast<std::size_t>(role)];
-        if (device != nullptr) {
-          tensors.emplace_back(cf.name_prefix + t.name, tc.to, t.shape, converted_buffers[i], tc.out_offset,
-                               tc.out_bytes());
-        } else {
-          tensors.emplace_back(cf.name_prefix + t.name, tc.to, t.shape, converted_blocks[i], tc.out_offset,
-                               tc.out_bytes());
-        }
-        continue;
-      }
-      if (streaming) {
-        tensors.emplace_back(cf.name_prefix + t.name, t.dtype, t.shape, s.files[i]->device_buffer, t.begin, t.nbytes());
-        continue;
-      }
-      Tensor& tensor =
-          tensors.emplace_back(cf.name_prefix + t.name, t.dtype, t.shape, s.files[i]->block, base + t.begin, t.nbytes());
-      if (device != nullptr) tensor.set_device(s.files[i]->device_buffer, t.begin);
-    }
-    for (const auto& kv : cf.header.metadata) {
-      if (std::none_of(metadata.begin(), metadata.end(), [&](const auto& m) { return m.first == kv.first; })) {
-        metadata.push_back(kv);
-      }
-    }
-  }
-  // Host loads hand tensors out as they arrive; device loads once copied;
-  // converting loads at the end (elements across chunks convert last).
-  std::optional<Arrivals> arrivals;
-  if (counters->ready != nullptr && device == nullptr && conversions.empty()) arrivals.emplace(s.plan, checkpoint);
-  auto hand_out = [&](const std::vector<std::size_t>& ready) {
-    std::vector<Tensor> out;
-    out.reserve(ready.size());
-    for (std::size_t i : ready) out.push_back(counters->stream ? std::move(tensors[i]) : tensors[i]);
-    counters->ready->push(std::move(out));
-  };
-  // After each chunk: its tensors that became ready, and its copy to the
-  // device. Only the data section goes to the device: clip the header bytes
-  // that an aligned read brings along. In kStreaming the ticket holds the
-  // staging block until its copy completes, then the pool has it back.
+  // Wiring reads to copies: after each chunk, its host conversions (out of
+  // the read block while it is fresh, on this reader), its tensors that
+  // became ready and its copy to the device.
   auto on_read = [&](std::size_t i, std::shared_ptr<Block> block, std::size_t block_offset) {
-    const ReadChunk& c = s.plan.chunks[i];
-    // Host conversions: out of the read block while it is fresh, on this reader.
+    const ReadChunk& c = s.plan().chunks[i];
     if (device == nullptr && !conversions.empty()) {
-      detail::convert_chunk(conversions, c, block->data() + block_offset, converted_blocks);
+      detail::convert_chunk(conversions, c, block->data() + block_offset, converted.blocks);
     }
-    if (arrivals) {
-      std::vector<std::size_t> ready;
-      const bool file_read = arrivals->arrived(c, &ready);
-      if (!ready.empty()) hand_out(ready);
-      // HandOut::kStream: the file's tensors are all out and no reader
-      // touches its block again, so the callers' tensors alone hold it.
-      if (file_read && counters->stream) s.files[c.file]->block.reset();
-    }
-    if (!engine) return;
-    const FileRead& r = s.plan.files[c.file];
-    const std::uint64_t begin = std::max(c.offset, r.data_offset);
-    const std::uint64_t end = c.offset + c.valid;
-    if (end > begin) {
-      engine->submit(std::move(block), block_offset + (begin - c.offset), s.files[c.file]->device_buffer,
-                     begin - r.data_offset, end - begin);
-    }
+    // HandOut::kStream: the file's tensors are all out and no reader
+    // touches its block again, so the callers' tensors alone hold it.
+    if (hand_out.arrived(c) && counters->stream) s.release_block(c.file);
+    if (pipeline) pipeline->submit(s.plan(), c, std::move(block), block_offset);
   };
-
   std::exception_ptr error;
   try {
     // What a prefetch read goes first, in plan order; staging blocks are
     // handed to their copies and burnt as the copies complete.
-    for (std::size_t i = 0; i < s.plan.chunks.size(); ++i) {
+    for (std::size_t i = 0; i < s.plan().chunks.size(); ++i) {
       if (!s.chunk_done(i)) continue;
-      const ReadChunk& c = s.plan.chunks[i];
-      if (s.streaming) {
-        on_read(i, std::move(s.staged[i]), 0);
+      const ReadChunk& c = s.plan().chunks[i];
+      if (s.streaming()) {
+        on_read(i, s.take_staged(i), 0);
       } else {
-        on_read(i, s.files[c.file]->block, c.offset - s.plan.files[c.file].read_begin);
+        on_read(i, s.block(c.file), c.offset - s.plan().files[c.file].read_begin);
       }
     }
-    detail::execute(s, s.pending(), options_.threads, stop, counters, numa_.cpus, on_read);
+    s.execute(s.pending(), options_.threads, stop, counters, numa_.cpus, on_read);
   } catch (...) {
     error = std::current_exception();
   }
-  if (engine) {
-    // Copies already queued finish before anything is released, error or not.
-    try {
-      engine->wait_all();
-    } catch (...) {
-      if (!error) error = std::current_exception();
-    }
-    counters->bytes_copied = engine->stats().bytes_completed;
-  }
+  // Draining: copies already queued finish before anything is released, error or not.
+  if (pipeline) pipeline->drain(&error, counters);
   if (error) std::rethrow_exception(error);
   if (stop.stop_requested()) throw CancelledError("load cancelled");
-  if (!conversions.empty()) {
-    if (device == nullptr) {
-      std::vector<std::shared_ptr<Block>> file_blocks(n);
-      for (std::size_t i = 0; i < n; ++i) file_blocks[i] = s.files[i]->block;
-      detail::convert_straddlers(conversions, s.plan, file_blocks, converted_blocks);
-    } else {
-      std::vector<std::shared_ptr<DeviceBuffer>> stored(n);
-      for (std::size_t i = 0; i < n; ++i) stored[i] = s.files[i]->device_buffer;
-      detail::convert_on_device(conversions, checkpoint, *device, engine->stream(0), stored, converted_buffers);
-    }
-    std::vector<Tensor> kept;
-    kept.reserve(tensors.size());
-    for (std::size_t i = 0; i < tensors.size(); ++i) {
-      if (!dropped[i]) kept.push_back(std::move(tensors[i]));
-    }
-    tensors = std::move(kept);
-  }
-  if (request.record != nullptr) {
-    IoTemplate recorded = template_files_of(checkpoint);
-    if (recorded.files == request.record->files) recorded.destinations = std::move(request.record->destinations);
-    recorded.set(s.completed_reads(destination()));
-    *request.record = std::move(recorded);
-  }
-  if (counters->ready != nullptr && !conversions.empty()) {
-    counters->ready->push(tensors);
-  } else if (counters->ready != nullptr) {
-    if (!arrivals) arrivals.emplace(s.plan, checkpoint);
-    std::vector<std::size_t> rest;
-    arrivals->rest(&rest);
-    hand_out(rest);
-  }
+  finish_conversions(conversions, checkpoint, s, device, pipeline ? &pipeline->stream() : nullptr, device_buffers,
+                     converted, &index);
+  if (request.record != nullptr) record_template(checkpoint, s, destination(), request.record);
+  hand_out.rest();
   if (counters->stream) return StateDict();
-  return StateDict(std::move(tensors), std::move(metadata));
+  return StateDict(std::move(index.tensors), std::move(index.metadata));
 }
 
 // ---- asynchronous loads ----
@@ -506,7 +571,7 @@ StateDict upload(const StateDict& host, Device& device, const CopyOptions& optio
   };
   std::unordered_map<const Block*, Span> spans;
   for (const Tensor& t : host) {
-    if (!t.on_host()) throw InvalidFileError("upload() needs host tensors", ErrorContext{{}, t.name()});
+    if (!t.on_host()) throw InvalidArgumentError("upload() needs host tensors", ErrorContext{{}, t.name()});
     Span& span = spans[t.block().get()];
     span.begin = std::min(span.begin, t.block_offset());
     span.end = std::max<std::size_t>(span.end, t.block_offset() + t.nbytes());

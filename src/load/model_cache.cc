@@ -95,7 +95,7 @@ struct ModelCache::Alias {
 ModelCache::ModelCache(std::uint64_t budget_bytes, std::shared_ptr<const Loader> loader)
     : loader_(loader ? std::move(loader) : std::make_shared<const Loader>()), budget_bytes_(budget_bytes) {
   if (loader_->options().target.device != nullptr) {
-    throw InvalidFileError("ModelCache needs a Loader that loads to host memory (no device target); use get_on()");
+    throw InvalidArgumentError("ModelCache needs a Loader that loads to host memory (no device target); use get_on()");
   }
 }
 

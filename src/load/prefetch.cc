@@ -5,8 +5,10 @@
 #include <unordered_set>
 
 #include "base/log.h"
-#include "pinload/error.h"
 #include "io/read_session.h"
+#include "load/load_counters.h"
+#include "load/prefetch_handover.h"
+#include "pinload/error.h"
 
 namespace pinload {
 
@@ -85,14 +87,15 @@ void Prefetch::State::run() noexcept {
       finished = true;
       return;
     }
-    session = detail::open_session(env, loader.options(), std::move(cp), loader.staging_pool(), replay, &counters);
+    session = detail::ReadSession::open(env, loader.options(), std::move(cp), loader.staging_pool(), replay, &counters);
     detail::ReadSession& s = *session;
-    detail::allocate_blocks(s, *loader.pool(), stop.get_token());
+    s.allocate_blocks(*loader.pool(), stop.get_token());
     // Streaming: keep each staging block until the load hands it to a copy.
     detail::ChunkSink keep;
-    if (s.streaming) keep = [&s](std::size_t i, std::shared_ptr<Block> block, std::size_t) { s.staged[i] = std::move(block); };
-    detail::execute(s, s.pending(), loader.options().threads, stop.get_token(), &counters,
-                    loader.numa_placement().cpus, keep);
+    if (s.streaming()) {
+      keep = [&s](std::size_t i, std::shared_ptr<Block> block, std::size_t) { s.keep_staged(i, std::move(block)); };
+    }
+    s.execute(s.pending(), loader.options().threads, stop.get_token(), &counters, loader.numa_placement().cpus, keep);
   } catch (const CancelledError&) {
   } catch (const std::exception& e) {
     // The adopting load reads what is missing and reports its own error.
@@ -133,16 +136,8 @@ void Prefetch::cancel() noexcept {
   state_->stop.request_stop();
   std::lock_guard lock(state_->mu);
   state_->stop_and_join();
-  detail::ReadSession* s = state_->session.get();
-  if (s == nullptr || s->streaming) return;
   // A file's block that no chunk was read into is not needed.
-  std::vector<bool> used(s->files.size(), false);
-  for (std::size_t i = 0; i < s->plan.chunks.size(); ++i) {
-    if (s->chunk_done(i)) used[s->plan.chunks[i].file] = true;
-  }
-  for (std::size_t f = 0; f < s->files.size(); ++f) {
-    if (!used[f]) s->files[f]->block.reset();
-  }
+  if (state_->session) state_->session->release_unread_blocks();
 }
 
 void Prefetch::wait() noexcept {
@@ -162,26 +157,34 @@ const std::vector<std::string>& Prefetch::paths() const noexcept {
   return state_ ? state_->paths : none;
 }
 
-std::unique_ptr<detail::ReadSession> Prefetch::take() {
-  if (!state_) return nullptr;
-  state_->stop.request_stop();
-  std::lock_guard lock(state_->mu);
-  state_->stop_and_join();
-  state_->adopted = true;
-  return std::move(state_->session);
+namespace detail {
+
+std::unique_ptr<ReadSession> PrefetchHandover::take(Prefetch& p) {
+  Prefetch::State* state = p.state_.get();
+  if (state == nullptr) return nullptr;
+  state->stop.request_stop();
+  std::lock_guard lock(state->mu);
+  state->stop_and_join();
+  state->adopted = true;
+  return std::move(state->session);
 }
 
-bool Prefetch::resolves_like(const ResolveOptions& options) const {
-  return state_ && state_->loader.options().resolve.variant == options.variant;
+bool PrefetchHandover::resolves_like(const Prefetch& p, const ResolveOptions& options) {
+  return p.state_ && p.state_->loader.options().resolve.variant == options.variant;
 }
 
-std::optional<Checkpoint> Prefetch::checkpoint() {
-  if (!state_) return std::nullopt;
-  state_->stop.request_stop();
-  std::lock_guard lock(state_->mu);
-  state_->stop_and_join();
-  if (state_->session) return state_->session->checkpoint;
-  return state_->checkpoint;
+bool PrefetchHandover::empty(const Prefetch& p) { return !p.state_ || p.paths().empty(); }
+
+std::optional<Checkpoint> PrefetchHandover::checkpoint(Prefetch& p) {
+  Prefetch::State* state = p.state_.get();
+  if (state == nullptr) return std::nullopt;
+  state->stop.request_stop();
+  std::lock_guard lock(state->mu);
+  state->stop_and_join();
+  if (state->session) return state->session->checkpoint();
+  return state->checkpoint;
 }
+
+}  // namespace detail
 
 }  // namespace pinload

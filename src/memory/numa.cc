@@ -184,14 +184,14 @@ int NumaTopology::node_of_pci_device(std::string_view bus_id) const {
 
 NumaPlacement place_numa(const NumaTopology& topology, int requested, int device_node) {
   if (requested == kNumaNone) return {};
-  if (requested < kNumaAuto) throw InvalidFileError("NUMA node " + std::to_string(requested) + " is not auto, none or >= 0");
+  if (requested < kNumaAuto) throw InvalidArgumentError("NUMA node " + std::to_string(requested) + " is not auto, none or >= 0");
   if (requested >= 0) {
     // An empty topology stands for one node, 0.
     const bool exists = topology.nodes().empty() ? requested == 0 : topology.node(requested) != nullptr;
     if (!exists) {
       std::vector<int> ids;
       for (const NumaNode& n : topology.nodes()) ids.push_back(n.id);
-      throw InvalidFileError("NUMA node " + std::to_string(requested) + " does not exist; this machine has node(s) " +
+      throw InvalidArgumentError("NUMA node " + std::to_string(requested) + " does not exist; this machine has node(s) " +
                              (ids.empty() ? std::string("0") : format_cpulist(ids)));
     }
   }

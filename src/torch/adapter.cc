@@ -137,15 +137,15 @@ at::Tensor to_torch(const Tensor& t, TorchPlacement where) {
       use_device = t.on_device();
       break;
     case TorchPlacement::kHost:
-      if (!t.on_host()) throw InvalidFileError("tensor '" + t.name() + "' is not on the host", context_of(t));
+      if (!t.on_host()) throw InvalidArgumentError("tensor '" + t.name() + "' is not on the host", context_of(t));
       break;
     case TorchPlacement::kDevice:
-      if (!t.on_device()) throw InvalidFileError("tensor '" + t.name() + "' is not on a device", context_of(t));
+      if (!t.on_device()) throw InvalidArgumentError("tensor '" + t.name() + "' is not on a device", context_of(t));
       use_device = true;
       break;
   }
   if (!use_device && !t.on_host()) {
-    throw InvalidFileError("tensor '" + t.name() + "' has no memory to alias", context_of(t));
+    throw InvalidArgumentError("tensor '" + t.name() + "' has no memory to alias", context_of(t));
   }
 
   const std::vector<std::int64_t> sizes = sizes_of(t);

@@ -31,6 +31,7 @@ def test_hierarchy():
         pinload.OutOfMemoryError: ("out_of_memory", MemoryError),
         pinload.DeviceError: ("device", None),
         pinload.CancelledError: ("cancelled", None),
+        pinload.InvalidArgumentError: ("invalid_argument", ValueError),
     }
     for cls, (code, extra) in subclasses.items():
         assert issubclass(cls, pinload.Error)
@@ -133,7 +134,102 @@ def test_bad_index(tmp_path):
 
 def test_unknown_device(tmp_path):
     path = good_file(tmp_path)
-    with pytest.raises(pinload.InvalidFileError):
+    with pytest.raises(pinload.InvalidArgumentError):
         pinload._core.load_async([str(path).encode()], "tpu:3")
-    with pytest.raises(RuntimeError):  # torch rejects the device string itself
+    with pytest.raises(pinload.InvalidArgumentError):  # neither pinload's device nor torch's
         pt.load_file(path, device="nonsense")
+
+
+# A caller's mistake is an InvalidArgumentError (a ValueError, not an InvalidFileError) naming the
+# argument, from every entry point.
+@pytest.mark.parametrize("bad,named", [
+    (dict(threads=0), "threads"),
+    (dict(threads=2000), "threads"),
+    (dict(block_size="x"), "block_size"),
+    (dict(block_size=100), "block_size"),
+    (dict(chunk_bytes="-1"), "chunk_bytes"),
+    (dict(streams=65), "streams"),
+    (dict(files_in_flight=0), "files_in_flight"),
+    (dict(direct="maybe"), "direct"),
+    (dict(device="cuda:abc"), "device"),
+    (dict(device="cuda:-1"), "device"),
+    (dict(dtype="int8"), "dtype"),
+    (dict(keep_dtype="F64", dtype="bf16"), "keep_dtype"),
+    (dict(keep=["w"]), "keep"),
+    (dict(pool_bytes=0), "pool_bytes"),
+    (dict(pool_bytes="lots"), "pool_bytes"),
+])
+def test_bad_arguments_are_invalid_argument_errors_naming_the_argument(tmp_path, bad, named):
+    path = good_file(tmp_path)
+    calls = {
+        "load_file": lambda: pt.load_file(path, **bad),
+        "load_files": lambda: pinload.load_files([path], **bad),
+        "iter_tensors": lambda: list(pinload.iter_tensors(path, **bad)),
+        "safe_open": lambda: pinload.safe_open(path, **bad).get_tensors(),
+        "prefetch": lambda: pinload.prefetch(path, **bad),
+    }
+    if "device" not in bad:
+        calls["LoadOptions"] = lambda: pinload.LoadOptions(**bad)
+        calls["ModelCache"] = lambda: pinload.ModelCache("1M", **bad)
+    for name, call in calls.items():
+        with pytest.raises(pinload.InvalidArgumentError) as info:
+            call()
+        e = info.value
+        assert isinstance(e, ValueError) and isinstance(e, pinload.Error), name
+        assert not isinstance(e, pinload.InvalidFileError), name
+        assert e.code == "invalid_argument", name
+        assert named in str(e), (name, str(e))
+
+
+def test_wrong_types_are_type_errors(tmp_path):
+    path = good_file(tmp_path)
+    for bad in (dict(threads="8"), dict(block_size=True), dict(block_size=1.5), dict(variant=3), dict(device=1.5),
+                dict(unknown_option=1), dict(options="threads=8")):
+        with pytest.raises(TypeError):
+            pt.load_file(path, **bad)
+    with pytest.raises(TypeError):  # an options object and keyword options at once
+        pt.load_file(path, options=pinload.LoadOptions(threads=2), threads=3)
+
+
+def test_load_options_object(tmp_path):
+    path = good_file(tmp_path)
+    o = pinload.LoadOptions(threads=3, block_size="64K", direct="off", chunk_bytes="1M", variant=None)
+    assert (o.threads, o.block_size, o.direct, o.chunk_bytes, o.staging_bytes, o.variant) == (3, 65536, "off",
+                                                                                                1 << 20, None, "")
+    d = pinload.LoadOptions()  # the C++ defaults, the same for every entry point
+    core = pinload._core
+    assert (d.threads, d.block_size, d.files_in_flight, d.streams, d.chunk_bytes) == (
+        core.DEFAULT_THREADS, core.DEFAULT_BLOCK_SIZE, core.DEFAULT_FILES_IN_FLIGHT, core.DEFAULT_STREAMS,
+        core.DEFAULT_CHUNK_BYTES)
+    assert pinload.LoadOptions(direct=True).direct == "on"
+    expected = st.load_file(str(path))
+    got = pt.load_file(path, options=o)
+    assert set(got) == set(expected) and all(torch.equal(got[k], expected[k]) for k in expected)
+    assert "LoadOptions(threads=3" in repr(o)
+    c = pinload.LoadOptions(dtype=torch.bfloat16, keep="norm", keep_dtype="float32", pool_bytes="64M")
+    assert (c.dtype, c.keep, c.keep_dtype, c.pool_bytes) == ("BF16", ["norm"], "F32", 64 << 20)
+    assert (d.dtype, d.keep, d.keep_dtype, d.pool_bytes) == (None, [], None, None)
+
+
+def test_one_size_parser():
+    parse = pinload._core.parse_size
+    assert parse("4096") == 4096 and parse("64K") == parse("64k") == parse("64KiB") == 65536
+    assert parse("2M") == 2 << 20 and parse("1GiB") == 1 << 30 and parse(7) == 7
+    for bad in ("", "x", "2Q", "-1", " 4K", "4 K", "1.5M", "4kib", "99999999999999999999", "17179869184G"):
+        with pytest.raises(pinload.InvalidArgumentError, match="budget"):
+            parse(bad, "budget")
+    with pytest.raises(TypeError):
+        parse(True)
+
+
+def test_one_device_parser():
+    for text, kind, ordinal, name in (("cpu", "cpu", None, "cpu"), ("sim", "sim", None, "sim"),
+                                      ("cuda", "cuda", None, "cuda:0"), ("cuda:3", "cuda", 3, "cuda:3")):
+        spec = pinload._core.parse_device_spec(text)
+        assert (spec.kind, spec.ordinal, spec.name) == (kind, ordinal, name)
+    for bad in ("gpu", "cuda:abc", "CPU", "cpu:0", ""):
+        with pytest.raises(pinload.InvalidArgumentError, match="device"):
+            pinload._core.parse_device_spec(bad)
+    assert pinload.pool_stats(torch.device("cpu"))["backend"] == pinload.pool_stats("cpu")["backend"]
+    with pytest.raises(pinload.InvalidArgumentError):
+        pinload.pool_stats("cuda:abc")

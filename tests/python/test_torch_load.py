@@ -132,7 +132,7 @@ def test_sim_streaming_mode(sharded, streams, chunk):
 
 def test_streaming_needs_a_device(small_file):
     path, _ = small_file
-    with pytest.raises(pinload.InvalidFileError, match="staging_bytes"):
+    with pytest.raises(pinload.InvalidArgumentError, match="staging_bytes"):
         pt.load_file(path, staging_bytes="1M")
 
 
@@ -315,5 +315,5 @@ def test_cancelled_load_raises_cancelled_error(sharded):
     except pinload.CancelledError as e:
         assert e.code == "cancelled"
     # (a load that finished before cancel() took effect returns normally)
-    with pytest.raises(pinload.InvalidFileError, match="already taken"):
+    with pytest.raises(pinload.InvalidArgumentError, match="already taken"):
         handle.result()  # a second result() is refused

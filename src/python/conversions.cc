@@ -1,24 +1,27 @@
-// pinload._core: the dtype conversions and the FP8 converter (convert.h).
-#include <pybind11/pybind11.h>
+#include "conversions.h"
+
 #include <pybind11/stl.h>
 
+#include <algorithm>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "common.h"
 #include "format/dtype_convert.h"
 #include "pinload/convert.h"
 #include "pinload/device.h"
 #include "pinload/error.h"
-
-namespace py = pybind11;
+#include "pinload/loader.h"
+#include "registry.h"
 
 namespace pinload::python {
 namespace {
 
 DType dtype_named(const std::string& name) {
   const std::optional<DType> d = dtype_from_name(name);
-  if (!d) throw InvalidFileError("unknown dtype '" + name + "'");
+  if (!d) throw InvalidArgumentError("unknown dtype '" + name + "'");
   return *d;
 }
 
@@ -27,15 +30,15 @@ ElementConversion conversion_of(const std::string& src_dtype, const std::string&
   ElementConversion c;
   c.from = dtype_named(src_dtype);
   c.to = dtype_named(dst_dtype);
-  if (!is_convertible(c.from, c.to)) throw InvalidFileError("no conversion from " + src_dtype + " to " + dst_dtype);
+  if (!is_convertible(c.from, c.to)) throw InvalidArgumentError("no conversion from " + src_dtype + " to " + dst_dtype);
   const unsigned in = dtype_bits(c.from) / 8;
-  if (src_bytes % in != 0) throw InvalidFileError("source bytes are not whole elements");
+  if (src_bytes % in != 0) throw InvalidArgumentError("source bytes are not whole elements");
   c.elements = src_bytes / in;
   c.scale = scale;
   if (row_scales) {
     if (row_elements == 0 || row_scales->size() % 4 != 0 ||
         row_scales->size() / 4 * row_elements < c.elements) {
-      throw InvalidFileError("row_scales must hold one float32 per row of row_elements elements");
+      throw InvalidArgumentError("row_scales must hold one float32 per row of row_elements elements");
     }
     c.row_elements = row_elements;
   }
@@ -60,7 +63,9 @@ py::bytes convert_bytes_on_device(const std::string& device_spec, const std::str
   std::string out(base.elements * (dtype_bits(base.to) / 8), '\0');
   {
     py::gil_scoped_release release;
-    std::unique_ptr<Device> device = open_device(device_spec);
+    Placement placement;
+    Device* device = device_for(device_spec, &placement);
+    if (device == nullptr) throw InvalidArgumentError("device must be 'sim' or 'cuda:N' here, not '" + device_spec + "'");
     Stream stream = device->create_stream();
     auto in_buf = device->allocate(std::max<std::size_t>(src.size(), 1));
     auto out_buf = device->allocate(std::max<std::size_t>(out.size(), 1));
@@ -97,11 +102,13 @@ py::dict convert_file(const std::string& input, const std::string& output, const
   ConvertOptions options;
   if (to == "fp8-e4m3fn" || to == "F8_E4M3") options.to = DType::kF8_E4M3;
   else if (to == "fp8-e5m2" || to == "F8_E5M2") options.to = DType::kF8_E5M2;
-  else throw InvalidFileError("to must be 'fp8-e4m3fn' or 'fp8-e5m2', not '" + to + "'");
+  else throw InvalidArgumentError("to must be 'fp8-e4m3fn' or 'fp8-e5m2', not '" + to + "'");
   if (scale == "per-tensor") options.scale = ScaleMode::kPerTensor;
   else if (scale == "per-row") options.scale = ScaleMode::kPerRow;
-  else throw InvalidFileError("scale must be 'per-tensor' or 'per-row', not '" + scale + "'");
-  if (threads == 0 || threads > 1024) throw InvalidFileError("threads must be 1..1024");
+  else throw InvalidArgumentError("scale must be 'per-tensor' or 'per-row', not '" + scale + "'");
+  if (threads == 0 || threads > kMaxThreads) {
+    throw InvalidArgumentError("threads must be 1.." + std::to_string(kMaxThreads) + ", not " + std::to_string(threads));
+  }
   options.keep = keep;
   options.threads = threads;
   options.resolve.variant = variant;
@@ -121,7 +128,7 @@ py::dict convert_file(const std::string& input, const std::string& output, const
 
 }  // namespace
 
-void bind_convert(py::module_& m) {
+void register_conversions(py::module_& m) {
   m.def("convert_bytes", &convert_bytes, py::arg("src"), py::arg("src_dtype"), py::arg("dst_dtype"),
         py::arg("scale") = 1.0f, py::arg("row_scales") = py::none(), py::arg("row_elements") = 0,
         "Converts raw little-endian elements as a conversion load does on the host (float(x) * scale, rounded "

@@ -1,0 +1,97 @@
+// pinload._core: the Python extension module behind python/pinload.
+//
+// It exposes loads (Loader::load_async on a module-wide pool per device,
+// registry.h), their options (options.h), safetensors headers, pool
+// statistics and pinload's errors (errors.h), and hands tensor memory to
+// Python through DLPack (dlpack_export.h: Note [DLPack export]). Blocking
+// calls release the GIL (Note [GIL] in common.h).
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <string>
+
+#include "common.h"
+#include "conversions.h"
+#include "dlpack_export.h"
+#include "errors.h"
+#include "handles.h"
+#include "options.h"
+#include "pinload/copy_engine.h"
+#include "pinload/device.h"
+#include "pinload/dtype.h"
+#include "pinload/env.h"
+#include "pinload/loader.h"
+#include "pinload/pool.h"
+#include "registry.h"
+
+#ifndef PINLOAD_VERSION
+#define PINLOAD_VERSION "0.0.0"
+#endif
+
+namespace pinload::python {
+namespace {
+
+py::dict stats_dict(const PoolStats& s, std::string_view backend) {
+  py::dict d;
+  d["backend"] = py::str(std::string(backend));
+  d["capacity"] = s.capacity_bytes;
+  d["reserved"] = s.reserved_bytes;
+  d["in_use"] = s.in_use_bytes;
+  d["peak"] = s.peak_in_use_bytes;
+  d["peak_reserved"] = s.peak_reserved_bytes;
+  d["allocations"] = s.allocations;
+  d["free_list_hits"] = s.free_list_hits;
+  d["os_reservations"] = s.os_reservations;
+  d["os_releases"] = s.os_releases;
+  d["budget_waits"] = s.budget_waits;
+  d["live_blocks"] = s.live_blocks;
+  return d;
+}
+
+}  // namespace
+}  // namespace pinload::python
+
+PYBIND11_MODULE(_core, m) {
+  using namespace pinload;
+  using namespace pinload::python;
+  m.doc() = "pinload's native core: parallel direct-I/O loads into pinned pools, handed out through DLPack.";
+  m.attr("__version__") = PINLOAD_VERSION;
+  m.attr("DEFAULT_THREADS") = kDefaultThreads;
+  m.attr("DEFAULT_BLOCK_SIZE") = kDefaultBlockSize;
+  m.attr("DEFAULT_STREAMS") = kDefaultCopyStreams;
+  m.attr("DEFAULT_CHUNK_BYTES") = kDefaultCopyChunkBytes;
+  m.attr("DEFAULT_STAGING_BYTES") = kDefaultStagingBytes;
+  m.attr("DEFAULT_FILES_IN_FLIGHT") = kDefaultFilesInFlight;
+  register_errors(m);
+  register_options(m);
+  register_dlpack(m);
+  register_handles(m);
+  register_conversions(m);
+
+  m.def(
+      "pool_stats", [](const std::string& device) { auto pool = pool_for(device); return stats_dict(pool->stats(), pool->backend_name()); },
+      py::arg("device") = "cpu", "Statistics of the pool shared by loads to `device`.");
+  m.def(
+      "trim_pool",
+      [](const std::string& device) {
+        auto pool = pool_for(device);
+        py::gil_scoped_release release;
+        pool->trim();
+      },
+      py::arg("device") = "cpu", "Returns the idle memory of `device`'s pool to the OS.");
+  m.def("dtype_names", [] {
+    py::list out;
+    for (int i = 0; i < kDTypeCount; ++i) out.append(py::str(std::string(dtype_name(static_cast<DType>(i)))));
+    return out;
+  });
+  m.def("built_with_cuda", &built_with_cuda);
+  m.def("cuda_available", [] {
+    std::string why;
+    bool ok = false;
+    {
+      py::gil_scoped_release release;
+      ok = cuda_available(&why);
+    }
+    return py::make_tuple(ok, why);
+  }, "(available, reason): whether pinload can use a CUDA device, and why not.");
+}

@@ -1,0 +1,204 @@
+#include "options.h"
+
+#include <pybind11/stl.h>
+
+#include <limits>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "common.h"
+#include "pinload/convert.h"
+#include "pinload/copy_engine.h"
+#include "pinload/device.h"
+#include "pinload/error.h"
+#include "pinload/size.h"
+
+namespace pinload::python {
+namespace {
+
+[[noreturn]] void type_error(const char* option, const char* expected, const py::handle& value) {
+  throw py::type_error(std::string(option) + " must be " + expected + ", not " +
+                       std::string(py::str(py::type::of(value).attr("__name__"))));
+}
+
+// An int >= 0 (not a bool) that fits T.
+template <class T>
+T count_from_python(const py::handle& value, const char* option) {
+  if (PyBool_Check(value.ptr()) || !PyLong_Check(value.ptr())) type_error(option, "an int", value);
+  const auto n = value.cast<long long>();
+  if (n < 0) throw InvalidArgumentError(std::string(option) + " must be >= 0, not " + std::to_string(n));
+  if (static_cast<unsigned long long>(n) > std::numeric_limits<T>::max()) {
+    throw InvalidArgumentError(std::string(option) + " is too large: " + std::to_string(n));
+  }
+  return static_cast<T>(n);
+}
+
+DirectIo direct_from_python(const py::handle& value) {
+  if (PyBool_Check(value.ptr())) return value.cast<bool>() ? DirectIo::kOn : DirectIo::kOff;
+  if (!PyUnicode_Check(value.ptr())) type_error("direct", "'auto', 'on', 'off' or a bool", value);
+  const std::string text = value.cast<std::string>();
+  const std::optional<DirectIo> direct = parse_direct_io(text);
+  if (!direct) throw InvalidArgumentError("direct must be 'auto', 'on' or 'off', not '" + text + "'");
+  return *direct;
+}
+
+// A conversion dtype from Python: None (as stored), a torch dtype or a name
+// ('bfloat16', 'bf16', 'BF16', 'float16', 'half', 'fp16', 'F16', 'float32',
+// 'float', 'fp32', 'F32').
+std::optional<DType> conversion_dtype_from_python(const py::handle& value, const char* option) {
+  if (value.is_none()) return std::nullopt;
+  std::string text = py::str(value);
+  if (text.rfind("torch.", 0) == 0) text = text.substr(6);
+  struct Name {
+    std::string_view text;
+    DType dtype;
+  };
+  static constexpr Name kNames[] = {
+      {"bfloat16", DType::kBF16}, {"bf16", DType::kBF16},    {"BF16", DType::kBF16}, {"float16", DType::kF16},
+      {"half", DType::kF16},      {"fp16", DType::kF16},     {"F16", DType::kF16},   {"float32", DType::kF32},
+      {"float", DType::kF32},     {"fp32", DType::kF32},     {"F32", DType::kF32}};
+  for (const Name& n : kNames) {
+    if (n.text == text) return n.dtype;
+  }
+  throw InvalidArgumentError(std::string(option) + " must be torch.bfloat16, torch.float16 or torch.float32 (or None), not " +
+                             std::string(py::repr(value)));
+}
+
+// Name patterns from Python: a str, or an iterable of them.
+std::vector<std::string> patterns_from_python(const py::handle& value, const char* option) {
+  std::vector<std::string> out;
+  if (PyUnicode_Check(value.ptr())) {
+    out.push_back(value.cast<std::string>());
+    return out;
+  }
+  for (const py::handle item : py::iter(value)) out.push_back(std::string(py::str(item)));
+  (void)option;
+  return out;
+}
+
+PyLoadOptions make_options(const py::object& threads, const py::object& block_size, const py::object& direct,
+                           const py::object& files_in_flight, const py::object& streams, const py::object& chunk_bytes,
+                           const py::object& staging_bytes, const py::object& variant, const py::object& dtype,
+                           const py::object& keep, const py::object& keep_dtype, const py::object& pool_bytes) {
+  PyLoadOptions o;
+  o.load.threads = count_from_python<unsigned>(threads, "threads");
+  o.load.block_size = size_from_python(block_size, "block_size");
+  o.load.direct = direct_from_python(direct);
+  o.load.files_in_flight = count_from_python<std::size_t>(files_in_flight, "files_in_flight");
+  o.load.target.copy.streams = count_from_python<std::size_t>(streams, "streams");
+  o.load.target.copy.chunk_bytes = size_from_python(chunk_bytes, "chunk_bytes");
+  if (!staging_bytes.is_none()) {
+    o.staging_bytes = size_from_python(staging_bytes, "staging_bytes");
+    o.load.target.staging_bytes = *o.staging_bytes;
+  }
+  if (!variant.is_none()) {
+    if (!PyUnicode_Check(variant.ptr())) type_error("variant", "a str or None", variant);
+    o.load.resolve.variant = variant.cast<std::string>();
+  }
+  // Note [Conversion on load] in convert.h.
+  o.load.dtype.to = conversion_dtype_from_python(dtype, "dtype");
+  o.load.dtype.keep = patterns_from_python(keep, "keep");
+  o.load.dtype.keep_to = conversion_dtype_from_python(keep_dtype, "keep_dtype");
+  if (!pool_bytes.is_none()) {
+    o.pool_bytes = size_from_python(pool_bytes, "pool_bytes");
+    if (*o.pool_bytes == 0) throw InvalidArgumentError("pool_bytes must be > 0, not 0");
+  }
+  o.load.validate();
+  if (o.staging_bytes && *o.staging_bytes == 0) throw InvalidArgumentError("staging_bytes must be > 0, not 0");
+  return o;
+}
+
+const char* kind_name(DeviceSpec::Kind kind) {
+  switch (kind) {
+    case DeviceSpec::Kind::kHost: return "cpu";
+    case DeviceSpec::Kind::kSim: return "sim";
+    case DeviceSpec::Kind::kCuda: return "cuda";
+  }
+  return "?";
+}
+
+}  // namespace
+
+LoadOptions PyLoadOptions::for_device(Device* device) const {
+  LoadOptions out = load;
+  out.target.device = device;
+  if (staging_bytes) out.target.mode = DeviceMode::kStreaming;
+  return out;
+}
+
+std::uint64_t size_from_python(const py::handle& value, const char* option) {
+  if (PyUnicode_Check(value.ptr())) return parse_size_option(value.cast<std::string>(), option);
+  return count_from_python<std::uint64_t>(value, option);
+}
+
+void register_options(py::module_& m) {
+  py::class_<PyLoadOptions>(m, "LoadOptions",
+                            "The options of a load, checked once (LoadOptions::validate in include/pinload/loader.h); "
+                            "immutable. Sizes are ints or strings such as '64K', '8M', '1G'.")
+      .def(py::init(&make_options), py::kw_only(), py::arg("threads") = kDefaultThreads,
+           py::arg("block_size") = kDefaultBlockSize, py::arg("direct") = "auto",
+           py::arg("files_in_flight") = kDefaultFilesInFlight, py::arg("streams") = kDefaultCopyStreams,
+           py::arg("chunk_bytes") = kDefaultCopyChunkBytes, py::arg("staging_bytes") = py::none(),
+           py::arg("variant") = py::none(), py::arg("dtype") = py::none(), py::arg("keep") = py::tuple(),
+           py::arg("keep_dtype") = py::none(), py::arg("pool_bytes") = py::none(),
+           "dtype: converts floating tensors inside the load (torch.bfloat16, torch.float16, torch.float32 or "
+           "their names; None: as stored), except names matching a `keep` pattern (those become `keep_dtype`, "
+           "or stay as stored). pool_bytes: the budget of the pool the load's blocks come from (one shared pool "
+           "per device and budget; None: the device's shared pool). Raises InvalidArgumentError (a ValueError) naming the option for a value out of range, TypeError "
+           "for a value of the wrong type or an unknown option.")
+      .def_property_readonly("threads", [](const PyLoadOptions& o) { return o.load.threads; })
+      .def_property_readonly("block_size", [](const PyLoadOptions& o) { return o.load.block_size; })
+      .def_property_readonly("direct", [](const PyLoadOptions& o) { return std::string(direct_io_name(o.load.direct)); })
+      .def_property_readonly("files_in_flight", [](const PyLoadOptions& o) { return o.load.files_in_flight; })
+      .def_property_readonly("streams", [](const PyLoadOptions& o) { return o.load.target.copy.streams; })
+      .def_property_readonly("chunk_bytes", [](const PyLoadOptions& o) { return o.load.target.copy.chunk_bytes; })
+      .def_property_readonly("staging_bytes", [](const PyLoadOptions& o) { return o.staging_bytes; })
+      .def_property_readonly("variant", [](const PyLoadOptions& o) { return o.load.resolve.variant; })
+      .def_property_readonly("dtype",
+                             [](const PyLoadOptions& o) -> std::optional<std::string> {
+                               if (!o.load.dtype.to) return std::nullopt;
+                               return std::string(dtype_name(*o.load.dtype.to));
+                             })
+      .def_property_readonly("keep", [](const PyLoadOptions& o) { return o.load.dtype.keep; })
+      .def_property_readonly("keep_dtype",
+                             [](const PyLoadOptions& o) -> std::optional<std::string> {
+                               if (!o.load.dtype.keep_to) return std::nullopt;
+                               return std::string(dtype_name(*o.load.dtype.keep_to));
+                             })
+      .def_property_readonly("pool_bytes", [](const PyLoadOptions& o) { return o.pool_bytes; })
+      .def("__repr__", [](const PyLoadOptions& o) {
+        return "pinload.LoadOptions(threads=" + std::to_string(o.load.threads) +
+               ", block_size=" + std::to_string(o.load.block_size) + ", direct='" + direct_io_name(o.load.direct) +
+               "', files_in_flight=" + std::to_string(o.load.files_in_flight) +
+               ", streams=" + std::to_string(o.load.target.copy.streams) +
+               ", chunk_bytes=" + std::to_string(o.load.target.copy.chunk_bytes) + ", staging_bytes=" +
+               (o.staging_bytes ? std::to_string(*o.staging_bytes) : std::string("None")) + ", variant='" +
+               o.load.resolve.variant + "', dtype=" +
+               (o.load.dtype.to ? "'" + std::string(dtype_name(*o.load.dtype.to)) + "'" : std::string("None")) +
+               ", pool_bytes=" + (o.pool_bytes ? std::to_string(*o.pool_bytes) : std::string("None")) + ")";
+      });
+
+  py::class_<DeviceSpec>(m, "DeviceSpec", "A parsed device string (parse_device_spec in include/pinload/device.h).")
+      .def_property_readonly("kind", [](const DeviceSpec& s) { return std::string(kind_name(s.kind)); },
+                             "'cpu' (host memory), 'sim' (the CPU stand-in) or 'cuda'.")
+      .def_property_readonly(
+          "ordinal",
+          [](const DeviceSpec& s) -> std::optional<int> {
+            if (s.kind != DeviceSpec::Kind::kCuda || !s.ordinal_given) return std::nullopt;
+            return s.ordinal;
+          },
+          "The N of 'cuda:N'; None for 'cuda' (the caller's current device) and for 'cpu' and 'sim'.")
+      .def_property_readonly("name", &DeviceSpec::name, "The canonical spelling: 'cpu', 'sim', 'cuda:N'.")
+      .def("__repr__", [](const DeviceSpec& s) { return "pinload.DeviceSpec('" + s.name() + "')"; });
+  m.def(
+      "parse_device_spec", [](const std::string& text) { return parse_device_spec(text); }, py::arg("device"),
+      "Parses 'cpu', 'sim', 'cuda' or 'cuda:N'; raises InvalidArgumentError naming 'device' otherwise.");
+  m.def(
+      "parse_size", [](const py::object& value, const std::string& option) { return size_from_python(value, option.c_str()); },
+      py::arg("value"), py::arg("option") = "size",
+      "Bytes from an int >= 0 or a size string ('4096', '64K', '8M', '1GiB'); raises InvalidArgumentError naming "
+      "`option`.");
+}
+
+}  // namespace pinload::python
