@@ -185,7 +185,9 @@ int main(int argc, char** argv) {
     }
     const double size_ratio = static_cast<double>(fs::file_size(fp8)) / static_cast<double>(fs::file_size(bf16));
 
-    std::unique_ptr<Device> device = device_spec.empty() ? nullptr : open_device(device_spec);
+    // "cpu" (or no --device) is host memory: no Device (parse_device_spec in device.h).
+    const DeviceSpec spec = parse_device_spec(device_spec.empty() ? "cpu" : device_spec, "--device");
+    std::unique_ptr<Device> device = spec.is_host() ? nullptr : open_device(spec);
     LoadOptions plain;
     plain.threads = threads;
     plain.target.device = device.get();

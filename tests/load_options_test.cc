@@ -70,6 +70,18 @@ TEST(LoadOptionsValidate, EachOptionOutOfRangeIsNamedWithItsValue) {
 
 // The Loader checks instead of clamping: a value that fails validate() is an
 // error, never silently raised to the minimum.
+TEST(LoadOptionsValidate, KeepWithoutADtypeIsRefused) {
+  LoadOptions o;
+  o.dtype.keep = {"norm"};
+  EXPECT_NE(failure(o).find("keep"), std::string::npos);
+  o.dtype.keep.clear();
+  o.dtype.keep_to = DType::kF32;
+  EXPECT_NE(failure(o).find("keep"), std::string::npos);
+  o.dtype.to = DType::kBF16;
+  o.dtype.keep = {"norm"};
+  EXPECT_EQ(failure(o), "");
+}
+
 TEST(LoadOptionsValidate, TheLoaderRefusesWhatFailsInsteadOfClamping) {
   LoadOptions o;
   o.threads = 0;

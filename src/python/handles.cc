@@ -262,6 +262,17 @@ CachedRead cached_read_from_python(const std::string& text) {
   return *c;
 }
 
+// The LoadOptions class bound by register_options.
+py::object load_options_type() { return py::type::of<PyLoadOptions>(); }
+
+// `options` (a LoadOptions), or LoadOptions(**keywords) when it is None;
+// TypeError for both at once.
+PyLoadOptions options_or_keywords(const py::object& type, const py::object& options, const py::kwargs& keywords) {
+  if (options.is_none()) return type(**keywords).cast<PyLoadOptions>();
+  if (keywords.size() != 0) throw py::type_error("pass load options as options= or as keywords, not both");
+  return options.cast<PyLoadOptions>();
+}
+
 std::unique_ptr<PyLoadHandle> load_async(const std::vector<std::string>& paths, const std::string& device_spec,
                                          const PyLoadOptions& options, PyPrefetch* prefetch,
                                          const std::string& cached_read, bool stream, const PyHeldFile* held) {
@@ -504,19 +515,33 @@ void register_handles(py::module_& m) {
                          "does not change what is read.")
       .def(py::init<const std::string&>(), py::arg("path"))
       .def("header", [](const PyHeldFile& f) { return header_dict(f.file()); }, "As read_header().");
-  m.def("load_async", &load_async, py::arg("paths"), py::arg("device") = "cpu", py::arg("options") = PyLoadOptions{},
-        py::arg("prefetch") = nullptr, py::arg("cached_read") = "auto", py::arg("stream") = false,
-        py::arg("held") = nullptr,
-        "Starts loading `paths` (bytes: files, indexes, folders) to `device` ('cpu', 'sim', 'cuda', 'cuda:N') "
-        "on the device's shared pool (with options.pool_bytes: the shared pool of that budget); returns a "
-        "LoadHandle at once. A `prefetch` of the same paths and device is adopted: what it read is not read "
-        "again (its own options then apply; a load with a dtype conversion adopts none). cached_read: how a "
-        "file in the page cache is read ('auto', 'map', 'pread'). stream=True: tensors come only from "
-        "next_ready() and the load keeps none of them (HandOut::kStream), so each file's block goes back to the "
-        "pool once the caller has dropped its tensors; result() is then empty. `held`: a HeldFile of the one "
-        "path, whose header and bytes are read.");
-  m.def("prefetch", &start_prefetch, py::arg("paths"), py::arg("device") = "cpu", py::arg("options") = PyLoadOptions{},
-        "Starts reading `paths` for a later load to `device` in the background; returns a Prefetch at once.");
+  m.def(
+      "load_async",
+      [](const std::vector<std::string>& paths, const std::string& device, const py::object& options,
+         PyPrefetch* prefetch, const std::string& cached_read, bool stream, const PyHeldFile* held,
+         const py::kwargs& load_options) {
+        return load_async(paths, device, options_or_keywords(load_options_type(), options, load_options), prefetch,
+                          cached_read, stream, held);
+      },
+      py::arg("paths"), py::arg("device") = "cpu", py::arg("options") = py::none(), py::arg("prefetch") = nullptr,
+      py::arg("cached_read") = "auto", py::arg("stream") = false, py::arg("held") = nullptr,
+      "Starts loading `paths` (bytes: files, indexes, folders) to `device` ('cpu', 'sim', 'cuda', 'cuda:N') "
+      "on the device's shared pool (with options.pool_bytes: the shared pool of that budget); returns a "
+      "LoadHandle at once. A `prefetch` of the same paths and device is adopted: what it read is not read "
+      "again (its own options then apply; a load with a dtype conversion adopts none). cached_read: how a "
+      "file in the page cache is read ('auto', 'map', 'pread'). stream=True: tensors come only from "
+      "next_ready() and the load keeps none of them (HandOut::kStream), so each file's block goes back to the "
+      "pool once the caller has dropped its tensors; result() is then empty. `held`: a HeldFile of the one "
+      "path, whose header and bytes are read. The options: `options` (a LoadOptions) or LoadOptions' "
+      "keywords, not both.");
+  m.def(
+      "prefetch",
+      [](const std::vector<std::string>& paths, const std::string& device, const py::object& options,
+         const py::kwargs& load_options) {
+        return start_prefetch(paths, device, options_or_keywords(load_options_type(), options, load_options));
+      },
+      py::arg("paths"), py::arg("device") = "cpu", py::arg("options") = py::none(),
+      "Starts reading `paths` for a later load to `device` in the background; returns a Prefetch at once.");
   py::class_<PyModelCache>(m, "ModelCache",
                            "Host copies of recently used checkpoints in a shared pinned pool, LRU under a budget "
                            "(include/pinload/model_cache.h).")
