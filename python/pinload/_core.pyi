@@ -151,11 +151,12 @@ class Prefetch:
 def load_async(
     paths: Sequence[Union[bytes, str]],
     device: str = "cpu",
-    options: LoadOptions = ...,
+    options: Optional[LoadOptions] = None,
     prefetch: Optional[Prefetch] = None,
     cached_read: str = "auto",
     stream: bool = False,
     held: Optional["HeldFile"] = None,
+    **load_options: Any,  # LoadOptions' keywords, when options is None
 ) -> LoadHandle: ...
 
 class HeldFile:
@@ -164,7 +165,8 @@ class HeldFile:
     def __init__(self, path: Union[bytes, str]) -> None: ...
     def header(self) -> Dict[str, Any]: ...
 
-def prefetch(paths: Sequence[Union[bytes, str]], device: str = "cpu", options: LoadOptions = ...) -> Prefetch: ...
+def prefetch(paths: Sequence[Union[bytes, str]], device: str = "cpu", options: Optional[LoadOptions] = None,
+             **load_options: Any) -> Prefetch: ...
 class ModelCache:
     """Host copies of recently used checkpoints in the shared pool of `pool_device`, LRU under
     `budget_bytes` (include/pinload/model_cache.h)."""
