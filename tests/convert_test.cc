@@ -112,13 +112,13 @@ TEST(DeviceConvertTest, RangesAndPairsAreChecked) {
   auto in = device->allocate(64);
   auto out = device->allocate(64);
   EXPECT_THROW(device->convert_async(*out, 0, *in, 0, {DType::kF8_E4M3, DType::kBF16, 64}, stream),
-               InvalidFileError);  // 128 output bytes
+               InvalidArgumentError);  // 128 output bytes
   EXPECT_THROW(device->convert_async(*out, 0, *in, 0, {DType::kBF16, DType::kF8_E4M3, 4}, stream),
-               InvalidFileError);  // not a load conversion
+               InvalidArgumentError);  // not a load conversion
   std::unique_ptr<Device> other = make_sim_device();
   auto foreign = other->allocate(64);
   EXPECT_THROW(device->convert_async(*out, 0, *foreign, 0, {DType::kF8_E4M3, DType::kBF16, 4}, stream),
-               InvalidFileError);
+               InvalidArgumentError);
 }
 
 TEST(DeviceConvertTest, FailedConversionFailsTheStream) {

@@ -106,10 +106,10 @@ void Device::convert_async(DeviceBuffer& dst, std::size_t dst_offset, const Devi
                            const ElementConversion& c, Stream& stream) {
   check_stream(stream);
   if (dst.device_id() != id_ || src.device_id() != id_) {
-    throw InvalidFileError("a DeviceBuffer of another device given to " + name());
+    throw InvalidArgumentError("a DeviceBuffer of another device given to " + name());
   }
   if (!is_convertible(c.from, c.to)) {
-    throw InvalidFileError("no conversion from " + std::string(dtype_name(c.from)) + " to " +
+    throw InvalidArgumentError("no conversion from " + std::string(dtype_name(c.from)) + " to " +
                            std::string(dtype_name(c.to)));
   }
   check_range("conversion source", src_offset, c.elements * (dtype_bits(c.from) / 8), src.size());
