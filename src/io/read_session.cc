@@ -460,8 +460,46 @@ std::unique_ptr<ReadSession> open_session(Env* env, const LoadOptions& options, 
   return s;
 }
 
+void take_blocks_up_to(ReadSession& s, std::size_t file, std::stop_token stop) {
+  if (file < s.blocks_taken.load(std::memory_order_acquire)) return;
+  // One worker waits for the budget at a time; the others wait only for the
+  // block of their own file, so readers of files already given one go on.
+  std::unique_lock lock(s.budget_mu);
+  while (file >= s.blocks_taken.load(std::memory_order_relaxed) && file < s.files.size()) {
+    if (s.taking_block) {
+      if (!s.budget_cv.wait(lock, stop, [&] { return !s.taking_block || file < s.blocks_taken.load(); })) {
+        throw CancelledError("load cancelled", ErrorContext{s.files[file]->path});
+      }
+      continue;
+    }
+    const std::size_t i = s.blocks_taken.load(std::memory_order_relaxed);
+    OpenFile& f = *s.files[i];
+    s.taking_block = true;
+    lock.unlock();
+    std::shared_ptr<Block> block;
+    try {
+      block = s.budget->allocate(s.plan.files[i].block_bytes(), f.path, stop);
+    } catch (...) {
+      lock.lock();
+      s.taking_block = false;
+      s.budget_cv.notify_all();
+      throw;
+    }
+    lock.lock();
+    f.block = std::move(block);
+    if (f.chunks_left.load(std::memory_order_relaxed) > 0) s.budget->file_started();
+    s.blocks_taken.store(i + 1, std::memory_order_release);
+    s.taking_block = false;
+    s.budget_cv.notify_all();
+  }
+}
+
 void allocate_blocks(ReadSession& s, Pool& pool, std::stop_token stop) {
   if (s.streaming) return;
+  if (s.budget) {  // Note [Streaming within a budget]
+    for (std::size_t i = 0; i < s.files.size(); ++i) s.budget->check_fits(s.plan.files[i].block_bytes(), s.files[i]->path);
+    return;
+  }
   // A load holds its blocks until it ends, so one that cannot fit the budget
   // fails now instead of waiting for memory only it could free. The error
   // names the file whose block crosses the line.
@@ -518,6 +556,7 @@ void execute(ReadSession& s, const std::vector<std::size_t>& todo, unsigned thre
         const ReadChunk& c = s.plan.chunks[i];
         const FileRead& r = s.plan.files[c.file];
         OpenFile& f = *s.files[c.file];
+        if (s.budget) take_blocks_up_to(s, c.file, abort.get_token());  // Note [Streaming within a budget]
         open_in_flight(s, c.file, abort.get_token(), counters);
         // Streaming reads into a staging block of the chunk's own; the
         // others into the file's block.
@@ -531,8 +570,10 @@ void execute(ReadSession& s, const std::vector<std::size_t>& todo, unsigned thre
           s.completed.push_back(static_cast<std::uint32_t>(i));
         }
         s.done[i].store(true, std::memory_order_release);
-        if (f.chunks_left.fetch_sub(1, std::memory_order_acq_rel) == 1) close_in_flight(s, c.file);
+        const bool file_read = f.chunks_left.fetch_sub(1, std::memory_order_acq_rel) == 1;
+        if (file_read) close_in_flight(s, c.file);
         if (sink) sink(i, std::move(dest), dest_offset);
+        if (file_read && s.budget) s.budget->file_finished();  // its tensors are out
       }
     } catch (...) {
       first_error.set(std::current_exception());

@@ -25,6 +25,7 @@
 #include "io/cached_read_chooser.h"
 #include "io/remote/object_cache.h"
 #include "io/remote/remote_client.h"
+#include "io/stream_budget.h"
 #include "pinload/checkpoint.h"
 #include "pinload/file_identity.h"
 #include "pinload/io_template.h"
@@ -159,6 +160,16 @@ struct ReadSession {
   std::size_t open_files = 0;
   std::size_t max_open_files = 1;
 
+  // Note [Streaming within a budget] (stream_budget.h): where set (before
+  // execute(), on a session whose files have no blocks yet), each file's block
+  // is taken from it when a worker reaches the file, in file order, instead
+  // of by allocate_blocks.
+  std::unique_ptr<StreamBudget> budget;
+  std::mutex budget_mu;                      // guards taking_block; blocks_taken changes under it
+  std::condition_variable_any budget_cv;     // a block taken, or the taker gave up
+  bool taking_block = false;                 // one worker takes blocks at a time, in file order
+  std::atomic<std::size_t> blocks_taken{0};  // files [0, blocks_taken) have their block
+
   // Chunk indices in the order their reads completed (for IoTemplate).
   std::mutex completed_mu;
   std::vector<std::uint32_t> completed;
@@ -182,8 +193,14 @@ std::unique_ptr<ReadSession> open_session(Env* env, const LoadOptions& options, 
 
 // Gives every file without one its block from `pool` (not in streaming
 // mode). A session whose blocks cannot fit the pool's budget together fails
-// at once with OutOfMemoryError.
+// at once with OutOfMemoryError. With a budget (Note [Streaming within a
+// budget]) it only checks that each file's block fits it alone: blocks are
+// taken as execute() reaches their files.
 void allocate_blocks(ReadSession& s, Pool& pool, std::stop_token stop);
+
+// With a budget: gives files [0, file] their blocks from it, in order,
+// waiting as StreamBudget::allocate does. Throws what it throws.
+void take_blocks_up_to(ReadSession& s, std::size_t file, std::stop_token stop);
 
 // Called after each chunk is read: (chunk index, the block holding it, the
 // chunk's offset in that block). In streaming mode the block is the chunk's

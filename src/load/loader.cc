@@ -49,13 +49,24 @@ class ReadyQueue {
   // True once take() would not block.
   bool wait_for(std::chrono::milliseconds timeout) {
     std::unique_lock lock(mu_);
-    return cv_.wait_for(lock, timeout, [&] { return closed_ || !ready_.empty(); });
+    ++waiting_;
+    const bool ready = cv_.wait_for(lock, timeout, [&] { return closed_ || !ready_.empty(); });
+    --waiting_;
+    return ready;
   }
   // Waits for tensors or for the end; empty at the end.
   std::vector<Tensor> take() {
     std::unique_lock lock(mu_);
+    ++waiting_;
     cv_.wait(lock, [&] { return closed_ || !ready_.empty(); });
+    --waiting_;
     return std::exchange(ready_, {});
+  }
+  // True while the consumer waits and nothing is queued (Note [Streaming
+  // within a budget] in io/stream_budget.h).
+  bool starved() {
+    std::lock_guard lock(mu_);
+    return waiting_ > 0 && ready_.empty() && !closed_;
   }
 
  private:
@@ -63,6 +74,7 @@ class ReadyQueue {
   std::condition_variable cv_;
   std::vector<Tensor> ready_;
   bool closed_ = false;
+  int waiting_ = 0;  // consumers in wait_for() or take()
 };
 
 }  // namespace detail
@@ -249,7 +261,22 @@ StateDict Loader::run(const Checkpoint& checkpoint, const LoadRequest& request, 
     counters->bytes_total = session->plan.total_bytes;
     counters->bytes_done = session->bytes_done();
   } else {
-    session = detail::open_session(env_, options_, checkpoint, staging_pool_, nullptr, counters);
+    // Note [Streaming within a budget] (io/stream_budget.h): a host load that
+    // keeps nothing it hands out takes each file's block as it reaches it,
+    // within a budget; one file at a time where the budget may make it wait.
+    LoadOptions read_options = options_;
+    std::uint64_t budget = 0;
+    if (counters->stream && counters->ready != nullptr && device == nullptr && !options_.dtype.active()) {
+      budget = std::max<std::uint64_t>(detail::streaming_budget_bytes(*pool_), 1);
+      std::uint64_t most = 0;
+      for (const CheckpointFile& cf : checkpoint.files) most += Pool::size_class(std::max<std::uint64_t>(cf.stat.size, 1));
+      if (most > budget) read_options.files_in_flight = 1;
+    }
+    session = detail::open_session(env_, read_options, checkpoint, staging_pool_, nullptr, counters);
+    if (budget != 0) {
+      session->budget = std::make_unique<detail::StreamBudget>(pool_, budget,
+                                                               [ready = counters->ready] { return ready->starved(); });
+    }
   }
   ReadSession& s = *session;
   const std::size_t n = s.files.size();
@@ -315,10 +342,25 @@ StateDict Loader::run(const Checkpoint& checkpoint, const LoadRequest& request, 
   // converting loads at the end (elements across chunks convert last).
   std::optional<Arrivals> arrivals;
   if (counters->ready != nullptr && device == nullptr && conversions.empty()) arrivals.emplace(s.plan, checkpoint);
-  auto hand_out = [&](const std::vector<std::size_t>& ready) {
+  // With a budget the blocks come as files are reached: a tensor gets its
+  // block as it is handed out, from the chunk that completed it (or, at the
+  // end, from its file).
+  std::vector<std::uint32_t> file_of;
+  if (s.budget) {
+    for (std::size_t i = 0; i < n; ++i) file_of.insert(file_of.end(), checkpoint.files[i].header.tensors.size(), i);
+  }
+  auto hand_out = [&](const std::vector<std::size_t>& ready, const std::shared_ptr<Block>* block) {
     std::vector<Tensor> out;
     out.reserve(ready.size());
-    for (std::size_t i : ready) out.push_back(counters->stream ? std::move(tensors[i]) : tensors[i]);
+    for (std::size_t i : ready) {
+      if (s.budget) {
+        const Tensor& t = tensors[i];
+        out.emplace_back(t.name(), t.dtype(), t.shape(), block ? *block : s.files[file_of[i]]->block, t.block_offset(),
+                         t.nbytes());
+        continue;
+      }
+      out.push_back(counters->stream ? std::move(tensors[i]) : tensors[i]);
+    }
     counters->ready->push(std::move(out));
   };
   // After each chunk: its tensors that became ready, and its copy to the
@@ -334,7 +376,7 @@ StateDict Loader::run(const Checkpoint& checkpoint, const LoadRequest& request, 
     if (arrivals) {
       std::vector<std::size_t> ready;
       const bool file_read = arrivals->arrived(c, &ready);
-      if (!ready.empty()) hand_out(ready);
+      if (!ready.empty()) hand_out(ready, &block);
       // HandOut::kStream: the file's tensors are all out and no reader
       // touches its block again, so the callers' tensors alone hold it.
       if (file_read && counters->stream) s.files[c.file]->block.reset();
@@ -406,7 +448,8 @@ StateDict Loader::run(const Checkpoint& checkpoint, const LoadRequest& request, 
     if (!arrivals) arrivals.emplace(s.plan, checkpoint);
     std::vector<std::size_t> rest;
     arrivals->rest(&rest);
-    hand_out(rest);
+    if (s.budget && n > 0) detail::take_blocks_up_to(s, n - 1, stop);  // files with nothing to read
+    hand_out(rest, nullptr);
   }
   if (counters->stream) return StateDict();
   return StateDict(std::move(tensors), std::move(metadata));

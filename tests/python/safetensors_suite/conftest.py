@@ -42,6 +42,7 @@ REPLACED = [
     (safetensors.torch, "load_model", pinload.torch.load_model),
     (safetensors.numpy, "load_file", pinload.numpy.load_file),
     (safetensors.numpy, "load", pinload.numpy.load),
+    (safetensors, "_safe_open_handle", pinload.torch.safe_open_handle),
 ]
 
 # Tests that call no loading function: the reference's writer, its TensorSpec, or its torch helpers
@@ -71,12 +72,22 @@ SAVING_ONLY = {
     "test_pt_model.py::TorchModelTestCase::test_failure",
 }
 
-# Tests of the reference's private _safe_open_handle (a Python file object instead of a path):
-# pinload reads paths, and does not replace it; they run against the reference.
-REFERENCE_ONLY = {
-    "test_handle.py::ReadmeTestCase::test_numpy_example",
-    "test_handle.py::ReadmeTestCase::test_fsspec",
-}
+# Which tests called at least one replacement (pytest_runtest_call), and which passed.
+THROUGH_PINLOAD = set()
+PASSED = set()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    before = sum(CALLS.values())
+    yield
+    if sum(CALLS.values()) > before:
+        THROUGH_PINLOAD.add(item.nodeid)
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "call" and report.passed:
+        PASSED.add(report.nodeid)
 
 
 def _counting(key, function):
@@ -143,6 +154,10 @@ def pytest_sessionfinish(session, exitstatus):
     keys = [f"{m.__name__}.{n}" for m, n, _ in REPLACED]
     unused = [k for k in keys if CALLS[k] == 0 and k not in NOT_CALLED_BY_THE_SUITE]
     print(f"\ncalls of pinload's replacements: {dict(CALLS)}")
+    through = PASSED & THROUGH_PINLOAD
+    print(f"{len(PASSED)} tests passed; {len(through)} of them called pinload's replacements")
+    for nodeid in sorted(PASSED - THROUGH_PINLOAD):
+        print(f"  passed without calling pinload: {nodeid.split('safetensors_suite/')[-1]}")
     if unused:
         print(f"pinload's replacements never called: {unused}")
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
