@@ -8,9 +8,9 @@ inode, and holds it as ``safe_open`` holds a path (Note [Holding a file] in
 src/io/held_file_env.h), so header and data come from the one file the object has open, even after
 its path is replaced or the object is closed. The object's position is not used or moved.
 Any other object that can ``seek`` and ``read`` (``io.BytesIO``, remote fsspec files) is read
-whole, from its start, into an anonymous in-memory file (``memfd_create``), which the handle holds
-and reads the same way. An object that can do neither raises InvalidFileError (SafetensorError
-too where safetensors is installed) saying why. Errors name ``/proc/self/fd/<n>``.
+whole, from its start, into an anonymous in-memory file (``memfd_create``), read the same way. The handle keeps a descriptor of its own (a dup, or the memfd) until
+``close()``, which its ``/proc/self/fd/<n>`` path names; errors name that path. An object that can
+do neither raises InvalidFileError (SafetensorError too where safetensors is installed) saying why.
 """
 
 from __future__ import annotations
@@ -64,15 +64,28 @@ def _copy_to_memory_file(handle: Any) -> int:
 
 class safe_open_handle(safe_open):
     """``safe_open`` (pinload.torch.safe_open, same methods and options) over an open file object
-    instead of a path (Note [Handles] above)."""
+    instead of a path (Note [Handles] above). Holds a descriptor of its own until ``close()``."""
 
     def __init__(self, f: Any, framework: str = "pt", device: Device = "cpu", **options: Any) -> None:
         fd = _descriptor(f)
-        owned = None
-        if fd is None:
-            fd = owned = _copy_to_memory_file(f)
+        # A descriptor of the handle's own: its /proc/self/fd path stays valid (and names the same
+        # file) until close(), whatever happens to the object.
+        self._own_fd = os.dup(fd) if fd is not None else _copy_to_memory_file(f)
         try:
-            super().__init__(f"/proc/self/fd/{fd}", framework, device, **options)
-        finally:
-            if owned is not None:
-                os.close(owned)  # the handle holds its own descriptor of the memfd now
+            super().__init__(f"/proc/self/fd/{self._own_fd}", framework, device, **options)
+        except BaseException:
+            self._close_fd()
+            raise
+
+    def _close_fd(self) -> None:
+        fd, self._own_fd = getattr(self, "_own_fd", None), None
+        if fd is not None:
+            os.close(fd)
+
+    def close(self) -> None:
+        super().close()
+        with self._lock:
+            self._close_fd()
+
+    def __del__(self) -> None:
+        self._close_fd()

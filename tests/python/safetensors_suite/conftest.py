@@ -1,12 +1,14 @@
 """Runs safetensors 0.8.0's own Python tests, copied here unmodified (README.md, SHA256SUMS),
 against pinload's drop-in: before the test modules import them, the reference's loading entry
 points are replaced by pinload's (REPLACED below), so every load they make goes through pinload,
-while saving stays the reference's (pinload delegates saving to safetensors).
+while saving stays the reference's (pinload delegates saving to safetensors). The private
+``_safe_open_handle`` (a Python file object instead of a path) is replaced by
+pinload.torch.safe_open_handle.
 
 The tests write into the working folder and into ./tests/data: they run in a scratch folder.
 Tests that exercise only the reference's writer or its torch helpers are skipped with that reason
-(SAVING_ONLY). At the end, every replacement must have been called: a suite that silently went
-through the reference would fail.
+(SAVING_ONLY). At the end, every replacement must have been called, and every test that passed
+must have called one: a suite that silently went through the reference would fail.
 """
 
 import collections
@@ -158,6 +160,8 @@ def pytest_sessionfinish(session, exitstatus):
     print(f"{len(PASSED)} tests passed; {len(through)} of them called pinload's replacements")
     for nodeid in sorted(PASSED - THROUGH_PINLOAD):
         print(f"  passed without calling pinload: {nodeid.split('safetensors_suite/')[-1]}")
+    if PASSED - THROUGH_PINLOAD:  # every test that runs here is a loading test: it must load through pinload
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
     if unused:
         print(f"pinload's replacements never called: {unused}")
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
