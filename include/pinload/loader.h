@@ -162,10 +162,7 @@ enum class HandOut {
   // and drops a host file's block as soon as that file is read, so the
   // block goes back to the pool once the caller has dropped the file's
   // tensors (streaming consumers: pinload.iter_tensors). wait() returns an
-  // empty state dict. A host load without conversion takes each file's
-  // block only when its reads start, within a budget, waiting for the
-  // caller to drop earlier tensors (Note [Streaming within a budget] in
-  // src/io/stream_budget.h): next_ready() may then throw OutOfMemoryError.
+  // empty state dict.
   kStream,
 };
 

@@ -268,8 +268,13 @@ StateDict Loader::run(const Checkpoint& checkpoint, const LoadRequest& request, 
     std::uint64_t budget = 0;
     if (counters->stream && counters->ready != nullptr && device == nullptr && !options_.dtype.active()) {
       budget = std::max<std::uint64_t>(detail::streaming_budget_bytes(*pool_), 1);
-      std::uint64_t most = 0;
-      for (const CheckpointFile& cf : checkpoint.files) most += Pool::size_class(std::max<std::uint64_t>(cf.stat.size, 1));
+      // More than all blocks can take (a file's aligned range, a size class,
+      // 2 MiB reservations, one shared slab): past the budget, reads may wait.
+      std::uint64_t most = PoolOptions{}.slab_bytes;
+      for (const CheckpointFile& cf : checkpoint.files) {
+        const std::uint64_t cls = Pool::size_class(cf.stat.size + std::max<std::uint64_t>(cf.stat.dio_offset_align, 4096));
+        most += (cls + (2u << 20) - 1) / (2u << 20) * (2u << 20);
+      }
       if (most > budget) read_options.files_in_flight = 1;
     }
     session = detail::open_session(env_, read_options, checkpoint, staging_pool_, nullptr, counters);
