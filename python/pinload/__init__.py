@@ -116,15 +116,20 @@ def __dir__():
     return sorted(set(globals()) | set(_LAZY) | set(_SUBMODULES))
 
 
-def pool_stats(device="cpu") -> dict:
-    """Statistics of the pool that loads to ``device`` share ('cpu', 'sim', 'cuda:N').
+def pool_stats(device="cpu", pool_bytes=None) -> dict:
+    """Statistics of the pool that loads to ``device`` share ('cpu', 'sim', 'cuda:N'); with
+    ``pool_bytes``, of the pool that the loads given that ``pool_bytes=`` share.
 
     Keys (bytes unless noted): ``reserved`` (held from the OS), ``in_use`` (in live blocks),
     ``peak``, ``peak_reserved``, ``capacity`` (0: unlimited), and counts ``allocations``,
     ``free_list_hits`` (allocations that reused a block), ``os_reservations``, ``os_releases``,
     ``budget_waits``, ``live_blocks``; ``backend`` names the memory backend.
     """
-    return _core.pool_stats(_devices.key(device))
+    if pool_bytes is None:
+        return _core.pool_stats(_devices.key(device))
+    from ._options import size
+
+    return _core.pool_stats(_devices.key(device), size(pool_bytes, "pool_bytes"))
 
 
 def trim_pool(device="cpu") -> None:

@@ -45,8 +45,8 @@ from ._options import LoadKwargs, LoadOptions, Request, request
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-__all__ = ["DTYPES", "iter_tensors", "load", "load_file", "load_files", "load_model", "safe_open", "save",
-           "save_file", "save_model"]
+__all__ = ["DTYPES", "iter_tensors", "load", "load_file", "load_files", "load_model", "safe_open", "safe_open_handle",
+           "save", "save_file", "save_model"]
 
 PathLike = Union[str, "os.PathLike[str]", bytes]
 Device = Union[str, int, "torch.device", None]
@@ -598,3 +598,7 @@ class safe_open:
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("loaded" if self._sd is not None else "open")
         return f"<pinload.safe_open {self._path!r} {len(self._info)} tensors, {state}>"
+
+
+# safe_open over an open file object (safetensors' _safe_open_handle): Note [Handles] there.
+from ._file_handle import safe_open_handle  # noqa: E402

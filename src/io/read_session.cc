@@ -449,9 +449,52 @@ std::unique_ptr<ReadSession> ReadSession::open(Env* env, const LoadOptions& opti
   return s;
 }
 
+void ReadSession::set_budget(std::unique_ptr<StreamBudget> budget) {
+  check_idle("set_budget()");
+  budget_ = std::move(budget);
+}
+
+void ReadSession::take_blocks_up_to(std::size_t file, std::stop_token stop) {
+  if (file < blocks_taken_.load(std::memory_order_acquire)) return;
+  // One worker waits for the budget at a time; the others wait only for the
+  // block of their own file, so readers of files already given one go on.
+  std::unique_lock lock(budget_mu_);
+  while (file >= blocks_taken_.load(std::memory_order_relaxed) && file < files_.size()) {
+    if (taking_block_) {
+      if (!budget_cv_.wait(lock, stop, [&] { return !taking_block_ || file < blocks_taken_.load(); })) {
+        throw CancelledError("load cancelled", ErrorContext{files_[file]->path});
+      }
+      continue;
+    }
+    const std::size_t i = blocks_taken_.load(std::memory_order_relaxed);
+    OpenFile& f = *files_[i];
+    taking_block_ = true;
+    lock.unlock();
+    std::shared_ptr<Block> block;
+    try {
+      block = budget_->allocate(plan_.files[i].block_bytes(), f.path, stop);
+    } catch (...) {
+      lock.lock();
+      taking_block_ = false;
+      budget_cv_.notify_all();
+      throw;
+    }
+    lock.lock();
+    f.block = std::move(block);
+    if (f.chunks_left.load(std::memory_order_relaxed) > 0) budget_->file_started();
+    blocks_taken_.store(i + 1, std::memory_order_release);
+    taking_block_ = false;
+    budget_cv_.notify_all();
+  }
+}
+
 void ReadSession::allocate_blocks(Pool& pool, std::stop_token stop) {
   check_idle("allocate_blocks()");
   if (streaming()) return;
+  if (budget_) {  // Note [Streaming within a budget]
+    for (std::size_t i = 0; i < files_.size(); ++i) budget_->check_fits(plan_.files[i].block_bytes(), files_[i]->path);
+    return;
+  }
   // A load holds its blocks until it ends, so one that cannot fit the budget
   // fails now instead of waiting for memory only it could free. The error
   // names the file whose block crosses the line.
@@ -516,6 +559,7 @@ void ReadSession::execute(const std::vector<std::size_t>& todo, unsigned threads
         const ReadChunk& c = s.plan_.chunks[i];
         const FileRead& r = s.plan_.files[c.file];
         OpenFile& f = *s.files_[c.file];
+        if (s.budget_) s.take_blocks_up_to(c.file, abort.get_token());  // Note [Streaming within a budget]
         s.open_in_flight(c.file, abort.get_token(), counters);
         // Streaming reads into a staging block of the chunk's own; the
         // others into the file's block.
@@ -529,8 +573,10 @@ void ReadSession::execute(const std::vector<std::size_t>& todo, unsigned threads
           s.completed_.push_back(static_cast<std::uint32_t>(i));
         }
         s.done_[i].store(true, std::memory_order_release);
-        if (f.chunks_left.fetch_sub(1, std::memory_order_acq_rel) == 1) s.close_in_flight(c.file);
+        const bool file_read = f.chunks_left.fetch_sub(1, std::memory_order_acq_rel) == 1;
+        if (file_read) s.close_in_flight(c.file);
         if (sink) sink(i, std::move(dest), dest_offset);
+        if (file_read && s.budget_) s.budget_->file_finished();  // its tensors are out
       }
     } catch (...) {
       first_error.set(std::current_exception());

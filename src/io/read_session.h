@@ -30,6 +30,7 @@
 #include "io/read_counters.h"
 #include "io/remote/object_cache.h"
 #include "io/remote/remote_client.h"
+#include "io/stream_budget.h"
 #include "pinload/checkpoint.h"
 #include "pinload/file_identity.h"
 #include "pinload/io_template.h"
@@ -135,7 +136,19 @@ class ReadSession {
   // Gives every file without one its block from `pool` (not in streaming
   // mode). A session whose blocks cannot fit the pool's budget together fails
   // at once with OutOfMemoryError.
+  // With a budget (set_budget) it only checks that each file's block fits
+  // the budget alone: blocks are taken as execute() reaches their files.
   void allocate_blocks(Pool& pool, std::stop_token stop);
+
+  // Note [Streaming within a budget] (stream_budget.h): set before execute(),
+  // on a session whose files have no blocks yet, each file's block is taken
+  // from `budget` when a worker reaches the file, in file order, instead of
+  // by allocate_blocks.
+  void set_budget(std::unique_ptr<StreamBudget> budget);
+  bool budgeted() const noexcept { return budget_ != nullptr; }
+  // With a budget: gives files [0, file] their blocks from it, in order,
+  // waiting as StreamBudget::allocate does. Throws what it throws.
+  void take_blocks_up_to(std::size_t file, std::stop_token stop);
 
   // Reads the chunks `todo` (indices into plan().chunks, in claim order) with
   // `threads` workers, the calling thread being one of them. Each chunk is
@@ -212,6 +225,13 @@ class ReadSession {
   std::condition_variable_any open_cv_;
   std::size_t open_files_ = 0;
   std::size_t max_open_files_ = 1;
+
+  // Note [Streaming within a budget]: set_budget's, and the blocks taken.
+  std::unique_ptr<StreamBudget> budget_;
+  std::mutex budget_mu_;                      // guards taking_block_; blocks_taken_ changes under it
+  std::condition_variable_any budget_cv_;     // a block taken, or the taker gave up
+  bool taking_block_ = false;                 // one worker takes blocks at a time, in file order
+  std::atomic<std::size_t> blocks_taken_{0};  // files [0, blocks_taken_) have their block
 
   // Chunk indices in the order their reads completed (for IoTemplate).
   mutable std::mutex completed_mu_;

@@ -45,13 +45,24 @@ class ReadyQueue {
   // True once take() would not block.
   bool wait_for(std::chrono::milliseconds timeout) {
     std::unique_lock lock(mu_);
-    return cv_.wait_for(lock, timeout, [&] { return closed_ || !ready_.empty(); });
+    ++waiting_;
+    const bool ready = cv_.wait_for(lock, timeout, [&] { return closed_ || !ready_.empty(); });
+    --waiting_;
+    return ready;
   }
   // Waits for tensors or for the end; empty at the end.
   std::vector<Tensor> take() {
     std::unique_lock lock(mu_);
+    ++waiting_;
     cv_.wait(lock, [&] { return closed_ || !ready_.empty(); });
+    --waiting_;
     return std::exchange(ready_, {});
+  }
+  // True while the consumer waits and nothing is queued (Note [Streaming
+  // within a budget] in io/stream_budget.h).
+  bool starved() {
+    std::lock_guard lock(mu_);
+    return waiting_ > 0 && ready_.empty() && !closed_;
   }
 
  private:
@@ -59,6 +70,7 @@ class ReadyQueue {
   std::condition_variable cv_;
   std::vector<Tensor> ready_;
   bool closed_ = false;
+  int waiting_ = 0;  // consumers in wait_for() or take()
 };
 
 }  // namespace detail

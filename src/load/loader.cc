@@ -276,11 +276,19 @@ class TensorHandOut {
  public:
   // `tensors` are the load's (TensorIndex); `by_chunk`: a host load without
   // conversion; `converting`: a load with conversions (whole at the end).
+  // `budgeted`: a session whose blocks come as its files are reached (Note
+  // [Streaming within a budget]); each tensor gets its file's block as it is
+  // handed out.
   TensorHandOut(const ReadPlan& plan, const Checkpoint& checkpoint, std::vector<Tensor>& tensors,
-          const Loader::Counters& counters, bool by_chunk, bool converting)
+                const Loader::Counters& counters, bool by_chunk, bool converting, const ReadSession* budgeted)
       : plan_(plan), checkpoint_(checkpoint), tensors_(tensors), ready_(counters.ready), stream_(counters.stream),
-        converting_(converting) {
+        converting_(converting), budgeted_(budgeted) {
     if (ready_ != nullptr && by_chunk) arrivals_.emplace(plan, checkpoint);
+    if (budgeted_ != nullptr) {
+      for (std::size_t i = 0; i < checkpoint.files.size(); ++i) {
+        file_of_.insert(file_of_.end(), checkpoint.files[i].header.tensors.size(), static_cast<std::uint32_t>(i));
+      }
+    }
   }
   // Chunk `c` has been read. True when it was the last of its file: the
   // file's tensors are then all handed out.
@@ -309,7 +317,14 @@ class TensorHandOut {
     if (indices.empty()) return;
     std::vector<Tensor> out;
     out.reserve(indices.size());
-    for (std::size_t i : indices) out.push_back(stream_ ? std::move(tensors_[i]) : tensors_[i]);
+    for (std::size_t i : indices) {
+      if (budgeted_ != nullptr) {
+        const Tensor& t = tensors_[i];
+        out.emplace_back(t.name(), t.dtype(), t.shape(), budgeted_->block(file_of_[i]), t.block_offset(), t.nbytes());
+        continue;
+      }
+      out.push_back(stream_ ? std::move(tensors_[i]) : tensors_[i]);
+    }
     ready_->push(std::move(out));
   }
   const ReadPlan& plan_;
@@ -318,6 +333,8 @@ class TensorHandOut {
   detail::ReadyQueue* ready_;
   const bool stream_;
   const bool converting_;
+  const ReadSession* budgeted_;
+  std::vector<std::uint32_t> file_of_;  // budgeted_: tensor index -> file
   std::optional<Arrivals> arrivals_;
 };
 
@@ -420,7 +437,30 @@ StateDict Loader::run(const Checkpoint& checkpoint, const LoadRequest& request, 
   const bool streaming = staging_pool_ != nullptr;
   Device* device = options_.target.device;
   std::unique_ptr<ReadSession> session = session_for(checkpoint, request, streaming, [&] {
-    return ReadSession::open(env_, options_, checkpoint, staging_pool_, nullptr, counters);
+    // Note [Streaming within a budget] (io/stream_budget.h): a host load that
+    // keeps nothing it hands out takes each file's block as it reaches it,
+    // within a budget; one file at a time where the budget may make it wait.
+    LoadOptions read_options = options_;
+    std::uint64_t budget = 0;
+    if (counters->stream && counters->ready != nullptr && device == nullptr && !options_.dtype.active()) {
+      budget = std::max<std::uint64_t>(detail::streaming_budget_bytes(*pool_), 1);
+      // More than all blocks can take (a file's aligned range, a size class,
+      // 2 MiB reservations, one shared slab): past the budget, reads may wait.
+      std::uint64_t most = PoolOptions{}.slab_bytes;
+      for (const CheckpointFile& cf : checkpoint.files) {
+        const std::uint64_t cls =
+            Pool::size_class(cf.stat.size + std::max<std::uint64_t>(cf.stat.dio_offset_align, 4096));
+        most += (cls + (2u << 20) - 1) / (2u << 20) * (2u << 20);
+      }
+      if (most > budget) read_options.files_in_flight = 1;
+    }
+    std::unique_ptr<ReadSession> opened =
+        ReadSession::open(env_, read_options, checkpoint, staging_pool_, nullptr, counters);
+    if (budget != 0) {
+      opened->set_budget(std::make_unique<detail::StreamBudget>(
+          pool_, budget, [ready = counters->ready] { return ready->starved(); }));
+    }
+    return opened;
   }, counters);
   ReadSession& s = *session;
   s.allocate_blocks(*pool_, stop);
@@ -433,7 +473,7 @@ StateDict Loader::run(const Checkpoint& checkpoint, const LoadRequest& request, 
   const ConvertedMemory converted = allocate_converted(conversions, s.file_count(), device, *pool_, stop);
   TensorIndex index = index_tensors(checkpoint, s, device_buffers, conversions, converted);
   TensorHandOut hand_out(s.plan(), checkpoint, index.tensors, *counters, device == nullptr && conversions.empty(),
-                         !conversions.empty());
+                         !conversions.empty(), s.budgeted() ? &s : nullptr);
 
   // Wiring reads to copies: after each chunk, its host conversions (out of
   // the read block while it is fresh, on this reader), its tensors that
@@ -472,6 +512,7 @@ StateDict Loader::run(const Checkpoint& checkpoint, const LoadRequest& request, 
   finish_conversions(conversions, checkpoint, s, device, pipeline ? &pipeline->stream() : nullptr, device_buffers,
                      converted, &index);
   if (request.record != nullptr) record_template(checkpoint, s, destination(), request.record);
+  if (s.budgeted() && s.file_count() > 0) s.take_blocks_up_to(s.file_count() - 1, stop);  // files with nothing to read
   hand_out.rest();
   if (counters->stream) return StateDict();
   return StateDict(std::move(index.tensors), std::move(index.metadata));

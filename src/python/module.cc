@@ -69,8 +69,13 @@ PYBIND11_MODULE(_core, m) {
   register_conversions(m);
 
   m.def(
-      "pool_stats", [](const std::string& device) { auto pool = pool_for(device); return stats_dict(pool->stats(), pool->backend_name()); },
-      py::arg("device") = "cpu", "Statistics of the pool shared by loads to `device`.");
+      "pool_stats",
+      [](const std::string& device, std::optional<std::uint64_t> pool_bytes) {
+        auto pool = pool_for(device, pool_bytes);
+        return stats_dict(pool->stats(), pool->backend_name());
+      },
+      py::arg("device") = "cpu", py::arg("pool_bytes") = py::none(),
+      "Statistics of the pool shared by loads to `device` (with `pool_bytes`: by the loads with that budget).");
   m.def(
       "trim_pool",
       [](const std::string& device) {

@@ -1,12 +1,14 @@
 """Runs safetensors 0.8.0's own Python tests, copied here unmodified (README.md, SHA256SUMS),
 against pinload's drop-in: before the test modules import them, the reference's loading entry
 points are replaced by pinload's (REPLACED below), so every load they make goes through pinload,
-while saving stays the reference's (pinload delegates saving to safetensors).
+while saving stays the reference's (pinload delegates saving to safetensors). The private
+``_safe_open_handle`` (a Python file object instead of a path) is replaced by
+pinload.torch.safe_open_handle.
 
 The tests write into the working folder and into ./tests/data: they run in a scratch folder.
 Tests that exercise only the reference's writer or its torch helpers are skipped with that reason
-(SAVING_ONLY). At the end, every replacement must have been called: a suite that silently went
-through the reference would fail.
+(SAVING_ONLY). At the end, every replacement must have been called, and every test that passed
+must have called one: a suite that silently went through the reference would fail.
 """
 
 import collections
@@ -42,6 +44,7 @@ REPLACED = [
     (safetensors.torch, "load_model", pinload.torch.load_model),
     (safetensors.numpy, "load_file", pinload.numpy.load_file),
     (safetensors.numpy, "load", pinload.numpy.load),
+    (safetensors, "_safe_open_handle", pinload.torch.safe_open_handle),
 ]
 
 # Tests that call no loading function: the reference's writer, its TensorSpec, or its torch helpers
@@ -71,12 +74,22 @@ SAVING_ONLY = {
     "test_pt_model.py::TorchModelTestCase::test_failure",
 }
 
-# Tests of the reference's private _safe_open_handle (a Python file object instead of a path):
-# pinload reads paths, and does not replace it; they run against the reference.
-REFERENCE_ONLY = {
-    "test_handle.py::ReadmeTestCase::test_numpy_example",
-    "test_handle.py::ReadmeTestCase::test_fsspec",
-}
+# Which tests called at least one replacement (pytest_runtest_call), and which passed.
+THROUGH_PINLOAD = set()
+PASSED = set()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    before = sum(CALLS.values())
+    yield
+    if sum(CALLS.values()) > before:
+        THROUGH_PINLOAD.add(item.nodeid)
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "call" and report.passed:
+        PASSED.add(report.nodeid)
 
 
 def _counting(key, function):
@@ -143,6 +156,12 @@ def pytest_sessionfinish(session, exitstatus):
     keys = [f"{m.__name__}.{n}" for m, n, _ in REPLACED]
     unused = [k for k in keys if CALLS[k] == 0 and k not in NOT_CALLED_BY_THE_SUITE]
     print(f"\ncalls of pinload's replacements: {dict(CALLS)}")
+    through = PASSED & THROUGH_PINLOAD
+    print(f"{len(PASSED)} tests passed; {len(through)} of them called pinload's replacements")
+    for nodeid in sorted(PASSED - THROUGH_PINLOAD):
+        print(f"  passed without calling pinload: {nodeid.split('safetensors_suite/')[-1]}")
+    if PASSED - THROUGH_PINLOAD:  # every test that runs here is a loading test: it must load through pinload
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
     if unused:
         print(f"pinload's replacements never called: {unused}")
         session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -1,0 +1,91 @@
+"""``safe_open`` over an open Python file object: a drop-in for safetensors' private
+``_safe_open_handle(f, framework, device)``.
+
+Note [Handles]
+A file object with a working ``fileno()`` (``open(...)`` in any mode, fsspec's local files) is read
+through its descriptor: the handle opens ``/proc/self/fd/<fileno>``, a new open file of the same
+inode, and holds it as ``safe_open`` holds a path (Note [Holding a file] in
+src/io/held_file_env.h), so header and data come from the one file the object has open, even after
+its path is replaced or the object is closed. The object's position is not used or moved.
+Any other object that can ``seek`` and ``read`` (``io.BytesIO``, remote fsspec files) is read
+whole, from its start, into an anonymous in-memory file (``memfd_create``), read the same way. The handle keeps a descriptor of its own (a dup, or the memfd) until
+``close()``, which its ``/proc/self/fd/<n>`` path names; errors name that path. An object that can
+do neither raises InvalidFileError (SafetensorError too where safetensors is installed) saying why.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from typing import Any
+
+from ._core import InvalidFileError
+from .torch import Device, _error, safe_open
+
+__all__ = ["safe_open_handle"]
+
+
+def _descriptor(handle: Any):
+    fileno = getattr(handle, "fileno", None)
+    if fileno is None:
+        return None
+    try:
+        fd = fileno()
+    except (OSError, io.UnsupportedOperation, ValueError):
+        return None  # no descriptor (BytesIO), or a closed file: read() says which
+    return fd if isinstance(fd, int) and fd >= 0 else None
+
+
+def _copy_to_memory_file(handle: Any) -> int:
+    """The object's bytes from its start, in a memfd; returns the descriptor (the caller closes it)."""
+    what = type(handle).__name__
+    if not callable(getattr(handle, "read", None)):
+        raise _error(InvalidFileError, f"cannot read a {what}: it has neither fileno() nor read()")
+    try:
+        if callable(getattr(handle, "seek", None)):
+            handle.seek(0)
+        data = handle.read()
+    except (OSError, io.UnsupportedOperation, ValueError) as e:
+        raise _error(InvalidFileError, f"cannot read the safetensors bytes of a {what}: {e}") from None
+    if isinstance(data, str):
+        raise _error(InvalidFileError, f"a {what} opened in text mode without a descriptor: open it with 'rb'")
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise _error(InvalidFileError, f"{what}.read() returned {type(data).__name__}, not bytes")
+    fd = os.memfd_create("pinload-handle", os.MFD_CLOEXEC)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+class safe_open_handle(safe_open):
+    """``safe_open`` (pinload.torch.safe_open, same methods and options) over an open file object
+    instead of a path (Note [Handles] above). Holds a descriptor of its own until ``close()``."""
+
+    def __init__(self, f: Any, framework: str = "pt", device: Device = "cpu", **options: Any) -> None:
+        fd = _descriptor(f)
+        # A descriptor of the handle's own: its /proc/self/fd path stays valid (and names the same
+        # file) until close(), whatever happens to the object.
+        self._own_fd = os.dup(fd) if fd is not None else _copy_to_memory_file(f)
+        try:
+            super().__init__(f"/proc/self/fd/{self._own_fd}", framework, device, **options)
+        except BaseException:
+            self._close_fd()
+            raise
+
+    def _close_fd(self) -> None:
+        fd, self._own_fd = getattr(self, "_own_fd", None), None
+        if fd is not None:
+            os.close(fd)
+
+    def close(self) -> None:
+        super().close()
+        with self._lock:
+            self._close_fd()
+
+    def __del__(self) -> None:
+        self._close_fd()
