@@ -88,6 +88,7 @@ def load_async(
     prefetch: Optional[Prefetch] = None,
     cached_read: str = "auto",
     stream: bool = False,
+    connections: int = 0,
 ) -> LoadHandle: ...
 def prefetch(
     paths: Sequence[Union[bytes, str]],
@@ -100,6 +101,7 @@ def prefetch(
     chunk_bytes: int = ...,
     staging_bytes: Optional[int] = None,
     variant: str = "",
+    connections: int = 0,
 ) -> Prefetch: ...
 class ModelCache:
     """Host copies of recently used checkpoints in the shared pool of `pool_device`, LRU under
@@ -114,6 +116,7 @@ class ModelCache:
         direct: str = "auto",
         files_in_flight: int = 2,
         variant: str = "",
+        connections: int = 0,
     ) -> None: ...
     def get(
         self, paths: Sequence[Union[bytes, str]], device: str = "cpu", streams: int = ..., chunk_bytes: int = ...

@@ -49,7 +49,8 @@ class _Options:
     """Load options, checked once."""
 
     __slots__ = ("threads", "block_size", "direct", "files_in_flight", "streams", "chunk_bytes",
-                 "staging_bytes", "variant", "progress", "prefetch", "dtype", "keep", "keep_dtype", "pool_bytes")
+                 "staging_bytes", "variant", "progress", "prefetch", "dtype", "keep", "keep_dtype", "pool_bytes",
+                 "connections")
 
     def __init__(
         self,
@@ -67,10 +68,17 @@ class _Options:
         keep: Iterable[str] = (),
         keep_dtype: Any = None,
         pool_bytes: Union[int, str, None] = None,
+        connections: Optional[int] = None,
     ):
         if not isinstance(threads, int) or not 1 <= threads <= 1024:
             raise ValueError(f"threads must be 1..1024, not {threads!r}")
         self.threads = threads
+        # Parallel connections for remote sources (s3://, http(s)://; docs/remote.md): None takes
+        # PINLOAD_CONNECTIONS, else 16. A load with remote files runs exactly this many readers.
+        if connections is not None and (isinstance(connections, bool) or not isinstance(connections, int)
+                                        or not 1 <= connections <= 1024):
+            raise ValueError(f"connections must be 1..1024 (or None), not {connections!r}")
+        self.connections = connections
         self.block_size = _size(block_size, "block_size")
         if not (4096 <= self.block_size <= 1 << 30):
             raise ValueError(f"block_size must be 4 KiB..1 GiB, not {block_size!r}")
@@ -114,7 +122,7 @@ class _Options:
     def reader_kwargs(self) -> dict:
         """The keyword arguments of the reader that every _core entry point takes."""
         return dict(threads=self.threads, block_size=self.block_size, direct=self.direct,
-                    files_in_flight=self.files_in_flight, variant=self.variant)
+                    files_in_flight=self.files_in_flight, variant=self.variant, connections=self.connections or 0)
 
     def load_kwargs(self) -> dict:
         """reader_kwargs() plus the device copy options: what _core.load_async and prefetch take."""

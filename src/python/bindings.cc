@@ -530,9 +530,11 @@ CachedRead parse_cached_read(const std::string& cached_read) {
 }
 
 // The reader's options as Python passes them, checked.
+// connections: remote connections (RemoteOptions::connections; 0: PINLOAD_CONNECTIONS, else 16).
 LoadOptions reader_options(unsigned threads, std::size_t block_size, const std::string& direct,
-                           std::size_t files_in_flight, const std::string& variant) {
+                           std::size_t files_in_flight, const std::string& variant, unsigned connections = 0) {
   if (threads == 0 || threads > 1024) throw InvalidFileError("threads must be 1..1024");
+  if (connections > 1024) throw InvalidFileError("connections must be 1..1024");
   if (block_size < 4096 || block_size > (std::size_t{1} << 30)) throw InvalidFileError("block_size must be 4 KiB..1 GiB");
   if (files_in_flight == 0) throw InvalidFileError("files_in_flight must be > 0");
   LoadOptions options;
@@ -541,6 +543,7 @@ LoadOptions reader_options(unsigned threads, std::size_t block_size, const std::
   options.direct = parse_direct(direct);
   options.files_in_flight = files_in_flight;
   options.resolve.variant = variant;
+  options.resolve.remote.connections = connections;
   return options;
 }
 
@@ -601,11 +604,11 @@ Loader make_loader(const std::vector<std::string>& paths, const std::string& dev
                    std::size_t block_size, const std::string& direct, std::size_t files_in_flight, std::size_t streams,
                    std::size_t chunk_bytes, std::optional<std::uint64_t> staging_bytes, const std::string& variant,
                    std::optional<std::uint64_t> pool_bytes, Placement* placement, Env* env = nullptr,
-                   const DTypeOptions& dtype = {}, const std::string& cached_read = "auto") {
+                   const DTypeOptions& dtype = {}, const std::string& cached_read = "auto", unsigned connections = 0) {
   if (paths.empty()) throw InvalidFileError("no path given");
   if (streams == 0 || streams > 64) throw InvalidFileError("streams must be 1..64");
   if (chunk_bytes == 0) throw InvalidFileError("chunk_bytes must be > 0");
-  LoadOptions options = reader_options(threads, block_size, direct, files_in_flight, variant);
+  LoadOptions options = reader_options(threads, block_size, direct, files_in_flight, variant, connections);
   options.dtype = dtype;
   options.cached_read = parse_cached_read(cached_read);
   Device* device = device_for(device_spec, placement);
@@ -626,7 +629,7 @@ std::unique_ptr<PyLoadHandle> load_async(const std::vector<std::string>& paths, 
                          const std::string& variant, PyPrefetch* prefetch, const std::string& dtype,
                          const std::vector<std::string>& keep, const std::string& keep_dtype,
                          const std::string& cached_read, bool stream, std::optional<std::uint64_t> pool_bytes,
-                         const PyHeldFile* held) {
+                         const PyHeldFile* held, unsigned connections) {
   Placement placement;
   const HandOut hand_out = stream ? HandOut::kStream : HandOut::kWhole;
   DTypeOptions conversion;  // Note [Conversion on load] in convert.h
@@ -647,7 +650,8 @@ std::unique_ptr<PyLoadHandle> load_async(const std::vector<std::string>& paths, 
       env = held->env();
     }
     Loader loader = make_loader(paths, device_spec, threads, block_size, direct, files_in_flight, streams, chunk_bytes,
-                                staging_bytes, variant, pool_bytes, &placement, env.get(), conversion, cached_read);
+                                staging_bytes, variant, pool_bytes, &placement, env.get(), conversion, cached_read,
+                                connections);
     // The prefetch's own loader, so that its blocks and budget are the ones
     // adopted (a conversion load adopts none: its options differ).
     if (prefetch != nullptr && held == nullptr && !conversion.active() && prefetch->matches(paths, placement)) {
@@ -665,8 +669,9 @@ std::unique_ptr<PyLoadHandle> load_async(const std::vector<std::string>& paths, 
 class PyModelCache {
  public:
   PyModelCache(std::uint64_t budget_bytes, const std::string& pool_device, unsigned threads, std::size_t block_size,
-               const std::string& direct, std::size_t files_in_flight, const std::string& variant) {
-    const LoadOptions options = reader_options(threads, block_size, direct, files_in_flight, variant);
+               const std::string& direct, std::size_t files_in_flight, const std::string& variant,
+               unsigned connections) {
+    const LoadOptions options = reader_options(threads, block_size, direct, files_in_flight, variant, connections);
     py::gil_scoped_release release;
     cache_ = std::make_unique<ModelCache>(budget_bytes, std::make_shared<const Loader>(options, pool_for(pool_device)));
   }
@@ -733,11 +738,11 @@ std::unique_ptr<PyPrefetch> start_prefetch(const std::vector<std::string>& paths
                                            unsigned threads, std::size_t block_size, const std::string& direct,
                                            std::size_t files_in_flight, std::size_t streams, std::size_t chunk_bytes,
                                            std::optional<std::uint64_t> staging_bytes, const std::string& variant,
-                                           std::optional<std::uint64_t> pool_bytes) {
+                                           std::optional<std::uint64_t> pool_bytes, unsigned connections) {
   Placement placement;
   py::gil_scoped_release release;
   Loader loader = make_loader(paths, device_spec, threads, block_size, direct, files_in_flight, streams, chunk_bytes,
-                              staging_bytes, variant, pool_bytes, &placement);
+                              staging_bytes, variant, pool_bytes, &placement, nullptr, {}, "auto", connections);
   Prefetch p = prefetch(loader, paths);
   return std::make_unique<PyPrefetch>(std::move(p), std::move(loader), std::move(placement), paths);
 }
@@ -888,7 +893,7 @@ PYBIND11_MODULE(_core, m) {
         py::arg("variant") = "", py::arg("prefetch") = nullptr, py::arg("dtype") = "",
         py::arg("keep") = std::vector<std::string>{}, py::arg("keep_dtype") = "",
         py::arg("cached_read") = "auto", py::arg("stream") = false, py::arg("pool_bytes") = py::none(),
-        py::arg("held") = nullptr,
+        py::arg("held") = nullptr, py::arg("connections") = 0,
         "Starts loading `paths` (bytes: files, indexes, folders) to `device` ('cpu', 'sim', 'cuda', 'cuda:N') "
         "on the device's shared pool (with `pool_bytes`: the shared pool of that budget); returns a LoadHandle at once. A `prefetch` of the same paths and device "
         "is adopted: what it read is not read again (its own options then apply). `dtype` ('BF16', 'F16', 'F32'; "
@@ -901,7 +906,7 @@ PYBIND11_MODULE(_core, m) {
         py::arg("threads") = kDefaultThreads, py::arg("block_size") = kDefaultBlockSize, py::arg("direct") = "auto",
         py::arg("files_in_flight") = 2, py::arg("streams") = kDefaultCopyStreams,
         py::arg("chunk_bytes") = kDefaultCopyChunkBytes, py::arg("staging_bytes") = py::none(),
-        py::arg("variant") = "", py::arg("pool_bytes") = py::none(),
+        py::arg("variant") = "", py::arg("pool_bytes") = py::none(), py::arg("connections") = 0,
         "Starts reading `paths` for a later load to `device` in the background; returns a Prefetch at once.");
   py::class_<PyHeldFile>(m, "HeldFile",
                          "One safetensors file held open from its header to its load (safe_open): a replaced path "
@@ -912,10 +917,10 @@ PYBIND11_MODULE(_core, m) {
                            "Host copies of recently used checkpoints in a shared pinned pool, LRU under a budget "
                            "(include/pinload/model_cache.h).")
       .def(py::init<std::uint64_t, const std::string&, unsigned, std::size_t, const std::string&, std::size_t,
-                    const std::string&>(),
+                    const std::string&, unsigned>(),
            py::arg("budget_bytes"), py::arg("pool_device") = "cpu", py::arg("threads") = kDefaultThreads,
            py::arg("block_size") = kDefaultBlockSize, py::arg("direct") = "auto", py::arg("files_in_flight") = 2,
-           py::arg("variant") = "")
+           py::arg("variant") = "", py::arg("connections") = 0)
       .def("get", &PyModelCache::get, py::arg("paths"), py::arg("device") = "cpu",
            py::arg("streams") = kDefaultCopyStreams, py::arg("chunk_bytes") = kDefaultCopyChunkBytes,
            "The StateDict of `paths` on `device`: from the cache on a hit (no read), else loaded and cached.")

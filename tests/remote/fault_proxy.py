@@ -10,7 +10,8 @@ None (forward as is), or a dict with one of
   {"content_range": "bytes ..."} rewrite the answer's Content-Range
   {"before": callable}          call it, then forward (overwrite the object, say)
 The request is a dict: method, path, headers (lowercase names), range (first,
-last) or None, and n (its number, from 0). Every request is logged in `log`.
+last) or None, and n (its number, from 0). Every request is logged in `log`; `max_active` is
+the most requests (so connections: one each) in flight at once.
 """
 
 import re
@@ -25,6 +26,7 @@ class FaultProxy:
         self.upstream_port = upstream_port
         self.fault = fault or (lambda request: None)
         self.log = []
+        self.active = self.max_active = 0
         self._lock = threading.Lock()
         self._sock = socket.socket()
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -52,12 +54,17 @@ class FaultProxy:
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _serve(self, conn):
+        with self._lock:
+            self.active += 1
+            self.max_active = max(self.max_active, self.active)
         try:
             self._handle(conn)
         except OSError:
             pass
         finally:
             conn.close()
+            with self._lock:
+                self.active -= 1
 
     def _handle(self, conn):
         head = b""
