@@ -19,8 +19,9 @@ files_in_flight, streams, chunk_bytes, staging_bytes, variant, progress, pool_by
   loaded again (a restarted engine in the same process, a switch back) is not read again;
 - ``budget``: the streaming memory budget ("4G"), the most host memory the load holds at once
   beyond what vLLM keeps: a device load streams through that much pinned staging memory
-  (``staging_bytes``); a host load of local files is read batch by batch, two batches of
-  budget / 2 at most in flight (``pinload.distributed.iter_sharded`` with one rank). A host load of
+  (``staging_bytes``); a host load of local files is read batch by batch, about two batches of
+  budget / 4 in flight (``pinload.distributed.iter_sharded`` with one rank; a tensor larger than
+  a batch is a batch of its own, so the budget should exceed twice the largest tensor). A host load of
   remote files has no streaming mode in this build: it warns and loads without the budget. Not
   with ``cache`` (a cache keeps whole models) or ``staging_bytes`` (the same knob);
 - ``connections``: parallel connections for remote files (1..1024; default ``PINLOAD_CONNECTIONS``,
@@ -145,15 +146,21 @@ def pinload_weights_iterator(hf_weights_files: List[str], use_tqdm_on_load: bool
         budget = _size(budget, "budget")
         if str(device) != "cpu":
             options["staging_bytes"] = budget  # streaming device load: host memory capped at the budget
+            if "block_size" not in options:  # staging holds blocks: a few of them fit the budget
+                from pinload import _core
+
+                options["block_size"] = max(4096, min(_core.DEFAULT_BLOCK_SIZE, budget // 4 // 4096 * 4096))
         elif remote:
             logger.warning("pinload: budget %d: host loads of remote files have no streaming mode in this build; "
                            "loading without it", budget)
         else:
             from pinload.distributed import iter_sharded
 
-            # One rank, no split rules: every tensor whole, read in batches (Note [Shard batches]).
+            # One rank, no split rules: every tensor whole, read in batches (Note [Shard batches]):
+            # about two batches in flight, so a quarter each leaves room for the pool's block
+            # rounding and a tensor larger than a batch (a batch of its own).
             source = iter_sharded(files, rank=0, world_size=1, mode="slice", rules=[],
-                                  batch_bytes=max(budget // 2, 1),
+                                  batch_bytes=max(budget // 4, 1),
                                   **{k: options[k] for k in ("threads", "block_size", "direct") if k in options})
             for name, tensor in source:
                 if dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype:

@@ -10,8 +10,7 @@ None (forward as is), or a dict with one of
   {"content_range": "bytes ..."} rewrite the answer's Content-Range
   {"before": callable}          call it, then forward (overwrite the object, say)
 The request is a dict: method, path, headers (lowercase names), range (first,
-last) or None, and n (its number, from 0). Every request is logged in `log`; `max_active` is
-the most requests (so connections: one each) in flight at once.
+last) or None, and n (its number, from 0). Every request is logged in `log`.
 """
 
 import re
@@ -26,7 +25,6 @@ class FaultProxy:
         self.upstream_port = upstream_port
         self.fault = fault or (lambda request: None)
         self.log = []
-        self.active = self.max_active = 0
         self._lock = threading.Lock()
         self._sock = socket.socket()
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -54,17 +52,12 @@ class FaultProxy:
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _serve(self, conn):
-        with self._lock:
-            self.active += 1
-            self.max_active = max(self.max_active, self.active)
         try:
             self._handle(conn)
         except OSError:
             pass
         finally:
             conn.close()
-            with self._lock:
-                self.active -= 1
 
     def _handle(self, conn):
         head = b""
@@ -134,3 +127,27 @@ class FaultProxy:
             body = up.recv(1 << 20)
             if not body:
                 return
+                return
+
+
+class HeldRequests:
+    """A `fault` that holds every request `seconds` before forwarding it and counts how many are
+    held at once: each connection carries one request, so `max_active` is the most connections a
+    client had in flight together. A load completes only after its requests' holds, so a count
+    never straddles two loads."""
+
+    def __init__(self, seconds=0.05):
+        self.seconds = seconds
+        self.active = self.max_active = 0
+        self._lock = threading.Lock()
+
+    def __call__(self, request):
+        return {"before": self._hold}
+
+    def _hold(self):
+        with self._lock:
+            self.active += 1
+            self.max_active = max(self.max_active, self.active)
+        time.sleep(self.seconds)
+        with self._lock:
+            self.active -= 1

@@ -60,10 +60,12 @@ def test_model_cache_over_http(remote_model, nginx):
 def test_connections_keyword_sets_the_connections_in_flight(remote_model, nginx, monkeypatch):
     # Counted at a proxy (one connection per request): each request is held 50 ms so that
     # every connection the load opens is busy at once. The keyword wins over the environment.
-    import time
     from urllib.parse import urlparse
 
-    proxy = FaultProxy(urlparse(nginx.url).port, lambda r: {"before": lambda: time.sleep(0.05)})
+    from fault_proxy import HeldRequests
+
+    held = HeldRequests(0.05)
+    proxy = FaultProxy(urlparse(nginx.url).port, held)
     monkeypatch.setenv("PINLOAD_CONNECTIONS", "7")
     try:
         url = f"{proxy.url}/py.safetensors"
@@ -71,13 +73,13 @@ def test_connections_keyword_sets_the_connections_in_flight(remote_model, nginx,
                         (1, lambda: dict(pt.iter_tensors([url], block_size="64K", connections=1))),
                         (5, lambda: pinload.ModelCache("64M", block_size="64K", connections=5).get(url)),
                         (7, lambda: pt.load_file(url, block_size="64K"))):
-            proxy.max_active = 0
+            held.max_active = 0
             assert_same(load(), remote_model)
-            assert proxy.max_active == n, (n, proxy.max_active)
+            assert held.max_active == n, (n, held.max_active)
+        held.max_active = 0
         handle = pinload.prefetch([url], block_size="64K", connections=2)
-        proxy.max_active = 0
         handle.wait(None)
-        assert proxy.max_active == 2
+        assert held.max_active == 2
         assert_same(pt.load_file(url, block_size="64K", connections=2, prefetch=handle), remote_model)
     finally:
         proxy.stop()
