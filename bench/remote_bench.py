@@ -7,10 +7,18 @@ One command (servers on loopback, started and stopped here):
 
 Rows (each rate is model bytes / wall seconds of one process, cold client):
   nconnect   nginx with `limit_rate` per connection (50m): pinload with 1 and
-             16 connections, and the server's aggregate limit measured by a
-             parallel ranged client (curl -Z, 16 ranges) in the same run;
+             16 connections, against the server's aggregate over 16
+             connections measured in the same run (the reference,
+             `aggregate`): 16 threads, each on its own connection opened
+             before the clock starts, GET their own 1/16 range at once
+             (threaded_ranges); 16 curl processes at once (one range each,
+             wall from the first start to the last exit, process start-up
+             included) and curl -Z (one process, 16 ranges) beside it;
+             pinload's 16-connection rate is reported as a ratio of
+             min(16 x the cap, the aggregate);
   s3         SeaweedFS (`weed server -s3`, SigV4): pinload, the best raw
-             parallel ranged GET (curl -Z --aws-sigv4, 16 ranges), boto3
+             parallel ranged GET (16 curl processes or curl -Z, 16 ranges,
+             --aws-sigv4; the faster of the two), boto3
              download then safetensors.torch.load_file, and
              runai-model-streamer's S3 path where it is installed;
   cpu        CPU seconds (user + sys of the process) per GB over HTTP and HTTPS;
@@ -32,6 +40,13 @@ sys.path.insert(0, str(HERE.parent / "tests" / "remote"))
 import servers  # noqa: E402
 
 BUCKET = "bench"
+
+
+def _size_bytes(text):
+    """nginx's size syntax (limit_rate 50m): k and m are 1024-based."""
+    text = str(text).strip().lower()
+    mult = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}.get(text[-1:], 1)
+    return int(text.rstrip("kmg")) * mult
 
 
 def make_model(path, mib):
@@ -77,6 +92,105 @@ def curl_parallel(url, size, parts, extra=()):
     return args
 
 
+def measured_together(commands, env=None):
+    """(wall s, cpu s, max peak RSS) of `commands` run at once, each its own process: wall from
+    the first start to the last exit, CPU summed; raises if any fails."""
+    full = dict(os.environ)
+    full.update(env or {})
+    start = time.monotonic()
+    procs = {}
+    for args in commands:
+        p = subprocess.Popen(args, env=full, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        procs[p.pid] = p
+    cpu, rss, failed = 0.0, 0, []
+    while procs:
+        pid, status, usage = os.wait4(-1, 0)
+        p = procs.pop(pid, None)
+        if p is None:
+            continue
+        cpu += usage.ru_utime + usage.ru_stime
+        rss = max(rss, usage.ru_maxrss * 1024)
+        err = p.stderr.read().decode(errors="replace")
+        p.stderr.close()
+        if os.waitstatus_to_exitcode(status) != 0:
+            failed.append(f"{p.args[0]}: {err[-500:]}")
+    wall = time.monotonic() - start
+    if failed:
+        raise RuntimeError("; ".join(failed))
+    return wall, cpu, rss
+
+
+def curl_processes(url, size, parts, extra=()):
+    """`parts` curl commands, each fetching its own contiguous range of the object on its own
+    connection (one ranged GET), body to /dev/null: the server's aggregate over `parts`
+    connections, without one client process's CPU as the limit (curl -Z runs every transfer on
+    one thread)."""
+    step = (size + parts - 1) // parts
+    return [["curl", "-s", "-f", *extra, "-r", f"{first}-{min(size, first + step) - 1}", "-o", "/dev/null", url]
+            for first in range(0, size, step)]
+
+
+def threaded_ranges(url, size, parts):
+    """(wall s, cpu s, 0): `parts` threads, each on its own TCP connection (opened before the clock
+    starts, as a pooled keep-alive connection is), GET one contiguous 1/parts range of the object
+    at the same moment and read the body with recv_into (no copy, the GIL released in the
+    system call). What the server can give over `parts` connections, without a client process's
+    start-up or one event-loop thread as the limit. Raises unless every answer is a 206 of the
+    range asked."""
+    import socket
+    import threading
+    from urllib.parse import urlparse
+
+    u = urlparse(url)
+    step = (size + parts - 1) // parts
+    ranges = [(first, min(size, first + step) - 1) for first in range(0, size, step)]
+    socks = [socket.create_connection((u.hostname, u.port or 80)) for _ in ranges]
+    start = threading.Barrier(len(ranges) + 1)
+    errors = []
+
+    def fetch(sock, first, last):
+        try:
+            start.wait()
+            sock.sendall(f"GET {u.path} HTTP/1.1\r\nHost: {u.netloc}\r\nRange: bytes={first}-{last}\r\n"
+                         f"Connection: keep-alive\r\n\r\n".encode())
+            head = b""
+            while b"\r\n\r\n" not in head:
+                chunk = sock.recv(65536)
+                if not chunk:
+                    raise OSError("closed before the headers")
+                head += chunk
+            head, _, body = head.partition(b"\r\n\r\n")
+            lines = head.decode("latin-1").split("\r\n")
+            fields = {k.strip().lower(): v.strip() for k, _, v in (x.partition(":") for x in lines[1:])}
+            want = last - first + 1
+            if " 206 " not in lines[0] + " " or int(fields.get("content-length", -1)) != want:
+                raise OSError(f"{lines[0]!r}, Content-Length {fields.get('content-length')} for {want} bytes")
+            buf = memoryview(bytearray(1 << 20))
+            got = len(body)
+            while got < want:
+                n = sock.recv_into(buf, min(len(buf), want - got))
+                if n == 0:
+                    raise OSError(f"closed at {got} of {want} bytes")
+                got += n
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(repr(e))
+        finally:
+            sock.close()
+
+    threads = [threading.Thread(target=fetch, args=(sk, a, b)) for sk, (a, b) in zip(socks, ranges)]
+    for t in threads:
+        t.start()
+    cpu0 = time.process_time()
+    start.wait()
+    t0 = time.monotonic()
+    for t in threads:
+        t.join()
+    wall, cpu = time.monotonic() - t0, time.process_time() - cpu0
+    if errors:
+        raise RuntimeError("; ".join(errors))
+    return wall, cpu, 0
+
+
 def best(fn, repeat):
     runs = [fn() for _ in range(repeat)]
     return min(runs, key=lambda r: r[0])
@@ -115,10 +229,19 @@ def main():
         url = capped.url + "/model.safetensors"
         one = best(lambda: pin(url, 1), opts.repeat)
         many = best(lambda: pin(url, n), opts.repeat)
-        aggregate = best(lambda: measured(curl_parallel(url, size, n)), opts.repeat)
+        aggregate = best(lambda: threaded_ranges(url, size, n), opts.repeat)
+        curl_procs = best(lambda: measured_together(curl_processes(url, size, n)), opts.repeat)
+        curl_z = best(lambda: measured(curl_parallel(url, size, n)), opts.repeat)
+        cap = _size_bytes(opts.rate) / 1e6  # MB/s; nginx's 50m is 50 MiB/s
+        target = min(n * cap, rate(aggregate[0]))
         rows["nconnect"] = {"pinload_1_MBps": rate(one[0]), f"pinload_{n}_MBps": rate(many[0]),
-                            f"curl_parallel_{n}_MBps": rate(aggregate[0]),
-                            "cap_per_connection": opts.rate}
+                            f"aggregate_{n}_connections_MBps": rate(aggregate[0]),
+                            f"curl_{n}_processes_MBps": rate(curl_procs[0]),
+                            f"curl_Z_{n}_ranges_MBps": rate(curl_z[0]),
+                            "cap_per_connection": opts.rate, "cap_per_connection_MBps": cap,
+                            f"min_{n}_x_cap_or_aggregate_MBps": target,
+                            f"pinload_{n}_over_target": rate(many[0]) / target,
+                            "pinload_1_over_cap": rate(one[0]) / cap}
     finally:
         capped.cleanup()
 
@@ -150,11 +273,12 @@ def main():
         client.upload_file(str(model), BUCKET, "model.safetensors")
         env = weed.env()
         s3 = best(lambda: pin(f"s3://{BUCKET}/model.safetensors", n, env), opts.repeat)
-        raw = best(lambda: measured(curl_parallel(
-            f"{weed.endpoint}/{BUCKET}/model.safetensors", size, n,
-            ["--aws-sigv4", f"aws:amz:{servers.REGION}:s3", "--user", f"{servers.ACCESS_KEY}:{servers.SECRET_KEY}",
-             "-H", "x-amz-content-sha256: e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"])),
-            opts.repeat)
+        sigv4 = ["--aws-sigv4", f"aws:amz:{servers.REGION}:s3", "--user", f"{servers.ACCESS_KEY}:{servers.SECRET_KEY}",
+                 "-H", "x-amz-content-sha256: e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"]
+        object_url = f"{weed.endpoint}/{BUCKET}/model.safetensors"
+        raw_z = best(lambda: measured(curl_parallel(object_url, size, n, sigv4)), opts.repeat)
+        raw_procs = best(lambda: measured_together(curl_processes(object_url, size, n, sigv4)), opts.repeat)
+        raw = min(raw_z, raw_procs, key=lambda r: r[0])
         download = work / "downloaded.safetensors"
         script = ("import boto3, sys\nfrom botocore.config import Config\n"
                   "from safetensors.torch import load_file\n"
@@ -164,7 +288,10 @@ def main():
         boto = best(lambda: measured([sys.executable, "-c", script], env), opts.repeat)
         rows["s3"] = {"pinload_MBps": rate(s3[0]), "pinload_cpu_s_per_GB": s3[1] / (size / 1e9),
                       "pinload_peak_rss_MB": s3[2] / 1e6,
-                      f"curl_parallel_{n}_MBps": rate(raw[0]), "boto3_download_then_load_MBps": rate(boto[0])}
+                      f"curl_parallel_{n}_MBps": rate(raw[0]), f"curl_Z_{n}_MBps": rate(raw_z[0]),
+                      f"curl_{n}_processes_MBps": rate(raw_procs[0]),
+                      "pinload_over_best_raw": rate(raw[0]) and rate(s3[0]) / rate(raw[0]),
+                      "boto3_download_then_load_MBps": rate(boto[0])}
         runai = ("from runai_model_streamer import SafetensorsStreamer\n"
                  "with SafetensorsStreamer() as s:\n"
                  f"    s.stream_file('s3://{BUCKET}/model.safetensors')\n"

@@ -151,6 +151,52 @@ TEST(IoTemplate, SerializedRoundTripIsExact) {
   EXPECT_FALSE(log.warned()) << log.text();
 }
 
+// Note [Template versions]: readers make version 2; without them the bytes
+// are version 1's, which older pinloads read.
+TEST(IoTemplate, ReadersMakeVersionTwoWithoutThemVersionOne) {
+  IoTemplate t;
+  t.files = {TemplateFile{"/m/a", "", 10000, 1, 2, 3}};
+  t.set(TemplateReads{"page-cache", {{0, 0, 4096}, {0, 4096, 4096}}});
+  const std::vector<std::uint8_t> v1 = serialize_template(t);
+  EXPECT_EQ(v1[8], 1);
+  // files: 4 + (4 + 4 + 4 + 32); dests: 4 + (4 + 10 + 8 + 2 * 20): version 1's layout exactly.
+  EXPECT_EQ(v1.size(), 20u + (4 + 4 + 4 + 4 + 32) + (4 + 4 + 10 + 8 + 2 * 20) + 8);
+  t.readers = {TemplateReader{41, "dd", "/usr/bin/dd"}, TemplateReader{42, "python3", ""}};
+  t.destinations[0].reads[1].reader = 1;
+  t.destinations[0].reads[0].reader = 0;
+  t.set(TemplateReads{"host", {{0, 0, 100}}});  // a read without a reader is kept as one
+  const std::vector<std::uint8_t> v2 = serialize_template(t);
+  EXPECT_EQ(v2[8], 2);
+  std::string why;
+  const std::optional<IoTemplate> back = parse_template(v2, &why);
+  ASSERT_TRUE(back) << why;
+  EXPECT_EQ(back->readers, t.readers);
+  EXPECT_EQ(back->find("page-cache")->reads, t.find("page-cache")->reads);
+  EXPECT_EQ(back->find("host")->reads[0].reader, kNoReader);
+  EXPECT_EQ(serialize_template(*back), v2);
+  // A reader index past the readers is refused.
+  IoTemplate bad = t;
+  bad.destinations[0].reads[0].reader = 2;
+  EXPECT_FALSE(parse_template(serialize_template(bad), &why));
+  EXPECT_NE(why.find("reader 2 of 2"), std::string::npos) << why;
+  // Version 2 without readers is not canonical (it would not round-trip): refused.
+  std::vector<std::uint8_t> no_readers = v1;
+  no_readers[8] = 2;
+  const std::size_t dests_at = 20 + (4 + 4 + 4 + 4 + 32);
+  no_readers.insert(no_readers.begin() + static_cast<std::ptrdiff_t>(dests_at), {0, 0, 0, 0});
+  for (std::size_t i = 0; i < 2; ++i) {  // 4 more bytes per read, reader kNoReader
+    const std::size_t end_of_read = dests_at + 4 + (4 + 4 + 10 + 8) + (i + 1) * 20 + i * 4;
+    no_readers.insert(no_readers.begin() + static_cast<std::ptrdiff_t>(end_of_read), {0xff, 0xff, 0xff, 0xff});
+  }
+  const std::uint64_t payload = no_readers.size() - 28;
+  for (int i = 0; i < 8; ++i) no_readers[12 + i] = static_cast<std::uint8_t>(payload >> (8 * i));
+  std::uint64_t h = 0xcbf29ce484222325ull;
+  for (std::size_t i = 0; i + 8 < no_readers.size(); ++i) h = (h ^ no_readers[i]) * 0x100000001b3ull;
+  for (int i = 0; i < 8; ++i) no_readers[no_readers.size() - 8 + i] = static_cast<std::uint8_t>(h >> (8 * i));
+  EXPECT_FALSE(parse_template(no_readers, &why));
+  EXPECT_NE(why.find("without readers"), std::string::npos) << why;
+}
+
 TEST(IoTemplate, MissingTemplateIsNothingWithoutAWarning) {
   TempDir dir;
   LogCapture log;

@@ -10,30 +10,54 @@ namespace {
 
 TemplateFile file(const std::string& path, std::uint64_t size) { return TemplateFile{path, "", size, 1, 2, 3}; }
 
+TemplateReader reader(std::uint32_t pid, const std::string& comm = "python3") {
+  return TemplateReader{pid, comm, "/usr/bin/" + comm};
+}
+
 TEST(TraceRecorder, MergesContiguousReadsAndRecordsEachByteOnce) {
   TraceRecorder r;
   const TemplateFile a = file("/m/a", 10 * 4096), b = file("/m/b", 4096);
-  r.add(a, 0, 4096, 7);
-  r.add(a, 4096, 8192, 7);   // contiguous: extends
-  r.add(a, 0, 8192, 7);      // read again: nothing new
-  r.add(b, 0, 8192, 8);      // clipped to the file
-  r.add(a, 2 * 4096, 4 * 4096, 7);  // half new
-  r.add(a, 20 * 4096, 4096, 7);     // past the end: dropped
-  r.add(a, 6 * 4096, 4096, 7, /*mapped=*/true);
+  r.add(a, 0, 4096, reader(7));
+  r.add(a, 4096, 8192, reader(7));   // contiguous: extends
+  r.add(a, 0, 8192, reader(7));      // read again: nothing new
+  r.add(b, 0, 8192, reader(8));      // clipped to the file
+  r.add(a, 2 * 4096, 4 * 4096, reader(7));  // half new
+  r.add(a, 20 * 4096, 4096, reader(7));     // past the end: dropped
+  r.add(a, 6 * 4096, 4096, reader(7), /*mapped=*/true);
   const IoTemplate t = r.result();
   ASSERT_EQ(t.files.size(), 2u);
   const TemplateReads* reads = t.find(kPageCacheDestination);
   ASSERT_NE(reads, nullptr);
-  EXPECT_EQ(reads->reads, (std::vector<TemplateRead>{{0, 0, 3 * 4096}, {1, 0, 4096}, {0, 3 * 4096, 3 * 4096}}));
+  EXPECT_EQ(reads->reads, (std::vector<TemplateRead>{{0, 0, 3 * 4096, 0}, {1, 0, 4096, 1}, {0, 3 * 4096, 3 * 4096, 0}}));
   const TemplateReads* mapped = t.find(kMappedDestination);
   ASSERT_NE(mapped, nullptr);
-  EXPECT_EQ(mapped->reads, (std::vector<TemplateRead>{{0, 6 * 4096, 4096}}));
+  EXPECT_EQ(mapped->reads, (std::vector<TemplateRead>{{0, 6 * 4096, 4096, 0}}));
   EXPECT_EQ(r.bytes(), 7u * 4096);
   EXPECT_EQ(r.readers(), 2u);
-  // The bytes round-trip through the template format.
-  const auto parsed = parse_template(serialize_template(t));
+  EXPECT_EQ(t.readers, (std::vector<TemplateReader>{reader(7), reader(8)}));
+  // The bytes round-trip through the template format (version 2: it names readers).
+  const std::vector<std::uint8_t> bytes = serialize_template(t);
+  EXPECT_EQ(bytes[8], 2);
+  const auto parsed = parse_template(bytes);
   ASSERT_TRUE(parsed.has_value());
   EXPECT_EQ(parsed->find(kPageCacheDestination)->reads, reads->reads);
+  EXPECT_EQ(parsed->readers, t.readers);
+}
+
+TEST(TraceRecorder, MergesOnlyWithinOneReaderAndNamesTheFirst) {
+  TraceRecorder r;
+  const TemplateFile a = file("/m/a", 10 * 4096);
+  r.add(a, 0, 4096, reader(7));
+  r.add(a, 4096, 4096, reader(8, "cat"));         // abuts 7's read: another reader, another range
+  r.add(a, 2 * 4096, 4096, reader(8, "cat"));     // extends 8's
+  r.add(a, 0, 3 * 4096, reader(9, "dd"));         // all read before: nothing, 9 named nowhere
+  r.add(a, 3 * 4096, 4096, reader(7, "python3"));  // 7 again, after 8: a new range
+  r.add(a, 4 * 4096, 4096, reader(7, "cat"));     // pid 7 after an exec: a new reader
+  const IoTemplate t = r.result();
+  EXPECT_EQ(t.find(kPageCacheDestination)->reads,
+            (std::vector<TemplateRead>{{0, 0, 4096, 0}, {0, 4096, 2 * 4096, 1}, {0, 3 * 4096, 4096, 0}, {0, 4 * 4096, 4096, 2}}));
+  EXPECT_EQ(t.readers, (std::vector<TemplateReader>{reader(7), reader(8, "cat"), reader(7, "cat")}));
+  EXPECT_EQ(r.readers(), 4u);  // seen, including 9, whose reads added nothing
 }
 
 TEST(WarmPlan, ReadsThenMappingsOfUnreadFilesInPieces) {

@@ -8,21 +8,35 @@
 // (prefetch.h). A template is never trusted: load_template() checks the file
 // byte by byte and every file's identity, and returns nothing on any doubt.
 //
-// Byte layout of a template file (little-endian; version 1):
+// Byte layout of a template file (little-endian; version 1, or 2 when it
+// names its readers: Note [Template versions]):
 //   magic     8 bytes  "PLTMPL\0\1"
-//   version   u32      kTemplateVersion
+//   version   u32      1 or 2 (kTemplateVersion)
 //   payload   u64      byte count of what follows, up to the checksum
 //   files     u32 n, then n times:
 //               u32 path length, path bytes, u32 prefix length, prefix bytes,
 //               u64 size, i64 mtime_ns, u64 inode, u64 device
+//   readers   (version 2 only) u32 r >= 1, then r times:
+//               u32 pid, u32 comm length, comm bytes, u32 exe length, exe bytes
 //   dests     u32 m, then m times:
 //               u32 name length, name bytes, u64 k, then k times:
-//                 u32 file, u64 offset, u64 length
+//                 u32 file, u64 offset, u64 length,
+//                 (version 2 only) u32 reader (an index into readers, or kNoReader)
 //   checksum  u64      FNV-1a 64 of every byte before it
 // Every count is checked against the bytes left before anything is
 // allocated; a file is at most kTemplateMaxFileSize bytes; a read must start
 // inside its file and end at most kTemplateMaxAlign past its end (direct
 // reads round up).
+//
+// Note [Template versions]
+// Version 2 adds the readers: a template traced from processes that don't
+// call pinload (pinload trace/agent, src/trace/) says which process made each
+// read. A template without readers (pinload's own loads) is still written as
+// version 1, byte for byte as before, so older pinloads keep replaying it;
+// one with readers is written as version 2, which older pinloads ignore with
+// a warning, as any template they cannot parse. Both versions parse. A
+// version-2 file without readers is not canonical and is refused, so that
+// parse and serialize round-trip exactly.
 //
 // Note [Template keys]
 // A template file is named after the paths a service loads (template_path),
@@ -45,7 +59,8 @@ namespace pinload {
 
 struct Checkpoint;
 
-inline constexpr std::uint32_t kTemplateVersion = 1;
+inline constexpr std::uint32_t kTemplateVersion = 2;  // the newest; 1 still parses and is written when it fits
+inline constexpr std::uint32_t kNoReader = 0xffffffffu;
 inline constexpr std::uint64_t kTemplateMaxAlign = 64u << 10;
 inline constexpr std::uint64_t kTemplateMaxFileSize = 1ull << 62;
 inline constexpr std::string_view kHostDestination = "host";
@@ -61,10 +76,23 @@ struct TemplateFile {
   FileIdentity identity() const noexcept { return FileIdentity{device, inode, size, mtime_ns}; }
 };
 
+// The process that made reads (a traced template's; pinload's own loads
+// have none): its pid, its command name (/proc/<pid>/comm) and executable
+// (/proc/<pid>/exe) as they were at its first recorded read; "" where the
+// process could not be looked at (it had exited). The threads of a process
+// are one reader.
+struct TemplateReader {
+  std::uint32_t pid = 0;
+  std::string comm;
+  std::string exe;
+  bool operator==(const TemplateReader&) const = default;
+};
+
 struct TemplateRead {
   std::uint32_t file = 0;  // index into IoTemplate::files
   std::uint64_t offset = 0;
   std::uint64_t length = 0;
+  std::uint32_t reader = kNoReader;  // index into IoTemplate::readers, or kNoReader
   bool operator==(const TemplateRead&) const = default;
 };
 
@@ -75,6 +103,7 @@ struct TemplateReads {
 
 struct IoTemplate {
   std::vector<TemplateFile> files;
+  std::vector<TemplateReader> readers;  // empty for pinload's own loads
   std::vector<TemplateReads> destinations;
 
   // The reads recorded for `destination`, or nullptr.
@@ -86,10 +115,11 @@ struct IoTemplate {
 // The files of `checkpoint` with their identity, and no reads.
 IoTemplate template_files_of(const Checkpoint& checkpoint);
 
-// The bytes of the layout above.
+// The bytes of the layout above: version 1 when `t` has no readers, else 2.
+// Every read's reader must be kNoReader or index t.readers.
 std::vector<std::uint8_t> serialize_template(const IoTemplate& t);
 // Parses those bytes. Never throws: nothing, with the reason in *why, for
-// anything but a well-formed template of this version.
+// anything but a well-formed template of version 1 or 2.
 std::optional<IoTemplate> parse_template(std::span<const std::uint8_t> bytes, std::string* why = nullptr);
 
 // $PINLOAD_CACHE_DIR/templates, else $HOME/.cache/pinload/templates.

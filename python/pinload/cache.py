@@ -34,8 +34,8 @@ class ModelCache:
     ``budget_bytes``: an int or a size such as "8G"; a model larger than the budget is loaded and
     returned but not cached. ``pool_device``: the device whose shared pinned pool holds the host
     copies ("cpu", or "cuda:N" so that copies to that GPU run at full speed). Load options
-    (``threads``, ``block_size``, ``direct``, ``files_in_flight``, ``variant``; ``streams`` and
-    ``chunk_bytes`` for gets to a device; or one ``options=pinload.LoadOptions(...)``) as for
+    (``threads``, ``connections``, ``block_size``, ``direct``, ``files_in_flight``, ``variant``;
+    ``streams`` and ``chunk_bytes`` for gets to a device; or one ``options=pinload.LoadOptions(...)``) as for
     ``pinload.torch.load_files``. Thread-safe: concurrent gets of one missing model load it once.
     """
 

@@ -11,6 +11,8 @@ Options accepted by every load (keyword-only), checked once by the C++ core (a v
 raises :class:`pinload.InvalidArgumentError`, a ``ValueError``, naming the option):
 
 - ``threads`` (8): reader threads; ``block_size`` (8 MiB): bytes per read, an int or "4M";
+- ``connections`` (None: ``PINLOAD_CONNECTIONS``, else 16): parallel connections (and readers) for
+  remote files (``s3://``, ``http(s)://``; docs/remote.md), 1..1024;
 - ``direct`` ("auto" | "on" | "off"): O_DIRECT reads (auto: unless the file is already cached);
 - ``files_in_flight`` (2): shards read at once; ``variant``: "fp16" loads ``*.fp16.safetensors``;
 - ``streams`` (2), ``chunk_bytes`` (8 MiB): host-to-device copy streams and chunk size;

@@ -8,19 +8,34 @@ replaced by pinload's: ``model.load_weights`` is fed by :func:`pinload_weights_i
 yields each ``(name, tensor)`` as soon as its bytes have arrived (``pinload.iter_tensors``).
 
 Options come from ``--model-loader-extra-config`` (``LoadConfig.model_loader_extra_config``), e.g.
-``'{"threads": 16, "block_size": "8M", "direct": "auto"}'``: every load option of
-``pinload.torch.load_files`` passes through (threads, block_size, direct, files_in_flight, streams,
-chunk_bytes, staging_bytes, variant, progress), plus
+``'{"threads": 16, "connections": 32, "block_size": "8M", "budget": "4G"}'``: every load option of
+``pinload.torch.load_files`` passes through (threads, connections, block_size, direct,
+files_in_flight, streams, chunk_bytes, staging_bytes, variant, progress, pool_bytes), plus
 
 - ``device``: where pinload puts the tensors ("cpu", default; "cuda" for pinload's pipelined
   device loads, which falls back to "cpu" with a warning where pinload has no CUDA);
 - ``dtype``: a torch dtype name; floating-point tensors are cast to it as they are yielded;
 - ``cache``: a budget ("16G"): loads go through a process-wide ``pinload.ModelCache``, so a model
   loaded again (a restarted engine in the same process, a switch back) is not read again;
+- ``budget``: the streaming memory budget ("4G"), the most host memory the load holds at once
+  beyond what vLLM keeps: a device load streams through that much pinned staging memory
+  (``staging_bytes``); a host load of local files is read batch by batch, about two batches of
+  budget / 4 in flight (``pinload.distributed.iter_sharded`` with one rank; a tensor larger than
+  a batch is a batch of its own, so the budget should exceed twice the largest tensor). A host load of
+  remote files has no streaming mode in this build: it warns and loads without the budget. Not
+  with ``cache`` (a cache keeps whole models) or ``staging_bytes`` (the same knob);
+- ``connections``: parallel connections for remote files (1..1024; default ``PINLOAD_CONNECTIONS``,
+  else 16).
 
-and vLLM's own keys of the default loader (``enable_multithread_load``, ``num_threads``,
-``enable_weights_track``) keep their meaning. Options this pinload build lacks (``connections``,
-``budget``) are ignored with a warning; any other key is a ValueError. A checkpoint without
+The model may live on object storage or an HTTP server: a model path (or ``--model``) that is
+``s3://bucket/prefix/`` (a folder, listed), ``s3://…/model.safetensors.index.json`` or
+``http(s)://…/model.safetensors.index.json`` (HTTP has no listing: name the index or the file) is
+read by pinload directly, over ``connections`` connections, through its write-through cache where
+``PINLOAD_CACHE_DIR`` is set (docs/remote.md); vLLM's own file resolution (Hugging Face downloads)
+is skipped for it. Its config must still reach vLLM (``--hf-config-path`` / a local folder).
+
+vLLM's own keys of the default loader (``enable_multithread_load``, ``num_threads``,
+``enable_weights_track``) keep their meaning; any other key is a ValueError. A checkpoint without
 safetensors files (``.bin``/``.pt``) falls back to vLLM's default iterator, with a warning.
 """
 
@@ -44,9 +59,8 @@ LOAD_FORMAT = "pinload"
 
 # The load options pinload.torch takes (prefetch is a handle, not a config value).
 _PASS_THROUGH = frozenset(LoadKwargs.__annotations__) | {"progress"}
-_PLUGIN_KEYS = frozenset({"device", "dtype", "cache"})
-# Options of pinload builds with remote sources or a load budget; ignored where this build lacks them.
-_OPTIONAL = frozenset({"connections", "budget"})
+_PLUGIN_KEYS = frozenset({"device", "dtype", "cache", "budget"})
+_REMOTE_PREFIXES = ("s3://", "http://", "https://")
 _VLLM_KEYS = frozenset({"enable_multithread_load", "num_threads", "enable_weights_track"})
 
 _caches: Dict[int, Any] = {}
@@ -54,7 +68,7 @@ _caches: Dict[int, Any] = {}
 
 def split_extra_config(extra: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str, Any]]:
     """(pinload options, vLLM's own keys) of a ``model_loader_extra_config``; raises ValueError for
-    an unknown key, warns for one this pinload build lacks."""
+    an unknown key or a bad value."""
     if not isinstance(extra, dict):
         raise ValueError(f"model_loader_extra_config must be a dict, not {type(extra).__name__}")
     ours, theirs = {}, {}
@@ -63,8 +77,6 @@ def split_extra_config(extra: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str,
             ours[key] = value
         elif key in _VLLM_KEYS:
             theirs[key] = value
-        elif key in _OPTIONAL:
-            logger.warning("pinload: option %r is not available in this pinload build; ignored", key)
         else:
             raise ValueError(
                 f"model_loader_extra_config: unknown key {key!r} for load format {LOAD_FORMAT!r}; pinload "
@@ -75,6 +87,13 @@ def split_extra_config(extra: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str,
         if not isinstance(dtype, torch.dtype):
             raise ValueError(f"model_loader_extra_config: dtype {ours['dtype']!r} is not a torch dtype")
         ours["dtype"] = dtype
+    if "budget" in ours:
+        ours["budget"] = size(ours["budget"], "budget")
+        if ours["budget"] == 0:
+            raise ValueError("model_loader_extra_config: budget must be > 0")
+        for other in ("cache", "staging_bytes"):
+            if other in ours:
+                raise ValueError(f"model_loader_extra_config: budget and {other} exclude each other (module docstring)")
     if "device" in ours:
         ours["device"] = str(ours["device"])
         if ours["device"].startswith("cuda"):
@@ -86,6 +105,19 @@ def split_extra_config(extra: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str,
                 ours["device"] = "cpu"
     request(**{k: v for k, v in ours.items() if k in _PASS_THROUGH})  # checks the values now, not mid-load
     return ours, theirs
+
+
+def is_remote(path: str) -> bool:
+    """Whether pinload reads `path` from object storage or an HTTP server (docs/remote.md)."""
+    return str(path).startswith(_REMOTE_PREFIXES)
+
+
+def _remote_source(model_or_path: str, subfolder) -> str:
+    """The remote path pinload resolves for a model: the model path, with vLLM's subfolder."""
+    path = str(model_or_path)
+    if subfolder:
+        path = path.rstrip("/") + "/" + str(subfolder).strip("/") + "/"
+    return path
 
 
 def _natural_key(path: str):
@@ -105,15 +137,43 @@ def pinload_weights_iterator(hf_weights_files: List[str], use_tqdm_on_load: bool
     dtype = options.pop("dtype", None)
     device = options.pop("device", "cpu")
     cache_budget = options.pop("cache", None)
+    budget = options.pop("budget", None)
     options.setdefault("progress", bool(use_tqdm_on_load))
     files = sorted((os.fspath(f) for f in hf_weights_files), key=_natural_key)
+    remote = any(is_remote(f) for f in files)
+    if budget is not None:
+        budget = size(budget, "budget")
+        if str(device) != "cpu":
+            options["staging_bytes"] = budget  # streaming device load: host memory capped at the budget
+            if "block_size" not in options:  # staging holds blocks: a few of them fit the budget
+                from pinload import _core
+
+                options["block_size"] = max(4096, min(_core.DEFAULT_BLOCK_SIZE, budget // 4 // 4096 * 4096))
+        elif remote:
+            # A streaming host load within the pool budget (Note [Streaming within a budget]):
+            # each shard's block is taken as it is reached; the budget must hold the largest shard.
+            options["pool_bytes"] = budget
+        else:
+            from pinload.distributed import iter_sharded
+
+            # One rank, no split rules: every tensor whole, read in batches (Note [Shard batches]):
+            # about two batches in flight, so a quarter each leaves room for the pool's block
+            # rounding and a tensor larger than a batch (a batch of its own).
+            source = iter_sharded(files, rank=0, world_size=1, mode="slice", rules=[],
+                                  batch_bytes=max(budget // 4, 1),
+                                  **{k: options[k] for k in ("threads", "block_size", "direct") if k in options})
+            for name, tensor in source:
+                if dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype:
+                    tensor = tensor.to(dtype)
+                yield name, tensor
+            return
     if cache_budget is not None:
-        budget = size(cache_budget, "cache")
-        cache = _caches.get(budget)
+        cache_bytes = size(cache_budget, "cache")
+        cache = _caches.get(cache_bytes)
         if cache is None:
-            cache = _caches[budget] = pinload.ModelCache(
-                budget, **{k: v for k, v in options.items() if k in ("threads", "block_size", "direct",
-                                                                       "files_in_flight", "variant")})
+            cache = _caches[cache_bytes] = pinload.ModelCache(
+                cache_bytes, **{k: v for k, v in options.items() if k in ("threads", "connections", "block_size",
+                                                                       "direct", "files_in_flight", "variant")})
         source = iter(cache.get(files, device=device).items())
     else:
         source = pinload.iter_tensors(files, device=device, **options)
@@ -139,10 +199,15 @@ class PinloadModelLoader(DefaultModelLoader):
         self._auto_config.load_format = "auto"
         self._auto_config.model_loader_extra_config = vllm_keys
 
-    def _prepare_weights(self, *args, **kwargs):
+    def _prepare_weights(self, model_name_or_path, *args, **kwargs):
+        if is_remote(model_name_or_path):
+            # pinload resolves it (folder listing, index, file) at load time; nothing to download.
+            subfolder = args[0] if args else kwargs.get("subfolder")
+            path = _remote_source(model_name_or_path, subfolder)
+            return path, [path], True, None
         saved, self.load_config = self.load_config, self._auto_config
         try:
-            return super()._prepare_weights(*args, **kwargs)
+            return super()._prepare_weights(model_name_or_path, *args, **kwargs)
         finally:
             self.load_config = saved
 
@@ -159,7 +224,7 @@ class PinloadModelLoader(DefaultModelLoader):
             finally:
                 self.load_config = saved
             return
-        if source.is_unused_weight is not None:
+        if source.is_unused_weight is not None and not any(is_remote(f) for f in files):
             from vllm.model_executor.model_loader.weight_utils import filter_safetensors_files_by_weight_name
 
             files = filter_safetensors_files_by_weight_name(files, source.is_unused_weight)

@@ -4,6 +4,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/command.h"
+#include "cli/template_print.h"
 #include "pinload/checkpoint.h"
 
 namespace pinload::cli {
@@ -82,6 +83,11 @@ void add_inspect_command(CLI::App& app) {
   add_variant_option(*command, &args->resolve);
   add_paths(*command, &args->paths);
   command->callback([args] {
+    // An I/O template (pinload trace's output) prints as one: files, readers, reads.
+    if (args->paths.size() == 1 && is_template_file(args->paths.front())) {
+      print_template(args->paths.front(), args->json);
+      return;
+    }
     const Checkpoint checkpoint = open_checkpoint(default_env(), args->paths, args->resolve);
     if (args->json) {
       print_json(checkpoint);

@@ -92,7 +92,8 @@ int run_trace(TraceArgs& args) {
     if (!inside) return;  // reached through a hard link or bind mount from outside: not ours
     FileStat st;
     if (env->stat(e.fd, &st) < 0) return;
-    recorder.add(TemplateFile{path, "", st.size, st.mtime_ns, st.inode, st.device}, e.offset, e.length, e.pid, e.mapped);
+    recorder.add(TemplateFile{path, "", st.size, st.mtime_ns, st.inode, st.device}, e.offset, e.length,
+                 TemplateReader{static_cast<std::uint32_t>(e.pid), e.comm, e.exe}, e.mapped);
   };
   int status = 0;
   for (;;) {
@@ -117,11 +118,22 @@ int run_trace(TraceArgs& args) {
     // into a marked folder would wait on this very thread.
     listener.reset();
     try {
-      save_template(recorder.result(), out);
+      const IoTemplate t = recorder.result();
+      save_template(t, out);
       std::fprintf(stderr, "pinload trace: %s: %zu file(s), %zu range(s), %llu bytes read from %llu event(s) of %zu reader(s)\n",
-                   out.c_str(), recorder.result().files.size(), recorder.result().destinations.front().reads.size(),
+                   out.c_str(), t.files.size(), t.destinations.front().reads.size(),
                    static_cast<unsigned long long>(recorder.bytes()), static_cast<unsigned long long>(recorder.events()),
-                   recorder.readers());
+                   t.readers.size());
+      // Who read what (pinload inspect OUT prints every range with its reader).
+      std::vector<std::uint64_t> bytes_by(t.readers.size(), 0);
+      for (const TemplateReads& d : t.destinations) {
+        for (const TemplateRead& r : d.reads) bytes_by[r.reader] += r.length;
+      }
+      for (std::size_t i = 0; i < t.readers.size(); ++i) {
+        std::fprintf(stderr, "pinload trace:   reader pid %u %s (%s): %llu bytes\n", t.readers[i].pid,
+                     printable(t.readers[i].comm).c_str(), printable(t.readers[i].exe).c_str(),
+                     static_cast<unsigned long long>(bytes_by[i]));
+      }
     } catch (const Error& e) {
       std::fprintf(stderr, "pinload trace: error: %s\n", e.what());
     }

@@ -123,6 +123,16 @@ std::vector<std::uint8_t> serialize_template(const IoTemplate& t) {
     body.num<std::uint64_t>(f.inode);
     body.num<std::uint64_t>(f.device);
   }
+  // Note [Template versions]: version 1 unless there are readers to name.
+  const std::uint32_t version = t.readers.empty() ? 1 : 2;
+  if (version == 2) {
+    body.num<std::uint32_t>(static_cast<std::uint32_t>(t.readers.size()));
+    for (const TemplateReader& r : t.readers) {
+      body.num<std::uint32_t>(r.pid);
+      body.str(r.comm);
+      body.str(r.exe);
+    }
+  }
   body.num<std::uint32_t>(static_cast<std::uint32_t>(t.destinations.size()));
   for (const TemplateReads& d : t.destinations) {
     body.str(d.destination);
@@ -131,11 +141,12 @@ std::vector<std::uint8_t> serialize_template(const IoTemplate& t) {
       body.num<std::uint32_t>(r.file);
       body.num<std::uint64_t>(r.offset);
       body.num<std::uint64_t>(r.length);
+      if (version == 2) body.num<std::uint32_t>(r.reader);
     }
   }
   Writer w;
   w.raw(kMagic, sizeof kMagic);
-  w.num<std::uint32_t>(kTemplateVersion);
+  w.num<std::uint32_t>(version);
   w.num<std::uint64_t>(body.out.size());
   w.raw(body.out.data(), body.out.size());
   w.num<std::uint64_t>(fnv1a(w.out));
@@ -147,8 +158,8 @@ std::optional<IoTemplate> parse_template(std::span<const std::uint8_t> bytes, st
   if (std::memcmp(bytes.data(), kMagic, sizeof kMagic) != 0) return reject(why, "not a pinload template (magic)");
   Reader head(bytes.subspan(8, 12));
   const auto version = head.num<std::uint32_t>();
-  if (version != kTemplateVersion) {
-    return reject(why, "version " + std::to_string(version) + ", expected " + std::to_string(kTemplateVersion));
+  if (version != 1 && version != 2) {
+    return reject(why, "version " + std::to_string(version) + ", expected 1 or " + std::to_string(kTemplateVersion));
   }
   const auto payload = head.num<std::uint64_t>();
   if (payload != bytes.size() - kFixedHead - 8) return reject(why, "payload size disagrees with the file size");
@@ -174,6 +185,22 @@ std::optional<IoTemplate> parse_template(std::span<const std::uint8_t> bytes, st
     // Keeps offset arithmetic below far from overflow.
     if (f.size > kTemplateMaxFileSize) return reject(why, "a file of " + std::to_string(f.size) + " bytes");
   }
+  if (version == 2) {
+    const auto reader_count = in.num<std::uint32_t>();
+    if (in.bad()) return reject(why, in.why());
+    // Note [Template versions]: version 2 is written only with readers.
+    if (reader_count == 0) return reject(why, "version 2 without readers (written as version 1)");
+    // Each reader takes at least 12 bytes.
+    if (reader_count > in.left() / 12) return reject(why, "more readers than bytes to describe them");
+    t.readers.resize(reader_count);
+    for (TemplateReader& r : t.readers) {
+      r.pid = in.num<std::uint32_t>();
+      r.comm = in.str();
+      r.exe = in.str();
+      if (in.bad()) return reject(why, in.why());
+    }
+  }
+  const std::size_t read_bytes = version == 2 ? 24 : 20;
   const auto dest_count = in.num<std::uint32_t>();
   if (in.bad()) return reject(why, in.why());
   if (dest_count > in.left() / 12) return reject(why, "more destinations than bytes to describe them");
@@ -182,14 +209,18 @@ std::optional<IoTemplate> parse_template(std::span<const std::uint8_t> bytes, st
     d.destination = in.str();
     const auto read_count = in.num<std::uint64_t>();
     if (in.bad()) return reject(why, in.why());
-    if (read_count > in.left() / 20) return reject(why, "more reads than bytes to describe them");
+    if (read_count > in.left() / read_bytes) return reject(why, "more reads than bytes to describe them");
     if (t.find(d.destination) != nullptr) return reject(why, "destination \"" + d.destination + "\" twice");
     d.reads.resize(read_count);
     for (TemplateRead& r : d.reads) {
       r.file = in.num<std::uint32_t>();
       r.offset = in.num<std::uint64_t>();
       r.length = in.num<std::uint64_t>();
+      if (version == 2) r.reader = in.num<std::uint32_t>();
       if (in.bad()) return reject(why, in.why());
+      if (r.reader != kNoReader && r.reader >= t.readers.size()) {
+        return reject(why, "a read by reader " + std::to_string(r.reader) + " of " + std::to_string(t.readers.size()));
+      }
       if (r.file >= t.files.size()) return reject(why, "a read of file " + std::to_string(r.file) + " of " + std::to_string(t.files.size()));
       const std::uint64_t size = t.files[r.file].size;
       if (r.length == 0 || r.offset >= size || r.length > size + kTemplateMaxAlign - r.offset) {

@@ -37,6 +37,9 @@ void LoadOptions::validate() const {
   if (block_size < kMinBlockSize || block_size > kMaxBlockSize) {
     out_of_range("block_size", "4 KiB..1 GiB", std::to_string(block_size));
   }
+  if (resolve.remote.connections > kMaxThreads) {
+    out_of_range("connections", "1..1024", std::to_string(resolve.remote.connections));
+  }
   if (files_in_flight < 1) out_of_range("files_in_flight", ">= 1", std::to_string(files_in_flight));
   if (std::isnan(resident_threshold) || resident_threshold < 0) {
     out_of_range("resident_threshold", ">= 0", std::to_string(resident_threshold));

@@ -80,7 +80,8 @@ std::vector<std::string> patterns_from_python(const py::handle& value, const cha
 PyLoadOptions make_options(const py::object& threads, const py::object& block_size, const py::object& direct,
                            const py::object& files_in_flight, const py::object& streams, const py::object& chunk_bytes,
                            const py::object& staging_bytes, const py::object& variant, const py::object& dtype,
-                           const py::object& keep, const py::object& keep_dtype, const py::object& pool_bytes) {
+                           const py::object& keep, const py::object& keep_dtype, const py::object& pool_bytes,
+                           const py::object& connections) {
   PyLoadOptions o;
   o.load.threads = count_from_python<unsigned>(threads, "threads");
   o.load.block_size = size_from_python(block_size, "block_size");
@@ -103,6 +104,11 @@ PyLoadOptions make_options(const py::object& threads, const py::object& block_si
   if (!pool_bytes.is_none()) {
     o.pool_bytes = size_from_python(pool_bytes, "pool_bytes");
     if (*o.pool_bytes == 0) throw InvalidArgumentError("pool_bytes must be > 0, not 0");
+  }
+  // Remote sources (docs/remote.md); None: PINLOAD_CONNECTIONS, else 16.
+  if (!connections.is_none()) {
+    o.load.resolve.remote.connections = count_from_python<unsigned>(connections, "connections");
+    if (o.load.resolve.remote.connections == 0) throw InvalidArgumentError("connections must be 1..1024, not 0");
   }
   o.load.validate();
   if (o.staging_bytes && *o.staging_bytes == 0) throw InvalidArgumentError("staging_bytes must be > 0, not 0");
@@ -141,7 +147,7 @@ void register_options(py::module_& m) {
            py::arg("files_in_flight") = kDefaultFilesInFlight, py::arg("streams") = kDefaultCopyStreams,
            py::arg("chunk_bytes") = kDefaultCopyChunkBytes, py::arg("staging_bytes") = py::none(),
            py::arg("variant") = py::none(), py::arg("dtype") = py::none(), py::arg("keep") = py::tuple(),
-           py::arg("keep_dtype") = py::none(), py::arg("pool_bytes") = py::none(),
+           py::arg("keep_dtype") = py::none(), py::arg("pool_bytes") = py::none(), py::arg("connections") = py::none(),
            "dtype: converts floating tensors inside the load (torch.bfloat16, torch.float16, torch.float32 or "
            "their names; None: as stored), except names matching a `keep` pattern (those become `keep_dtype`, "
            "or stay as stored). pool_bytes: the budget of the pool the load's blocks come from (one shared pool "
@@ -167,6 +173,11 @@ void register_options(py::module_& m) {
                                return std::string(dtype_name(*o.load.dtype.keep_to));
                              })
       .def_property_readonly("pool_bytes", [](const PyLoadOptions& o) { return o.pool_bytes; })
+      .def_property_readonly("connections",
+                             [](const PyLoadOptions& o) -> std::optional<unsigned> {
+                               const unsigned n = o.load.resolve.remote.connections;
+                               return n == 0 ? std::nullopt : std::optional<unsigned>(n);
+                             })
       .def("__repr__", [](const PyLoadOptions& o) {
         return "pinload.LoadOptions(threads=" + std::to_string(o.load.threads) +
                ", block_size=" + std::to_string(o.load.block_size) + ", direct='" + direct_io_name(o.load.direct) +

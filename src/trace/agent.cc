@@ -137,7 +137,7 @@ int run_agent(const AgentOptions& options) {
     }
     if (!s.recording) return;
     s.last_read = Clock::now();
-    s.recorder.add(file, e.offset, e.length, e.pid, e.mapped);
+    s.recorder.add(file, e.offset, e.length, TemplateReader{static_cast<std::uint32_t>(e.pid), e.comm, e.exe}, e.mapped);
   };
 
   auto last_scan = Clock::now();

@@ -57,19 +57,35 @@ long syscall_of(pid_t tid) {
   return std::strtol(text, nullptr, 10);
 }
 
-// The process of thread `tid` (Tgid: in /proc/<tid>/status), or tid itself.
-pid_t tgid_of(pid_t tid) {
-  std::ifstream in("/proc/" + std::to_string(tid) + "/status");
-  std::string key;
-  while (in >> key) {
-    if (key == "Tgid:") {
-      pid_t tgid = 0;
-      if (in >> tgid) return tgid;
-      break;
-    }
-    in.ignore(1 << 12, '\n');
-  }
-  return tid;
+// Thread `tid`'s process id and command name, from the head of
+// /proc/<tid>/status ("Name:\t...\n...Tgid:\t...\n"), one read(2); the
+// process id is tid itself and the name "" if the thread is gone.
+void describe_thread(pid_t tid, ReadEvent* e) {
+  e->pid = tid;
+  char path[64], text[1024];
+  std::snprintf(path, sizeof path, "/proc/%d/status", tid);
+  const int fd = ::open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return;
+  const ssize_t n = ::read(fd, text, sizeof text - 1);
+  ::close(fd);
+  if (n <= 0) return;
+  const std::string_view status(text, static_cast<std::size_t>(n));
+  auto field = [&](std::string_view key) -> std::string_view {
+    std::size_t at = status.starts_with(key) ? 0 : status.find("\n" + std::string(key));
+    if (at == std::string_view::npos) return {};
+    at = status.find(':', at) + 1;
+    while (at < status.size() && (status[at] == '\t' || status[at] == ' ')) ++at;
+    const std::size_t end = status.find('\n', at);
+    return end == std::string_view::npos ? std::string_view{} : status.substr(at, end - at);
+  };
+  // The kernel escapes a newline in the name as "\n" here, so a name can't forge a field.
+  e->comm = std::string(field("Name:"));
+  const std::string tgid(field("Tgid:"));
+  if (!tgid.empty()) e->pid = static_cast<pid_t>(std::strtol(tgid.c_str(), nullptr, 10));
+  char link[64], target[4096];
+  std::snprintf(link, sizeof link, "/proc/%d/exe", tid);
+  const ssize_t len = ::readlink(link, target, sizeof target);
+  if (len > 0) e->exe.assign(target, static_cast<std::size_t>(len));
 }
 
 }  // namespace
@@ -134,16 +150,25 @@ int PreContentListener::poll(int timeout_ms, const std::function<void(const Read
   const ssize_t n = ::read(group_, buffer, sizeof buffer);
   if (n < 0) return errno == EAGAIN ? 0 : -errno;
   int events = 0;
-  std::vector<ReadEvent> reads;
   auto* meta = reinterpret_cast<fanotify_event_metadata*>(buffer);
   ssize_t left = n;
   // First allow every event of the batch (Note [Pre-content events]), each
   // once its system call is known (Note [Mapped or read]), then look at
   // them: the readers run while the callback records.
-  std::vector<bool> mapped;
+  std::vector<ReadEvent> described;
   for (auto* m = meta; FAN_EVENT_OK(m, left); m = FAN_EVENT_NEXT(m, left)) {
-    mapped.push_back(m->fd >= 0 && syscall_of(m->pid) == kSysMmap);
+    ReadEvent& d = described.emplace_back();
     if (m->fd >= 0) {
+      d.tid = m->pid;
+      d.mapped = syscall_of(m->pid) == kSysMmap;
+      // Note [Naming the reader]: before the allow. Consecutive events of one
+      // thread (a batch of one reader's reads) are named once.
+      if (described.size() >= 2 && described[described.size() - 2].tid == d.tid) {
+        const ReadEvent& prev = described[described.size() - 2];
+        d.pid = prev.pid, d.comm = prev.comm, d.exe = prev.exe;
+      } else {
+        describe_thread(m->pid, &d);
+      }
       fanotify_response response{m->fd, FAN_ALLOW};
       (void)!::write(group_, &response, sizeof response);
     }
@@ -153,10 +178,7 @@ int PreContentListener::poll(int timeout_ms, const std::function<void(const Read
   for (auto* m = meta; FAN_EVENT_OK(m, left); m = FAN_EVENT_NEXT(m, left), ++index) {
     ++events;
     if (m->fd < 0) continue;  // FAN_NOFD: a queue overflow
-    ReadEvent e;
-    e.tid = m->pid;
-    e.pid = tgid_of(m->pid);
-    e.mapped = mapped[index];
+    ReadEvent& e = described[index];
     e.fd = m->fd;
     bool has_range = false;
     const char* info = reinterpret_cast<const char*>(m) + m->metadata_len;

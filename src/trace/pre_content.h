@@ -33,6 +33,16 @@
 // event is allowed the listener reads the reader's current system call from
 // /proc/<tid>/syscall (a few microseconds; the thread is blocked in it):
 // mmap is a mapping, anything else a read.
+//
+// Note [Naming the reader]
+// A template names the process behind each read (TemplateReader in
+// io_template.h). With FAN_REPORT_TID the event carries the thread id only,
+// so its process id, command name (both from /proc/<tid>/status, one read)
+// and executable (/proc/<tid>/exe) are looked up before the event is
+// allowed, while the thread is still blocked in its read: after the allow, a
+// short reader (cat) may already be gone. This adds one /proc read and one
+// readlink per event to the reader's wait, a few microseconds; the tracing
+// overhead row of docs/trace.md measures the total.
 #pragma once
 
 #include <sys/types.h>
@@ -48,6 +58,11 @@ namespace pinload::trace {
 struct ReadEvent {
   pid_t pid = 0;      // the reader's process (thread group) id
   pid_t tid = 0;      // the reader's thread
+  // The reader's command name and executable, looked up before the event is
+  // allowed (the reader is blocked in the read then, so a short-lived reader
+  // such as cat can't exit first; Note [Naming the reader]); "" if unknown.
+  std::string comm;
+  std::string exe;
   bool mapped = false;  // an mmap(2), not a read(2)/pread(2) (Note [Mapped or read])
   int fd = -1;        // the file, opened by the kernel; valid during the callback only
   std::uint64_t offset = 0;

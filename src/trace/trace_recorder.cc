@@ -16,17 +16,29 @@ std::uint32_t TraceRecorder::file_index(const TemplateFile& file) {
   return i;
 }
 
-void TraceRecorder::add(const TemplateFile& file, std::uint64_t offset, std::uint64_t length, pid_t reader,
-                        bool mapped) {
+std::uint32_t TraceRecorder::reader_index(const TemplateReader& reader) {
+  auto [b, e] = readers_by_pid_.equal_range(reader.pid);
+  for (auto it = b; it != e; ++it) {
+    if (readers_[it->second] == reader) return it->second;
+  }
+  const auto i = static_cast<std::uint32_t>(readers_.size());
+  readers_.push_back(reader);
+  readers_by_pid_.emplace(reader.pid, i);
+  return i;
+}
+
+void TraceRecorder::add(const TemplateFile& file, std::uint64_t offset, std::uint64_t length,
+                        const TemplateReader& reader, bool mapped) {
   ++events_;
-  readers_[reader] += 1;
+  const std::uint32_t who = reader_index(reader);
   if (offset >= file.size || length == 0) return;
   const std::uint64_t end = std::min(file.size, offset + std::min(length, file.size));
   const std::uint32_t f = file_index(file);
-  add_to(mapped ? mapped_ : read_, f, offset, end);
+  add_to(mapped ? mapped_ : read_, f, offset, end, who);
 }
 
-void TraceRecorder::add_to(Ranges& ranges, std::uint32_t f, std::uint64_t offset, std::uint64_t end) {
+void TraceRecorder::add_to(Ranges& ranges, std::uint32_t f, std::uint64_t offset, std::uint64_t end,
+                           std::uint32_t reader) {
   if (ranges.covered.size() <= f) ranges.covered.resize(f + 1);
   std::map<std::uint64_t, std::uint64_t>& covered = ranges.covered[f];
   std::vector<TemplateRead>& reads = ranges.reads;
@@ -65,10 +77,12 @@ void TraceRecorder::add_to(Ranges& ranges, std::uint32_t f, std::uint64_t offset
     }
     covered[nb] = ne;
     if (&ranges == &read_) bytes_ += e - b;
-    if (!reads.empty() && reads.back().file == f && reads.back().offset + reads.back().length == b) {
+    // Merged only within one reader: each range has exactly one.
+    if (!reads.empty() && reads.back().file == f && reads.back().reader == reader &&
+        reads.back().offset + reads.back().length == b) {
       reads.back().length += e - b;
     } else {
-      reads.push_back(TemplateRead{f, b, e - b});
+      reads.push_back(TemplateRead{f, b, e - b, reader});
     }
   }
 }
@@ -76,8 +90,21 @@ void TraceRecorder::add_to(Ranges& ranges, std::uint32_t f, std::uint64_t offset
 IoTemplate TraceRecorder::result() const {
   IoTemplate t;
   t.files = files_;
-  t.set(TemplateReads{std::string(kPageCacheDestination), read_.reads});
-  if (!mapped_.reads.empty()) t.set(TemplateReads{std::string(kMappedDestination), mapped_.reads});
+  // Only the readers that a read names (one whose reads were all
+  // outside the files, or all seen before, is dropped), renumbered in order.
+  std::vector<std::uint32_t> renumber(readers_.size(), kNoReader);
+  auto used = [&](std::vector<TemplateRead> reads) {
+    for (TemplateRead& r : reads) {
+      if (renumber[r.reader] == kNoReader) {
+        renumber[r.reader] = static_cast<std::uint32_t>(t.readers.size());
+        t.readers.push_back(readers_[r.reader]);
+      }
+      r.reader = renumber[r.reader];
+    }
+    return reads;
+  };
+  t.set(TemplateReads{std::string(kPageCacheDestination), used(read_.reads)});
+  if (!mapped_.reads.empty()) t.set(TemplateReads{std::string(kMappedDestination), used(mapped_.reads)});
   return t;
 }
 

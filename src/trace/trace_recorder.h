@@ -6,7 +6,12 @@
 // them (Note [Pre-content events]) and clipped to the file; a second
 // destination, kMappedDestination, holds the ranges mapped, the same way. Each byte appears
 // at most once: a range read again is not recorded again, and a read next to
-// the previous one of the same file extends it, so the template stays small.
+// the previous one of the same file by the same reader extends it, so the
+// template stays small. Every read names its reader (IoTemplate::readers,
+// template version 2): the process that read the byte first. Reads of two
+// processes are never merged into one range, even when they abut, so each
+// range has exactly one reader; a process is a new reader after an exec
+// (another command name or executable).
 #pragma once
 
 #include <sys/types.h>
@@ -30,8 +35,10 @@ inline constexpr std::string_view kMappedDestination = "page-cache-mapped";
 class TraceRecorder {
  public:
   // Records a read of [offset, +length) of `file` (its identity as stat'ed
-  // at the read). Reads past the file's end are clipped; empty ones dropped.
-  void add(const TemplateFile& file, std::uint64_t offset, std::uint64_t length, pid_t reader, bool mapped = false);
+  // at the read) by `reader`. Reads past the file's end are clipped; empty
+  // ones dropped.
+  void add(const TemplateFile& file, std::uint64_t offset, std::uint64_t length, const TemplateReader& reader,
+           bool mapped = false);
 
   // The template recorded so far.
   IoTemplate result() const;
@@ -46,6 +53,7 @@ class TraceRecorder {
 
  private:
   std::uint32_t file_index(const TemplateFile& file);
+  std::uint32_t reader_index(const TemplateReader& reader);
 
   std::vector<TemplateFile> files_;
   std::unordered_map<std::string, std::uint32_t> index_;  // path -> files_ index
@@ -53,9 +61,10 @@ class TraceRecorder {
     std::vector<std::map<std::uint64_t, std::uint64_t>> covered;  // per file: start -> end
     std::vector<TemplateRead> reads;
   };
-  void add_to(Ranges& r, std::uint32_t f, std::uint64_t offset, std::uint64_t end);
+  void add_to(Ranges& r, std::uint32_t f, std::uint64_t offset, std::uint64_t end, std::uint32_t reader);
   Ranges read_, mapped_;
-  std::map<pid_t, std::uint64_t> readers_;
+  std::vector<TemplateReader> readers_;
+  std::multimap<std::uint32_t, std::uint32_t> readers_by_pid_;  // pid -> readers_ index
   std::uint64_t bytes_ = 0, events_ = 0;
 };
 

@@ -11,7 +11,8 @@ namespace {
 WarmPlan cut(const IoTemplate& t, const std::vector<TemplateRead>& reads, std::uint64_t piece_bytes) {
   // Each byte once, through the recorder's bookkeeping.
   TraceRecorder once;
-  for (const TemplateRead& r : reads) once.add(t.files[r.file], r.offset, r.length, 0);
+  // One reader for all: the plan merges across readers (it replays bytes, not processes).
+  for (const TemplateRead& r : reads) once.add(t.files[r.file], r.offset, r.length, TemplateReader{});
   const IoTemplate unique = once.result();
   WarmPlan plan;
   plan.files = unique.files;

@@ -9,6 +9,7 @@ the fallback modes are tested everywhere.
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -120,6 +121,47 @@ def test_trace_cat_ignores_files_outside_the_root_and_symlinks_out(tmp_path, run
               ["sh", "-c", f"cat {inside_file} {out_file} {root}/link.bin {root}/linkdir/b.bin > /dev/null"])
     assert [f[0] for f in t["files"]] == [str(inside_file)]
     assert t["dests"]["page-cache"] == [(0, 0, 3 * th.PAGE + 5)]
+
+
+def test_trace_names_the_reader_of_every_range(tmp_path, run_pinload, need_events):
+    # Three real processes, one after another: dd reads the head of a.bin, cat
+    # then all of it (only its tail is new, and it abuts dd's range), python
+    # preads a range of b.bin. Each range is one reader's, never merged across
+    # readers; pids are what the shell saw.
+    root = tmp_path / "root"
+    root.mkdir()
+    a, b = root / "a.bin", root / "b.bin"
+    a.write_bytes(os.urandom((1 << 20) + 5))
+    b.write_bytes(os.urandom(2 << 20))
+    pread = f"import os; fd = os.open({str(b)!r}, os.O_RDONLY); assert len(os.pread(fd, 262144, 1 << 20)) == 262144"
+    script = (f"dd if={a} of=/dev/null bs=65536 count=2 2>/dev/null & echo dd $!; wait; "
+              f"cat {a} > /dev/null & echo cat $!; wait; "
+              f"{shlex.quote(sys.executable)} -c {shlex.quote(pread)} & echo python $!; wait")
+    out = tmp_path / "t.pltemplate"
+    r = run_pinload("trace", "--template", out, "--root", root, "--", "sh", "-c", script, timeout=120)
+    assert r.returncode == 0, r
+    pids = {name: int(pid) for name, pid in (line.split() for line in r.stdout.split("\n") if line)}
+    t = th.read_template(out)
+    assert t["version"] == 2
+    files = [f[0] for f in t["files"]]
+    assert files == [str(a), str(b)]
+    size_a = a.stat().st_size
+    reads = list(zip(t["dests"]["page-cache"], t["read_by"]["page-cache"]))
+    who = [(f, off, n, t["readers"][i][0], t["readers"][i][1]) for (f, off, n), i in reads]
+    assert who == [(0, 0, 131072, pids["dd"], "dd"),
+                   (0, 131072, size_a - 131072, pids["cat"], "cat"),
+                   (1, 1 << 20, 262144, pids["python"], Path(sys.executable).name[:15])], (who, t["readers"], r.stderr)
+    exes = {pid: exe for pid, _, exe in t["readers"]}
+    assert Path(exes[pids["dd"]]).name == "dd" and Path(exes[pids["cat"]]).name == "cat"
+    assert Path(exes[pids["python"]]).resolve() == Path(sys.executable).resolve()
+    # pinload inspect prints the same template, readers included.
+    j = json.loads(run_pinload("inspect", "--json", out).stdout)
+    assert [(x["pid"], x["comm"], x["exe"]) for x in j["readers"]] == [tuple(x) for x in t["readers"]]
+    assert [(x["file"], x["offset"], x["length"], x["reader"]) for x in j["destinations"]["page-cache"]] == \
+        [(f, off, n, i) for (f, off, n), i in reads]
+    text = run_pinload("inspect", out).stdout
+    assert f"pid {pids['cat']}\tcat" in text and "reader 1" in text, text
+    assert f"reader pid {pids['dd']} dd" in r.stderr, r
 
 
 def test_trace_transformers_from_pretrained(tmp_path, run_pinload, need_events):

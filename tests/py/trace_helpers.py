@@ -28,11 +28,13 @@ def fnv1a(data):
 
 
 def read_template(path):
-    """{"files": [(path, size, mtime_ns, inode, dev)], "dests": {name: [(file, off, len)]}}."""
+    """{"files": [(path, size, mtime_ns, inode, dev)], "dests": {name: [(file, off, len)]},
+    "readers": [(pid, comm, exe)], "read_by": {name: [reader index per read]}, "version": 1 or 2}.
+    Version 2 (a traced template) names the reader of each read; version 1 names none."""
     b = Path(path).read_bytes()
     assert b[:8] == MAGIC
     version, payload = struct.unpack_from("<IQ", b, 8)
-    assert version == 1 and payload == len(b) - 28
+    assert version in (1, 2) and payload == len(b) - 28
     assert struct.unpack_from("<Q", b, len(b) - 8)[0] == fnv1a(b[:-8])
     at = 20
 
@@ -53,11 +55,20 @@ def read_template(path):
     for _ in range(u("I")):
         p, _prefix = s(), s()
         files.append((p, u("Q"), u("q"), u("Q"), u("Q")))
-    dests = {}
+    readers = []
+    if version == 2:
+        for _ in range(u("I")):
+            readers.append((u("I"), s(), s()))
+        assert readers, "a version-2 template names at least one reader"
+    dests, read_by = {}, {}
     for _ in range(u("I")):
         name = s()
-        dests[name] = [(u("I"), u("Q"), u("Q")) for _ in range(u("Q"))]
-    return {"files": files, "dests": dests}
+        dests[name], read_by[name] = [], []
+        for _ in range(u("Q")):
+            dests[name].append((u("I"), u("Q"), u("Q")))
+            read_by[name].append(u("I") if version == 2 else None)
+    assert at == len(b) - 8
+    return {"files": files, "dests": dests, "readers": readers, "read_by": read_by, "version": version}
 
 
 def pinload_device(st):

@@ -127,3 +127,27 @@ class FaultProxy:
             body = up.recv(1 << 20)
             if not body:
                 return
+                return
+
+
+class HeldRequests:
+    """A `fault` that holds every request `seconds` before forwarding it and counts how many are
+    held at once: each connection carries one request, so `max_active` is the most connections a
+    client had in flight together. A load completes only after its requests' holds, so a count
+    never straddles two loads."""
+
+    def __init__(self, seconds=0.05):
+        self.seconds = seconds
+        self.active = self.max_active = 0
+        self._lock = threading.Lock()
+
+    def __call__(self, request):
+        return {"before": self._hold}
+
+    def _hold(self):
+        with self._lock:
+            self.active += 1
+            self.max_active = max(self.max_active, self.active)
+        time.sleep(self.seconds)
+        with self._lock:
+            self.active -= 1

@@ -57,6 +57,39 @@ def test_model_cache_over_http(remote_model, nginx):
     assert_same(cache.get(url), remote_model)  # from the cache
 
 
+def test_connections_keyword_sets_the_connections_in_flight(remote_model, nginx, monkeypatch):
+    # Counted at a proxy (one connection per request): each request is held 50 ms so that
+    # every connection the load opens is busy at once. The keyword wins over the environment.
+    from urllib.parse import urlparse
+
+    from fault_proxy import HeldRequests
+
+    held = HeldRequests(0.05)
+    proxy = FaultProxy(urlparse(nginx.url).port, held)
+    monkeypatch.setenv("PINLOAD_CONNECTIONS", "7")
+    try:
+        url = f"{proxy.url}/py.safetensors"
+        for n, load in ((3, lambda: pt.load_file(url, block_size="64K", connections=3)),
+                        (1, lambda: dict(pt.iter_tensors([url], block_size="64K", connections=1))),
+                        (5, lambda: pinload.ModelCache("64M", block_size="64K", connections=5).get(url)),
+                        (7, lambda: pt.load_file(url, block_size="64K"))):
+            held.max_active = 0
+            assert_same(load(), remote_model)
+            assert held.max_active == n, (n, held.max_active)
+        held.max_active = 0
+        handle = pinload.prefetch([url], block_size="64K", connections=2)
+        handle.wait(None)
+        assert held.max_active == 2
+        assert_same(pt.load_file(url, block_size="64K", connections=2, prefetch=handle), remote_model)
+    finally:
+        proxy.stop()
+    for bad in (0, -1, 1025, 2.5, "4", True):
+        with pytest.raises(ValueError, match="connections must be 1..1024"):
+            pt.load_file(f"{nginx.url}/py.safetensors", connections=bad)
+    with pytest.raises(ValueError, match="connections"):
+        pinload.prefetch([f"{nginx.url}/py.safetensors"], connections=0)
+
+
 def count_fds():
     return len(os.listdir("/proc/self/fd"))
 

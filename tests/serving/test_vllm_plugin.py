@@ -103,12 +103,14 @@ def test_extra_config(llama_dir, caplog):
         get_model_loader(LoadConfig(load_format="pinload", model_loader_extra_config={"bogus": 1}))
     with pytest.raises(ValueError, match="threads"):
         get_model_loader(LoadConfig(load_format="pinload", model_loader_extra_config={"threads": 0}))
+    with pytest.raises(ValueError, match="connections must be 1..1024"):
+        get_model_loader(LoadConfig(load_format="pinload", model_loader_extra_config={"connections": 0}))
     with caplog.at_level(logging.WARNING, logger="pinload.vllm"):
         loader = get_model_loader(LoadConfig(load_format="pinload",
                                              model_loader_extra_config={"connections": 8, "dtype": "float32",
                                                                         "enable_weights_track": False}))
-    assert "connections" in caplog.text
-    assert loader.pinload_options == {"dtype": torch.float32}
+    assert caplog.text == ""  # connections is honoured now, not ignored
+    assert loader.pinload_options == {"connections": 8, "dtype": torch.float32}
     files = _files(llama_dir)
     for _name, tensor in pinload.vllm.pinload_weights_iterator(files, False, **loader.pinload_options):
         assert tensor.dtype == torch.float32
@@ -125,3 +127,83 @@ def test_non_safetensors_checkpoint_falls_back_with_a_warning(tmp_path, caplog):
         got = dict(loader._get_weights_iterator(DefaultModelLoader.Source(str(tmp_path), None)))
     assert "falling back" in caplog.text
     assert torch.equal(got["w"], torch.ones(3))
+
+
+@pytest.fixture(scope="module")
+def served_llama(llama_dir):
+    """The Llama checkpoint behind nginx on loopback (tests/remote/servers.py), and a fault proxy in
+    front of it that counts the connections in flight (HeldRequests: each request held 20 ms)."""
+    from urllib.parse import urlparse
+
+    sys.path.insert(0, os.path.join(ROOT, "tests", "remote"))
+    import servers
+    from fault_proxy import FaultProxy, HeldRequests
+
+    try:
+        nginx = servers.Nginx(os.path.dirname(llama_dir))
+    except servers.ServerUnavailable as e:
+        pytest.skip(f"nginx cannot start: {e}")
+    held = HeldRequests(0.02)
+    proxy = FaultProxy(urlparse(nginx.url).port, held)
+    yield held, f"{proxy.url}/{os.path.basename(llama_dir)}"
+    proxy.stop()
+    nginx.cleanup()
+
+
+def test_loader_reads_a_model_over_http_with_its_connections(llama_dir, served_llama, monkeypatch):
+    # The model path is the index's URL: vLLM's own resolution (a Hugging Face download) is skipped
+    # and pinload reads the shards over HTTP, through `connections` connections.
+    import pinload.vllm  # noqa: F401
+
+    monkeypatch.delenv("PINLOAD_CONNECTIONS", raising=False)
+    held, base = served_llama
+    url = base + "/model.safetensors.index.json"
+    loader = get_model_loader(LoadConfig(load_format="pinload",
+                                         model_loader_extra_config={"connections": 3, "block_size": "1M"}))
+    assert loader._prepare_weights(url, None, None, True, None) == (url, [url], True, None)
+    held.max_active = 0
+    ours = dict(loader._get_weights_iterator(DefaultModelLoader.Source(url, None, prefix="m.")))
+    theirs = {"m." + n: t for n, t in safetensors_weights_iterator(_files(llama_dir), False)}
+    _same(ours, theirs)
+    assert held.max_active == 3
+    # vLLM's download_model goes through _prepare_weights too: nothing to download.
+    loader.download_model(type("ModelConfig", (), {"model": url, "revision": None})())
+
+
+def test_budget_streams_host_and_device_loads(llama_dir, served_llama, caplog):
+    import pinload
+    import pinload.vllm
+
+    files = _files(llama_dir)
+    theirs = dict(safetensors_weights_iterator(files, False))
+    with pytest.raises(ValueError, match="budget and cache"):
+        get_model_loader(LoadConfig(load_format="pinload", model_loader_extra_config={"budget": "4M", "cache": "1G"}))
+    with pytest.raises(ValueError, match="not a size"):
+        get_model_loader(LoadConfig(load_format="pinload", model_loader_extra_config={"budget": "lots"}))
+    loader = get_model_loader(LoadConfig(load_format="pinload", model_loader_extra_config={"budget": "16M"}))
+    assert loader.pinload_options == {"budget": 16 << 20}
+    # Host, local: batches of budget / 4 (iter_sharded with one rank), so the whole model (31 MB)
+    # is never in pinload memory at once; each tensor yielded is dropped at once, as vLLM does.
+    base = pinload.pool_stats("cpu")["in_use"]
+    peak = 0
+    ours = {}
+    for name, tensor in pinload.vllm.pinload_weights_iterator(files, False, budget=16 << 20):
+        ours[name] = tensor.clone()
+        del tensor
+        peak = max(peak, pinload.pool_stats("cpu")["in_use"] - base)
+    _same(ours, theirs)
+    total = sum(t.numel() * t.element_size() for t in theirs.values())
+    largest = max(t.numel() * t.element_size() for t in theirs.values())
+    # About two batches of budget / 4 (the largest tensor, 4 MiB, is one batch), pool rounding included.
+    assert 2 * largest < 16 << 20
+    assert 0 < peak <= 16 << 20 < total, (peak, largest, total)
+    # A device load: the budget is the staging budget of a streaming load ("sim": the CPU stand-in).
+    ours = dict(pinload.vllm.pinload_weights_iterator(files, False, device="sim", budget=4 << 20))
+    _same({n: t.cpu() for n, t in ours.items()}, theirs)
+    # Host, remote: no streaming mode; it says so and loads.
+    _proxy, base = served_llama
+    with caplog.at_level(logging.WARNING, logger="pinload.vllm"):
+        ours = dict(pinload.vllm.pinload_weights_iterator([base + "/model.safetensors.index.json"], False,
+                                                          budget=8 << 20, connections=2))
+    assert "no streaming mode" in caplog.text
+    _same(ours, theirs)

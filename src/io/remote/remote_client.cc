@@ -474,8 +474,9 @@ Listing RemoteClient::list(const std::string& path) {
 
 namespace {
 
-// PINLOAD_REMOTE_* overrides of the fault-handling knobs (tests and field
-// tuning), and PINLOAD_TLS_VERIFY=0, the explicit TLS opt-out.
+// PINLOAD_CONNECTIONS (where `connections` is 0), PINLOAD_REMOTE_* overrides
+// of the fault-handling knobs (tests and field tuning), and
+// PINLOAD_TLS_VERIFY=0, the explicit TLS opt-out.
 RemoteOptions with_environment(RemoteOptions options) {
   auto number = [](const char* name, unsigned* field) {
     if (const char* v = std::getenv(name); v != nullptr && *v != '\0') {
@@ -484,6 +485,9 @@ RemoteOptions with_environment(RemoteOptions options) {
       if (end != nullptr && *end == '\0' && n <= 1'000'000) *field = static_cast<unsigned>(n);
     }
   };
+  // Resolved now, so that clients are kept per connection count: a client
+  // made under another PINLOAD_CONNECTIONS is not reused for this load.
+  options.connections = effective_connections(options);
   number("PINLOAD_REMOTE_RETRIES", &options.retries);
   number("PINLOAD_REMOTE_RETRY_BASE_MS", &options.retry_base_ms);
   number("PINLOAD_REMOTE_LOW_SPEED_TIME", &options.low_speed_time_s);
