@@ -454,7 +454,9 @@ std::unique_ptr<ReadSession> open_session(Env* env, const LoadOptions& options, 
   }
   counters->bytes_total = s->plan.total_bytes;
   for (const ReadChunk& c : s->plan.chunks) s->files[c.file]->chunks_left.fetch_add(1, std::memory_order_relaxed);
-  s->max_open_files = interleaved_files(s->plan);
+  // Files of one chunk each interleave with none: files_in_flight of them
+  // may still be open at once (Note [Files in flight]).
+  s->max_open_files = std::max(interleaved_files(s->plan), std::min(options.files_in_flight, n));
   s->done = std::make_unique<std::atomic<bool>[]>(s->plan.chunks.size());
   if (s->streaming) s->staged.resize(s->plan.chunks.size());
   return s;

@@ -31,6 +31,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <future>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -41,6 +42,7 @@
 #include <utility>
 #include <vector>
 
+#include "pinload/batch.h"
 #include "pinload/checkpoint.h"
 #include "pinload/copy_engine.h"
 #include "pinload/device.h"
@@ -183,7 +185,9 @@ ErrorTypes& error_types() {
   return *types;
 }
 
-void raise_error(const Error& e) {
+// The Python exception instance for `e` (its pinload.Error subclass, with
+// the context as attributes), not raised.
+py::object error_object(const Error& e) {
   const auto code = static_cast<std::size_t>(e.code());
   py::object type = code < 6 ? error_types().by_code[code] : error_types().base;
   py::object instance = type(decode(e.what(), "backslashreplace"));
@@ -194,7 +198,12 @@ void raise_error(const Error& e) {
   instance.attr("end") = ctx.end ? py::object(py::int_(*ctx.end)) : py::object(py::none());
   instance.attr("code") = py::str(error_code_name(e.code()));
   instance.attr("message") = decode(e.message(), "backslashreplace");
-  PyErr_SetObject(type.ptr(), instance.ptr());
+  return instance;
+}
+
+void raise_error(const Error& e) {
+  py::object instance = error_object(e);
+  PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(instance.ptr())), instance.ptr());
 }
 
 // Note [SafetensorError]: pinload's errors derive from
@@ -440,18 +449,12 @@ class PyLoadHandle {
   bool wait(std::optional<double> timeout) {
     if (!handle_) return true;
     py::gil_scoped_release release;
-    const auto start = std::chrono::steady_clock::now();
-    auto pause = std::chrono::microseconds(100);
-    while (!handle_->done()) {
-      auto sleep = pause;
-      if (timeout) {
-        const auto left = std::chrono::duration<double>(*timeout) - (std::chrono::steady_clock::now() - start);
-        if (left <= std::chrono::duration<double>::zero()) return false;
-        sleep = std::min(sleep, std::chrono::duration_cast<std::chrono::microseconds>(left) +
-                                    std::chrono::microseconds(1));
-      }
-      std::this_thread::sleep_for(sleep);
-      pause = std::min(pause * 2, std::chrono::microseconds(5000));
+    // Woken as the load ends: a small load's call is not rounded up to a
+    // polling interval.
+    if (timeout) {
+      return handle_->wait_done(std::chrono::microseconds(static_cast<std::int64_t>(std::clamp(*timeout, 0.0, 86400.0) * 1e6)));
+    }
+    while (!handle_->wait_done(std::chrono::hours(1))) {
     }
     return true;
   }
@@ -657,6 +660,65 @@ std::unique_ptr<PyLoadHandle> load_async(const std::vector<std::string>& paths, 
     return loader.load_async(paths, hand_out);  // the load's thread holds what it needs
   }();
   return std::make_unique<PyLoadHandle>(std::move(handle), std::move(placement), std::move(env));
+}
+
+// load_batch (pinload/batch.h) on a thread of its own, so that Ctrl-C (any
+// pending signal) cancels it: one entry per path, a StateDict or the path's
+// error as an exception instance (not raised).
+py::list load_batch_py(const std::vector<std::string>& paths, const std::string& device_spec, unsigned threads,
+                       std::size_t block_size, const std::string& direct, std::size_t files_in_flight,
+                       std::size_t streams, std::size_t chunk_bytes, std::optional<std::uint64_t> staging_bytes,
+                       const std::string& variant, const std::string& cached_read,
+                       std::optional<std::uint64_t> pool_bytes) {
+  Placement placement;
+  std::optional<Loader> loader;
+  {
+    py::gil_scoped_release release;
+    loader.emplace(make_loader(paths, device_spec, threads, block_size, direct, files_in_flight, streams, chunk_bytes,
+                               staging_bytes, variant, pool_bytes, &placement, nullptr, {}, cached_read));
+  }
+  std::promise<std::vector<BatchItem>> promise;
+  std::future<std::vector<BatchItem>> done = promise.get_future();
+  std::jthread worker([&](std::stop_token stop) {
+    try {
+      promise.set_value(load_batch(*loader, paths, stop));
+    } catch (...) {
+      promise.set_exception(std::current_exception());
+    }
+  });
+  for (;;) {
+    {
+      py::gil_scoped_release release;
+      if (done.wait_for(std::chrono::milliseconds(50)) == std::future_status::ready) break;
+    }
+    if (PyErr_CheckSignals() != 0) {
+      py::gil_scoped_release release;
+      worker.request_stop();
+      worker.join();
+      throw py::error_already_set();
+    }
+  }
+  std::vector<BatchItem> items;
+  {
+    py::gil_scoped_release release;
+    worker.join();
+    items = done.get();  // CancelledError only
+  }
+  py::list out;
+  for (BatchItem& item : items) {
+    if (item.ok()) {
+      out.append(py::cast(PyStateDict(std::move(item.state), placement)));
+      continue;
+    }
+    try {
+      std::rethrow_exception(item.error);
+    } catch (const Error& e) {
+      out.append(error_object(e));
+    } catch (const std::exception& e) {
+      out.append(error_object(IoError(e.what(), ErrorContext{item.path})));
+    }
+  }
+  return out;
 }
 
 // A ModelCache (model_cache.h) whose host copies live in the shared pool of
@@ -897,6 +959,14 @@ PYBIND11_MODULE(_core, m) {
         "in the page cache is read ('auto', 'map', 'pread'). stream=True: tensors come only from next_ready() "
         "and the load keeps none of them (HandOut::kStream), so each file's block goes back to the pool once "
         "the caller has dropped its tensors; result() is then empty. `held`: a HeldFile of the one path, whose header and bytes are read.");
+  m.def("load_batch", &load_batch_py, py::arg("paths"), py::arg("device") = "cpu",
+        py::arg("threads") = kDefaultThreads, py::arg("block_size") = kDefaultBlockSize, py::arg("direct") = "auto",
+        py::arg("files_in_flight") = 2, py::arg("streams") = kDefaultCopyStreams,
+        py::arg("chunk_bytes") = kDefaultCopyChunkBytes, py::arg("staging_bytes") = py::none(),
+        py::arg("variant") = "", py::arg("cached_read") = "auto", py::arg("pool_bytes") = py::none(),
+        "Loads every path (bytes) as its own state dict in one parallel sweep (pinload/batch.h); blocks, and a "
+        "pending signal (Ctrl-C) cancels it. Returns one entry per path, in order: a StateDict, or the path's "
+        "pinload.Error instance (not raised).");
   m.def("prefetch", &start_prefetch, py::arg("paths"), py::arg("device") = "cpu",
         py::arg("threads") = kDefaultThreads, py::arg("block_size") = kDefaultBlockSize, py::arg("direct") = "auto",
         py::arg("files_in_flight") = 2, py::arg("streams") = kDefaultCopyStreams,
