@@ -7,11 +7,13 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <mutex>
 #include <random>
 #include <set>
+#include <thread>
 
 #include "fault_env.h"
 #include "file_check.h"
@@ -191,6 +193,65 @@ TEST(BatchTest, AReadErrorFailsOnlyItsFile) {
     ASSERT_TRUE(items[i].ok()) << i;
     testing::expect_matches_file(items[i].state, lib.paths[i], lib.images[i]);
   }
+}
+
+// Counts the descriptors open at once (slowing every read, so that reads of
+// different files overlap whenever the loader lets them).
+class ConcurrentOpensEnv : public EnvWrapper {
+ public:
+  ConcurrentOpensEnv() : EnvWrapper(default_env()) {}
+  int open_read(const std::string& path, int extra_flags) override {
+    const int fd = EnvWrapper::open_read(path, extra_flags);
+    if (fd >= 0) {
+      std::lock_guard lock(mu_);
+      most_ = std::max(most_, ++open_);
+    }
+    return fd;
+  }
+  int close(int fd) override {
+    {
+      std::lock_guard lock(mu_);
+      --open_;
+    }
+    return EnvWrapper::close(fd);
+  }
+  std::int64_t pread(int fd, void* buffer, std::size_t bytes, std::uint64_t offset) override {
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    return EnvWrapper::pread(fd, buffer, bytes, offset);
+  }
+  int most() const {
+    std::lock_guard lock(mu_);
+    return most_;
+  }
+
+ private:
+  mutable std::mutex mu_;
+  int open_ = 0, most_ = 0;
+};
+
+// Note [Small files]: files of one chunk each interleave with none, and still
+// files_in_flight of them are read at once (before, one at a time).
+TEST(BatchTest, OneChunkFilesAreReadFilesInFlightAtOnce) {
+  TempDir dir;
+  std::vector<std::string> paths;
+  std::mt19937_64 rng(11);
+  for (int i = 0; i < 16; ++i) {
+    paths.push_back(dir.file("f" + std::to_string(i) + ".safetensors"));
+    testing::write_random_checkpoint(paths.back(), rng, 4, 2000, "f" + std::to_string(i) + ".");
+  }
+  ConcurrentOpensEnv env;
+  LoadOptions o;
+  o.threads = 4;
+  o.files_in_flight = 4;
+  o.direct = DirectIo::kOff;
+  o.cached_read = CachedRead::kPread;  // one descriptor per file
+  const Loader loader(o, nullptr, &env);
+  const Checkpoint checkpoint = open_checkpoint(&env, paths);  // headers: one file open at a time
+  EXPECT_EQ(env.most(), 1);
+  const StateDict sd = loader.load(checkpoint);
+  EXPECT_EQ(sd.size(), 64u);
+  EXPECT_GE(env.most(), 3);
+  EXPECT_LE(env.most(), 4);
 }
 
 TEST(BatchTest, CancelledBatchThrows) {
