@@ -86,9 +86,41 @@ def load_async(
     staging_bytes: Optional[int] = None,
     variant: str = "",
     prefetch: Optional[Prefetch] = None,
+    dtype: str = "",
+    keep: Sequence[str] = ...,
+    keep_dtype: str = "",
     cached_read: str = "auto",
     stream: bool = False,
+    pool_bytes: Optional[int] = None,
+    held: Optional["HeldFile"] = None,
 ) -> LoadHandle: ...
+class HeldFile:
+    """One file held open from its header read to its load (what safe_open reads through)."""
+    def __init__(self, path: bytes) -> None: ...
+    def header(self) -> Dict[str, Any]: ...
+def convert(
+    input: bytes,
+    output: bytes,
+    to: str = "fp8-e4m3fn",
+    scale: str = "per-tensor",
+    keep: Sequence[str] = ...,
+    threads: int = 8,
+    variant: str = "",
+) -> Dict[str, Any]: ...
+def load_batch(
+    paths: Sequence[Union[bytes, str]],
+    device: str = "cpu",
+    threads: int = ...,
+    block_size: int = ...,
+    direct: str = "auto",
+    files_in_flight: int = 2,
+    streams: int = ...,
+    chunk_bytes: int = ...,
+    staging_bytes: Optional[int] = None,
+    variant: str = "",
+    cached_read: str = "auto",
+    pool_bytes: Optional[int] = None,
+) -> List[Union[StateDict, Error]]: ...
 def prefetch(
     paths: Sequence[Union[bytes, str]],
     device: str = "cpu",

@@ -395,10 +395,11 @@ def load_files_batch(paths: Sequence[PathLike], device: Device = "cpu", *, retur
     (``dtype``, ``keep``) and ``prefetch`` are not taken here.
     """
     names = _as_paths(paths)
-    if len(set(names)) != len(names):
-        seen = set()
-        twice = next(p for p in names if p in seen or seen.add(p))
-        raise ValueError(f"path given twice: {twice!r}")
+    seen: set = set()
+    for p in names:
+        if p in seen:
+            raise ValueError(f"path given twice: {p!r}")
+        seen.add(p)
     opts = _Options(**options)
     if opts.dtype or opts.prefetch is not None:
         raise TypeError("load_files_batch takes no dtype/keep/keep_dtype or prefetch options")
@@ -407,6 +408,7 @@ def load_files_batch(paths: Sequence[PathLike], device: Device = "cpu", *, retur
     entries = _core.load_batch([os.fsencode(p) for p in names], spec, **opts.load_kwargs(), cached_read=cached_read)
     out: Dict[str, Any] = {}
     failed: Dict[str, BaseException] = {}
+    entry: Any
     for p, entry in zip(names, entries):
         if not isinstance(entry, BaseException):
             try:
