@@ -107,6 +107,23 @@ def convert(
     threads: int = 8,
     variant: str = "",
 ) -> Dict[str, Any]: ...
+def load_now(
+    paths: Sequence[Union[bytes, str]],
+    device: str = "cpu",
+    threads: int = ...,
+    block_size: int = ...,
+    direct: str = "auto",
+    files_in_flight: int = 2,
+    streams: int = ...,
+    chunk_bytes: int = ...,
+    staging_bytes: Optional[int] = None,
+    variant: str = "",
+    dtype: str = "",
+    keep: Sequence[str] = ...,
+    keep_dtype: str = "",
+    cached_read: str = "auto",
+    pool_bytes: Optional[int] = None,
+) -> StateDict: ...
 def load_batch(
     paths: Sequence[Union[bytes, str]],
     device: str = "cpu",

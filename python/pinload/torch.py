@@ -178,9 +178,28 @@ def _start(paths: List[str], spec: str, options: _Options, cached_read: str = "a
     return _loading.start(paths, spec, options, cached_read=cached_read, stream=stream, held=held)
 
 
+#: Files up to this size load on the calling thread (_core.load_now): a small file's call then
+#: pays no thread start and no hand-off; larger loads run on a thread of their own, so that
+#: Ctrl-C and the progress bar get through while they run.
+SMALL_FILE_BYTES = 64 << 20
+
+
+def _small(paths: List[str], options: _Options) -> bool:
+    if len(paths) != 1 or options.prefetch is not None or options.progress:
+        return False
+    try:
+        st = os.stat(paths[0])
+    except OSError:
+        return False  # the load names the problem
+    return not os.path.isdir(paths[0]) and st.st_size <= SMALL_FILE_BYTES
+
+
 def _load(paths: List[str], device: Device, options: _Options, cached_read: str = "auto",
           held: Optional["_core.HeldFile"] = None) -> Tuple["_core.StateDict", Optional[torch.device]]:
     spec, move_to = _resolve_device(device)
+    if held is None and _small(paths, options):
+        return _core.load_now([os.fsencode(paths[0])], spec, **options.load_kwargs(), cached_read=cached_read,
+                              **options.convert_kwargs()), move_to
     return _wait(_start(paths, spec, options, cached_read, held=held), options.progress), move_to
 
 

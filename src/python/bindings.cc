@@ -662,6 +662,37 @@ std::unique_ptr<PyLoadHandle> load_async(const std::vector<std::string>& paths, 
   return std::make_unique<PyLoadHandle>(std::move(handle), std::move(placement), std::move(env));
 }
 
+// A load on the calling thread with the GIL released: no thread of its own
+// and no hand-off, for a small file's per-call cost (pinload.torch.load_file
+// below its size threshold). Not interruptible: only for loads that end soon.
+PyStateDict load_now(const std::vector<std::string>& paths, const std::string& device_spec, unsigned threads,
+                     std::size_t block_size, const std::string& direct, std::size_t files_in_flight,
+                     std::size_t streams, std::size_t chunk_bytes, std::optional<std::uint64_t> staging_bytes,
+                     const std::string& variant, const std::string& dtype, const std::vector<std::string>& keep,
+                     const std::string& keep_dtype, const std::string& cached_read,
+                     std::optional<std::uint64_t> pool_bytes) {
+  Placement placement;
+  DTypeOptions conversion;  // Note [Conversion on load] in convert.h
+  if (!dtype.empty()) {
+    conversion.to = dtype_from_name(dtype);
+    if (!conversion.to) throw InvalidFileError("unknown dtype '" + dtype + "'");
+    conversion.keep = keep;
+    if (!keep_dtype.empty()) {
+      conversion.keep_to = dtype_from_name(keep_dtype);
+      if (!conversion.keep_to) throw InvalidFileError("unknown dtype '" + keep_dtype + "'");
+    }
+  }
+  StateDict sd;
+  {
+    py::gil_scoped_release release;
+    const Loader loader = make_loader(paths, device_spec, threads, block_size, direct, files_in_flight, streams,
+                                      chunk_bytes, staging_bytes, variant, pool_bytes, &placement, nullptr, conversion,
+                                      cached_read);
+    sd = loader.load(paths);
+  }
+  return PyStateDict(std::move(sd), std::move(placement));
+}
+
 // load_batch (pinload/batch.h) on a thread of its own, so that Ctrl-C (any
 // pending signal) cancels it: one entry per path, a StateDict or the path's
 // error as an exception instance (not raised).
@@ -959,6 +990,14 @@ PYBIND11_MODULE(_core, m) {
         "in the page cache is read ('auto', 'map', 'pread'). stream=True: tensors come only from next_ready() "
         "and the load keeps none of them (HandOut::kStream), so each file's block goes back to the pool once "
         "the caller has dropped its tensors; result() is then empty. `held`: a HeldFile of the one path, whose header and bytes are read.");
+  m.def("load_now", &load_now, py::arg("paths"), py::arg("device") = "cpu", py::arg("threads") = kDefaultThreads,
+        py::arg("block_size") = kDefaultBlockSize, py::arg("direct") = "auto", py::arg("files_in_flight") = 2,
+        py::arg("streams") = kDefaultCopyStreams, py::arg("chunk_bytes") = kDefaultCopyChunkBytes,
+        py::arg("staging_bytes") = py::none(), py::arg("variant") = "", py::arg("dtype") = "",
+        py::arg("keep") = std::vector<std::string>{}, py::arg("keep_dtype") = "", py::arg("cached_read") = "auto",
+        py::arg("pool_bytes") = py::none(),
+        "Loads `paths` on the calling thread (GIL released) and returns the StateDict: load_async without a "
+        "thread or a handle, for small files. Not interruptible.");
   m.def("load_batch", &load_batch_py, py::arg("paths"), py::arg("device") = "cpu",
         py::arg("threads") = kDefaultThreads, py::arg("block_size") = kDefaultBlockSize, py::arg("direct") = "auto",
         py::arg("files_in_flight") = 2, py::arg("streams") = kDefaultCopyStreams,
