@@ -232,14 +232,14 @@ def summarize(runs: list[dict], lims: list[dict]) -> dict:
     return out
 
 
-def table(summary: dict, scale: float, loras: int) -> str:
+def table(summary: dict, set_bytes: int, loras: int, percall_bytes: float) -> str:
     lim = summary["limits"]
     fio, touch = lim.get("fio_gbps"), lim.get("first_touch_gbps")
     lines = [f"| workload | case | pinload | pinload batch | best peer | pinload / best peer | "
              f"fio direct | first touch |", "|---|---|---:|---:|---|---:|---:|---:|"]
-    names = {"set": f"{sum(SET_BYTES.values()) * scale / 1e9:.2f} GB set of 3 files",
+    names = {"set": f"{set_bytes / 1e9:.2f} GB set of 3 files",
              "lora": f"{loras} LoRA-like files of 3-25 MB, one file per call",
-             "percall": "1 MiB files, one file per call (ms per call)"}
+             "percall": f"{percall_bytes / 1e6:.1f} MB files, one file per call (ms per call)"}
     for w in ("set", "lora", "percall"):
         for case in ("cold", "warm"):
             cell = summary.get(f"{w}/{case}")
@@ -343,7 +343,8 @@ def main(argv=None) -> int:
         json.dump(out, f, indent=1)
         f.write("\n")
     log(f"fresh_bench: wrote {path} ({time.monotonic() - t0:.0f} s)")
-    print(table(summary, a.scale, a.loras))
+    files = out["files"]
+    print(table(summary, files["set"]["bytes"], a.loras, files["percall"]["bytes"] / max(files["percall"]["count"], 1)))
     return 0
 
 
