@@ -45,6 +45,31 @@ def sys_pinload(ctx):
     return pinload.load_files(list(ctx.paths), device=ctx.device, **opts)
 
 
+def sys_pinload_per_file(ctx):
+    """pinload.torch.load_file, one call per file: the drop-in for safetensors' load_file loop."""
+    import pinload.torch as pt
+    opts = dict(ctx.options.get("pinload", {}))
+    out = {}
+    for i, p in enumerate(ctx.files):
+        for k, v in pt.load_file(p, device=ctx.device, **opts).items():
+            out[f"{i}/{k}"] = v
+    return out
+
+
+def sys_pinload_batch(ctx):
+    """pinload.torch.load_files_batch: every file in one call, one state dict each."""
+    import pinload.torch as pt
+    if not hasattr(pt, "load_files_batch"):
+        raise Skip("this pinload has no load_files_batch")
+    opts = dict(ctx.options.get("pinload", {}))
+    out = {}
+    got = pt.load_files_batch(list(ctx.files), device=ctx.device, **opts)
+    for i, p in enumerate(ctx.files):
+        for k, v in got[p].items():
+            out[f"{i}/{k}"] = v
+    return out
+
+
 def sys_pinload_cache(ctx):
     """pinload.ModelCache, where the library has it (feature-detected: added in parallel).
     A variant is a cache-wide option there, so a set with a variant (SDXL's fp16) gets a
@@ -74,6 +99,23 @@ def sys_st_mmap_clone(ctx):
     for i, p in enumerate(ctx.files):
         for k, v in load_file(p, device=ctx.device).items():
             out[f"{i}/{k}"] = v if ctx.on_device() else v.clone()
+    return out
+
+
+def sys_st_mmap_touch(ctx):
+    """safetensors.torch.load_file (mmap backend), then one read per 4 KiB page of every tensor:
+    the tensors stay views of the mapping (no copy), with every byte resident in the process. On a
+    device, load_file copies."""
+    from safetensors.torch import load_file
+    import torch
+    out = {}
+    for i, p in enumerate(ctx.files):
+        for k, v in load_file(p, device=ctx.device).items():
+            if not ctx.on_device() and v.numel():
+                b = v.reshape(-1).view(torch.uint8)
+                b[::4096].sum()
+                b[-1:].sum()
+            out[f"{i}/{k}"] = v
     return out
 
 
@@ -233,8 +275,14 @@ class System(NamedTuple):
 SYSTEMS = {
     "pinload": System(sys_pinload, "pinload", True, False),
     "pinload ModelCache": System(sys_pinload_cache, "pinload", True, False),
+    "pinload load_file": System(sys_pinload_per_file, "pinload", True, False),
+    "pinload load_files_batch": System(sys_pinload_batch, "pinload", True, False),
+    "safetensors mmap": System(sys_st_mmap_touch, "safetensors", True, False),
     "safetensors mmap + clone": System(sys_st_mmap_clone, "safetensors", True, False),
     "safetensors pread": System(sys_st_pread, "safetensors", True, False),
+    # The same calls under another safetensors (bench/fresh_bench.py puts 0.9 first on PYTHONPATH).
+    "safetensors 0.9 mmap": System(sys_st_mmap_touch, "safetensors", True, False),
+    "safetensors 0.9 pread": System(sys_st_pread, "safetensors", True, False),
     "fastsafetensors": System(sys_fastsafetensors, "fastsafetensors", True, False),
     "runai-model-streamer": System(sys_runai, "runai-model-streamer", True, False),
     "instanttensor": System(sys_instanttensor, "instanttensor", True, False),
@@ -248,4 +296,5 @@ SYSTEMS = {
     "safetensors lazy mmap (not a load)": System(sys_st_lazy, "safetensors", False, True),
 }
 # what run_peers.py runs by default (pinload has its own bench; ModelCache is for switching)
-DEFAULT_PEERS = [n for n in SYSTEMS if not n.startswith("pinload")]
+DEFAULT_PEERS = [n for n in SYSTEMS if not n.startswith("pinload") and n not in (
+    "safetensors mmap", "safetensors 0.9 mmap", "safetensors 0.9 pread")]

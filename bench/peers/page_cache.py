@@ -5,13 +5,15 @@ from __future__ import annotations
 import os
 
 
-def drop_caches(files: list[str]) -> str:
+def drop_caches(files: list[str], level: int = 1) -> str:
+    """sync, then `echo LEVEL > /proc/sys/vm/drop_caches` as root (1: the page cache; 3: also
+    dentries and inodes); otherwise evict(files)."""
     os.sync()
     if os.geteuid() == 0:
         try:
             with open("/proc/sys/vm/drop_caches", "w") as f:
-                f.write("1\n")
-            return "drop_caches"
+                f.write(f"{level}\n")
+            return f"drop_caches {level}"
         except OSError:
             pass
     evict(files)

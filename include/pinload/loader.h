@@ -282,6 +282,9 @@ class LoadHandle {
   // True once next_ready() would return without waiting; false after
   // `timeout`.
   bool wait_ready(std::chrono::milliseconds timeout);
+  // True once the load has finished (wait() would not block); false after
+  // `timeout`. Wakes as the load ends, not at a polling interval.
+  bool wait_done(std::chrono::microseconds timeout);
   // Asks the load to stop; wait() then throws CancelledError.
   void cancel() noexcept;
   bool done() const noexcept;

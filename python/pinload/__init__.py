@@ -68,6 +68,7 @@ __all__ = [
     "iter_tensors",
     "load_file",
     "load_files",
+    "load_files_batch",
     "patch_diffusers",
     "patch_transformers",
     "pool_stats",
@@ -81,6 +82,7 @@ _LAZY = {
     "safe_open": "torch",
     "load_file": "torch",
     "load_files": "torch",
+    "load_files_batch": "torch",
     "iter_tensors": "torch",
     "patch_diffusers": "hooks",
     "patch_transformers": "hooks",
@@ -96,7 +98,7 @@ if TYPE_CHECKING:
     from . import cache, hooks, numpy, skip_init, torch  # noqa: F401
     from .cache import ModelCache
     from .hooks import patch_diffusers, patch_transformers
-    from .torch import iter_tensors, load_file, load_files, safe_open
+    from .torch import iter_tensors, load_file, load_files, load_files_batch, safe_open
 
 
 def __getattr__(name: str):

@@ -156,6 +156,9 @@ def load_async(
     device: str = "cpu",
     options: Optional[LoadOptions] = None,
     prefetch: Optional[Prefetch] = None,
+    dtype: str = "",
+    keep: Sequence[str] = ...,
+    keep_dtype: str = "",
     cached_read: str = "auto",
     stream: bool = False,
     held: Optional["HeldFile"] = None,
@@ -167,6 +170,11 @@ class HeldFile:
 
     def __init__(self, path: Union[bytes, str]) -> None: ...
     def header(self) -> Dict[str, Any]: ...
+
+def load_now(paths: Sequence[Union[bytes, str]], device: str = "cpu", options: Optional[LoadOptions] = None,
+             cached_read: str = "auto", **load_options: Any) -> StateDict: ...
+def load_batch(paths: Sequence[Union[bytes, str]], device: str = "cpu", options: Optional[LoadOptions] = None,
+               cached_read: str = "auto", **load_options: Any) -> List[Union[StateDict, Error]]: ...
 
 def prefetch(paths: Sequence[Union[bytes, str]], device: str = "cpu", options: Optional[LoadOptions] = None,
              **load_options: Any) -> Prefetch: ...

@@ -443,7 +443,9 @@ std::unique_ptr<ReadSession> ReadSession::open(Env* env, const LoadOptions& opti
   }
   counters->bytes_total = s->plan_.total_bytes;
   for (const ReadChunk& c : s->plan_.chunks) s->files_[c.file]->chunks_left.fetch_add(1, std::memory_order_relaxed);
-  s->max_open_files_ = interleaved_files(s->plan_);
+  // Files of one chunk each interleave with none: files_in_flight of them
+  // may still be open at once (Note [Files in flight]).
+  s->max_open_files_ = std::max(interleaved_files(s->plan_), std::min(options.files_in_flight, s->files_.size()));
   s->done_ = std::make_unique<std::atomic<bool>[]>(s->plan_.chunks.size());
   if (s->streaming()) s->staged_.resize(s->plan_.chunks.size());
   return s;

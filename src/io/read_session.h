@@ -86,7 +86,9 @@ class FileMapping {
 // that needs one more waits for a file to finish. That bound is the largest
 // number of files whose chunks interleave in the claim order (files_in_flight
 // for the default plan), so the files already open always have their
-// remaining chunks claimed by workers that are not waiting: no deadlock.
+// remaining chunks claimed by workers that are not waiting: no deadlock. A
+// larger bound keeps that true, so files of one chunk each, which interleave
+// with none, still have files_in_flight open and read at once.
 // Every open checks the file's identity against the stat of its header read
 // (Note [One version per load] in checkpoint.h).
 struct OpenFile {

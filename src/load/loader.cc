@@ -525,9 +525,19 @@ struct LoadHandle::State {
   Loader::Counters counters;
   std::stop_source stop;
   std::atomic<bool> finished{false};
+  std::mutex finished_mu;  // with finished_cv: wait_done()
+  std::condition_variable finished_cv;
   StateDict result;
   std::exception_ptr error;
   std::jthread thread;
+
+  void finish() {
+    {
+      std::lock_guard lock(finished_mu);
+      finished = true;
+    }
+    finished_cv.notify_all();
+  }
 
   // Dropping a handle (destroyed or assigned over) cancels its load and waits.
   ~State() {
@@ -550,7 +560,7 @@ LoadHandle Loader::load_async(std::vector<std::string> paths, HandOut hand_out) 
       s->error = std::current_exception();
     }
     s->ready.close(s->error != nullptr);
-    s->finished = true;
+    s->finish();
   });
   return LoadHandle(std::move(state));
 }
@@ -566,7 +576,7 @@ LoadHandle Loader::load_async(Prefetch prefetch, HandOut hand_out) const {
       s->error = std::current_exception();
     }
     s->ready.close(s->error != nullptr);
-    s->finished = true;
+    s->finish();
   });
   return LoadHandle(std::move(state));
 }
@@ -594,6 +604,12 @@ std::vector<Tensor> LoadHandle::next_ready() {
 
 bool LoadHandle::wait_ready(std::chrono::milliseconds timeout) {
   return !state_ || state_->ready.wait_for(timeout);
+}
+
+bool LoadHandle::wait_done(std::chrono::microseconds timeout) {
+  if (!state_) return true;
+  std::unique_lock lock(state_->finished_mu);
+  return state_->finished_cv.wait_for(lock, timeout, [&] { return state_->finished.load(); });
 }
 
 void LoadHandle::cancel() noexcept {

@@ -19,7 +19,9 @@ ErrorTypes& error_types() {
   return *types;
 }
 
-void raise_error(const Error& e) {
+}  // namespace
+
+py::object error_object(const Error& e) {
   const auto code = static_cast<std::size_t>(e.code());
   py::object type = code < std::size(error_types().by_code) && error_types().by_code[code]
                         ? error_types().by_code[code]
@@ -32,7 +34,14 @@ void raise_error(const Error& e) {
   instance.attr("end") = ctx.end ? py::object(py::int_(*ctx.end)) : py::object(py::none());
   instance.attr("code") = py::str(error_code_name(e.code()));
   instance.attr("message") = decode(e.message(), "backslashreplace");
-  PyErr_SetObject(type.ptr(), instance.ptr());
+  return instance;
+}
+
+namespace {
+
+void raise_error(const Error& e) {
+  py::object instance = error_object(e);
+  PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(instance.ptr())), instance.ptr());
 }
 
 // Note [SafetensorError]: pinload's errors derive from

@@ -11,7 +11,13 @@
 
 #include <pybind11/pybind11.h>
 
+#include "pinload/error.h"
+
 namespace pinload::python {
+
+// The Python exception instance for `e` (its pinload.Error subclass, with the
+// context as attributes), not raised.
+pybind11::object error_object(const Error& e);
 
 // Creates the exception types in `m` and installs the translator of
 // pinload::Error into them. Call once, from the module's init.

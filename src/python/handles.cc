@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <future>
 #include <memory>
 #include <optional>
 #include <string>
@@ -15,7 +16,9 @@
 #include "common.h"
 #include "dlpack_export.h"
 #include "io/held_file_env.h"
+#include "errors.h"
 #include "options.h"
+#include "pinload/batch.h"
 #include "pinload/checkpoint.h"
 #include "pinload/copy_engine.h"
 #include "pinload/device.h"
@@ -114,18 +117,13 @@ class PyLoadHandle {
   bool wait(std::optional<double> timeout) {
     if (!handle_) return true;
     py::gil_scoped_release release;
-    const auto start = std::chrono::steady_clock::now();
-    auto pause = std::chrono::microseconds(100);
-    while (!handle_->done()) {
-      auto sleep = pause;
-      if (timeout) {
-        const auto left = std::chrono::duration<double>(*timeout) - (std::chrono::steady_clock::now() - start);
-        if (left <= std::chrono::duration<double>::zero()) return false;
-        sleep = std::min(sleep, std::chrono::duration_cast<std::chrono::microseconds>(left) +
-                                    std::chrono::microseconds(1));
-      }
-      std::this_thread::sleep_for(sleep);
-      pause = std::min(pause * 2, std::chrono::microseconds(5000));
+    // Woken as the load ends: a small load's call is not rounded up to a
+    // polling interval.
+    if (timeout) {
+      return handle_->wait_done(
+          std::chrono::microseconds(static_cast<std::int64_t>(std::clamp(*timeout, 0.0, 86400.0) * 1e6)));
+    }
+    while (!handle_->wait_done(std::chrono::hours(1))) {
     }
     return true;
   }
@@ -298,6 +296,79 @@ std::unique_ptr<PyLoadHandle> load_async(const std::vector<std::string>& paths, 
     return loader.load_async(paths, hand_out);  // the load's thread holds what it needs
   }();
   return std::make_unique<PyLoadHandle>(std::move(handle), std::move(placement), std::move(env));
+}
+
+// A load on the calling thread with the GIL released: no thread of its own
+// and no hand-off, for a small file's per-call cost (pinload.torch.load_file
+// below its size threshold). Not interruptible: only for loads that end soon.
+PyStateDict load_now(const std::vector<std::string>& paths, const std::string& device_spec,
+                     const PyLoadOptions& options, const std::string& cached_read) {
+  Placement placement;
+  const CachedRead cached = cached_read_from_python(cached_read);
+  StateDict sd;
+  {
+    py::gil_scoped_release release;
+    const Loader loader = make_loader(paths, device_spec, options, &placement, nullptr, cached);
+    sd = loader.load(paths);
+  }
+  return PyStateDict(std::move(sd), std::move(placement));
+}
+
+// load_batch (pinload/batch.h) on a thread of its own, so that Ctrl-C (any
+// pending signal) cancels it: one entry per path, a StateDict or the path's
+// error as an exception instance (not raised).
+py::list load_batch_py(const std::vector<std::string>& paths, const std::string& device_spec,
+                       const PyLoadOptions& options, const std::string& cached_read) {
+  if (options.load.dtype.active()) throw InvalidArgumentError("load_batch: no dtype conversion");
+  Placement placement;
+  const CachedRead cached = cached_read_from_python(cached_read);
+  std::optional<Loader> loader;
+  {
+    py::gil_scoped_release release;
+    loader.emplace(make_loader(paths, device_spec, options, &placement, nullptr, cached));
+  }
+  std::promise<std::vector<BatchItem>> promise;
+  std::future<std::vector<BatchItem>> done = promise.get_future();
+  std::jthread worker([&](std::stop_token stop) {
+    try {
+      promise.set_value(load_batch(*loader, paths, stop));
+    } catch (...) {
+      promise.set_exception(std::current_exception());
+    }
+  });
+  for (;;) {
+    {
+      py::gil_scoped_release release;
+      if (done.wait_for(std::chrono::milliseconds(50)) == std::future_status::ready) break;
+    }
+    if (PyErr_CheckSignals() != 0) {
+      py::gil_scoped_release release;
+      worker.request_stop();
+      worker.join();
+      throw py::error_already_set();
+    }
+  }
+  std::vector<BatchItem> items;
+  {
+    py::gil_scoped_release release;
+    worker.join();
+    items = done.get();  // CancelledError only
+  }
+  py::list out;
+  for (BatchItem& item : items) {
+    if (item.ok()) {
+      out.append(py::cast(PyStateDict(std::move(item.state), placement)));
+      continue;
+    }
+    try {
+      std::rethrow_exception(item.error);
+    } catch (const Error& e) {
+      out.append(error_object(e));
+    } catch (const std::exception& e) {
+      out.append(error_object(IoError(e.what(), ErrorContext{item.path})));
+    }
+  }
+  return out;
 }
 
 // A ModelCache (model_cache.h) whose host copies live in the shared pool of
@@ -534,6 +605,26 @@ void register_handles(py::module_& m) {
       "pool once the caller has dropped its tensors; result() is then empty. `held`: a HeldFile of the one "
       "path, whose header and bytes are read. The options: `options` (a LoadOptions) or LoadOptions' "
       "keywords, not both.");
+  m.def(
+      "load_now",
+      [](const std::vector<std::string>& paths, const std::string& device, const py::object& options,
+         const std::string& cached_read, const py::kwargs& load_options) {
+        return load_now(paths, device, options_or_keywords(load_options_type(), options, load_options), cached_read);
+      },
+      py::arg("paths"), py::arg("device") = "cpu", py::arg("options") = py::none(), py::arg("cached_read") = "auto",
+      "Loads `paths` on the calling thread (GIL released) and returns the StateDict: load_async without a "
+      "thread or a handle, for small files. Not interruptible.");
+  m.def(
+      "load_batch",
+      [](const std::vector<std::string>& paths, const std::string& device, const py::object& options,
+         const std::string& cached_read, const py::kwargs& load_options) {
+        return load_batch_py(paths, device, options_or_keywords(load_options_type(), options, load_options),
+                             cached_read);
+      },
+      py::arg("paths"), py::arg("device") = "cpu", py::arg("options") = py::none(), py::arg("cached_read") = "auto",
+      "Loads every path (bytes) as its own state dict in one parallel sweep (pinload/batch.h); blocks, and a "
+      "pending signal (Ctrl-C) cancels it. Returns one entry per path, in order: a StateDict, or the path's "
+      "pinload.Error instance (not raised).");
   m.def(
       "prefetch",
       [](const std::vector<std::string>& paths, const std::string& device, const py::object& options,

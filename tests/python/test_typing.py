@@ -14,6 +14,7 @@ PACKAGE_SOURCE = Path(__file__).resolve().parents[2] / "python"
 # name -> a piece of the type mypy must reveal for pinload.<name>
 EXPECTED = {
     "load_files": "def (index_or_paths:",
+    "load_files_batch": "def (paths:",
     "iter_tensors": "-> typing.Iterator[tuple[str,",
     "load_file": "def (filename:",
     "safe_open": "-> pinload.torch.safe_open",

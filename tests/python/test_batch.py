@@ -1,0 +1,102 @@
+"""pinload.torch.load_files_batch: many independent files, one state dict each (pinload/batch.h).
+
+Every state dict is compared byte for byte with the reference reader (safetensors.torch.load_file)
+and with pinload's own single-file load; bad files among good ones fail as documented
+(docs/python.md): alone, naming the file, and nothing partial.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import safetensors.torch as st
+
+import pinload
+import pinload.torch as pt
+
+from pl_helpers import DEVICES
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _same(got: dict, want: dict) -> None:
+    assert list(got) == list(want)
+    for name, t in want.items():
+        assert got[name].dtype == t.dtype and got[name].shape == t.shape, name
+        assert torch.equal(_bytes(got[name]), _bytes(t)), name
+
+
+@pytest.fixture(scope="module")
+def library(tmp_path_factory):
+    """100 LoRA-like files of one base model: the same tensor names in every file."""
+    d = tmp_path_factory.mktemp("loras")
+    g = torch.Generator().manual_seed(3)
+    paths = []
+    for i in range(100):
+        rank = 1 + i % 8
+        tensors = {}
+        for k in range(6):
+            tensors[f"unet.block{k}.attn.to_q.lora_A.weight"] = torch.randn(rank, 64 + k, generator=g)
+            tensors[f"unet.block{k}.attn.to_q.lora_B.weight"] = torch.randn(64 + k, rank, generator=g).half()
+            tensors[f"unet.block{k}.attn.to_q.alpha"] = torch.tensor(float(rank))
+        p = d / f"lora{i:03d}.safetensors"
+        st.save_file(tensors, str(p), metadata={"index": str(i)})
+        paths.append(str(p))
+    return paths
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_equal_to_reference_and_to_single_loads(library, device):
+    got = pt.load_files_batch(library, device=device, threads=4, block_size="64K")
+    assert list(got) == library
+    for p in library:
+        _same(got[p], st.load_file(p))
+        _same(got[p], pt.load_file(p, device=device))
+
+
+def test_one_bad_file_among_a_hundred(library, tmp_path):
+    paths = list(library)
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all}")
+    paths[41] = str(bad)
+    # Default: the bad file's own error, naming it; nothing returned.
+    with pytest.raises(pinload.InvalidFileError) as info:
+        pt.load_files_batch(paths)
+    assert info.value.file == str(bad)
+    assert list(info.value.errors) == [str(bad)]
+    # return_errors: the bad file's value is its error; every other one is whole and correct.
+    got = pt.load_files_batch(paths, return_errors=True)
+    assert isinstance(got[str(bad)], pinload.InvalidFileError)
+    for i, p in enumerate(paths):
+        if i != 41:
+            _same(got[p], st.load_file(p))
+
+
+def test_missing_and_duplicate_paths(library, tmp_path):
+    missing = str(tmp_path / "missing.safetensors")
+    got = pt.load_files_batch([library[0], missing], return_errors=True)
+    assert isinstance(got[missing], pinload.NotFoundError) and got[missing].file == missing
+    _same(got[library[0]], st.load_file(library[0]))
+    with pytest.raises(ValueError, match="given twice"):
+        pt.load_files_batch([library[0], library[0]])
+    with pytest.raises(TypeError):
+        pt.load_files_batch(library[:2], dtype="bf16")
+
+
+def test_tensors_outlive_the_batch(library):
+    got = pt.load_files_batch(library[:3])
+    keep = got[library[1]]
+    del got
+    import gc
+
+    gc.collect()
+    _same(keep, st.load_file(library[1]))
+
+
+def test_backend_and_os_paths(library):
+    got = pt.load_files_batch([os.fsencode(library[0])], backend="pread")
+    _same(got[library[0]], st.load_file(library[0]))
