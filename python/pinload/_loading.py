@@ -105,5 +105,6 @@ def start(paths: List[str], spec: str, options: "_Options", *, cached_read: str 
         cached_read=cached_read,
         stream=stream,
         held=held,
+        zero_copy=options.zero_copy,
         **options.convert_kwargs(),
     )

@@ -49,7 +49,8 @@ class _Options:
     """Load options, checked once."""
 
     __slots__ = ("threads", "block_size", "direct", "files_in_flight", "streams", "chunk_bytes",
-                 "staging_bytes", "variant", "progress", "prefetch", "dtype", "keep", "keep_dtype", "pool_bytes")
+                 "staging_bytes", "variant", "progress", "prefetch", "dtype", "keep", "keep_dtype", "pool_bytes",
+                 "zero_copy")
 
     def __init__(
         self,
@@ -67,6 +68,7 @@ class _Options:
         keep: Iterable[str] = (),
         keep_dtype: Any = None,
         pool_bytes: Union[int, str, None] = None,
+        zero_copy: str = "auto",
     ):
         if not isinstance(threads, int) or not 1 <= threads <= 1024:
             raise ValueError(f"threads must be 1..1024, not {threads!r}")
@@ -99,6 +101,12 @@ class _Options:
         self.pool_bytes = None if pool_bytes is None else _size(pool_bytes, "pool_bytes")
         if self.pool_bytes == 0:
             raise ValueError("pool_bytes must be > 0")
+        # Host loads: files handed out as leased file mappings (Note [Zero-copy loads]).
+        if zero_copy is True or zero_copy is False:
+            zero_copy = "on" if zero_copy else "off"
+        if zero_copy not in ("auto", "on", "off"):
+            raise ValueError(f"zero_copy must be 'auto', 'on' or 'off', not {zero_copy!r}")
+        self.zero_copy = zero_copy
         self.dtype = _dtype_name(dtype)
         if isinstance(keep, str):
             keep = [keep]

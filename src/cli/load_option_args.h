@@ -20,6 +20,8 @@ inline constexpr Spelling<DirectIo> kDirectSpellings[] = {
     {"auto", DirectIo::kAuto}, {"on", DirectIo::kOn}, {"off", DirectIo::kOff}};
 inline constexpr Spelling<CachedRead> kCachedReadSpellings[] = {
     {"auto", CachedRead::kAuto}, {"map", CachedRead::kMap}, {"pread", CachedRead::kPread}};
+inline constexpr Spelling<ZeroCopy> kZeroCopySpellings[] = {
+    {"auto", ZeroCopy::kAuto}, {"on", ZeroCopy::kOn}, {"off", ZeroCopy::kOff}};
 
 // The value spelled `text`; nullopt for anything else.
 template <class E, std::size_t N>
@@ -47,5 +49,11 @@ inline std::optional<CachedRead> parse_cached_read_arg(std::string_view text) {
   return parse_spelling(kCachedReadSpellings, text);
 }
 inline const char* cached_read_arg_name(CachedRead c) { return spelling_of(kCachedReadSpellings, c); }
+
+// --zero-copy auto|on|off (Note [Zero-copy loads] in loader.h)
+inline std::optional<ZeroCopy> parse_zero_copy_arg(std::string_view text) {
+  return parse_spelling(kZeroCopySpellings, text);
+}
+inline const char* zero_copy_arg_name(ZeroCopy z) { return spelling_of(kZeroCopySpellings, z); }
 
 }  // namespace pinload::cli

@@ -392,6 +392,7 @@ py::dict progress_dict(const LoadProgress& p, bool with_copies) {
   d["files_direct"] = p.files_direct;
   d["files_buffered"] = p.files_buffered;
   d["files_mapped"] = p.files_mapped;
+  d["files_zero_copy"] = p.files_zero_copy;
   if (with_copies) d["bytes_copied"] = p.bytes_copied;
   return d;
 }
@@ -529,6 +530,11 @@ CachedRead parse_cached_read(const std::string& cached_read) {
   throw InvalidFileError("cached_read must be 'auto', 'map' or 'pread', not '" + cached_read + "'");
 }
 
+ZeroCopy parse_zero_copy(const std::string& zero_copy) {
+  if (std::optional<ZeroCopy> z = cli::parse_zero_copy_arg(zero_copy)) return *z;
+  throw InvalidFileError("zero_copy must be 'auto', 'on' or 'off', not '" + zero_copy + "'");
+}
+
 // The reader's options as Python passes them, checked.
 LoadOptions reader_options(unsigned threads, std::size_t block_size, const std::string& direct,
                            std::size_t files_in_flight, const std::string& variant) {
@@ -601,13 +607,15 @@ Loader make_loader(const std::vector<std::string>& paths, const std::string& dev
                    std::size_t block_size, const std::string& direct, std::size_t files_in_flight, std::size_t streams,
                    std::size_t chunk_bytes, std::optional<std::uint64_t> staging_bytes, const std::string& variant,
                    std::optional<std::uint64_t> pool_bytes, Placement* placement, Env* env = nullptr,
-                   const DTypeOptions& dtype = {}, const std::string& cached_read = "auto") {
+                   const DTypeOptions& dtype = {}, const std::string& cached_read = "auto",
+                   const std::string& zero_copy = "auto") {
   if (paths.empty()) throw InvalidFileError("no path given");
   if (streams == 0 || streams > 64) throw InvalidFileError("streams must be 1..64");
   if (chunk_bytes == 0) throw InvalidFileError("chunk_bytes must be > 0");
   LoadOptions options = reader_options(threads, block_size, direct, files_in_flight, variant);
   options.dtype = dtype;
   options.cached_read = parse_cached_read(cached_read);
+  options.zero_copy = parse_zero_copy(zero_copy);
   Device* device = device_for(device_spec, placement);
   if (staging_bytes && device == nullptr) throw InvalidFileError("staging_bytes (streaming mode) needs a device");
   options.target.device = device;
@@ -626,7 +634,7 @@ std::unique_ptr<PyLoadHandle> load_async(const std::vector<std::string>& paths, 
                          const std::string& variant, PyPrefetch* prefetch, const std::string& dtype,
                          const std::vector<std::string>& keep, const std::string& keep_dtype,
                          const std::string& cached_read, bool stream, std::optional<std::uint64_t> pool_bytes,
-                         const PyHeldFile* held) {
+                         const PyHeldFile* held, const std::string& zero_copy) {
   Placement placement;
   const HandOut hand_out = stream ? HandOut::kStream : HandOut::kWhole;
   DTypeOptions conversion;  // Note [Conversion on load] in convert.h
@@ -647,7 +655,8 @@ std::unique_ptr<PyLoadHandle> load_async(const std::vector<std::string>& paths, 
       env = held->env();
     }
     Loader loader = make_loader(paths, device_spec, threads, block_size, direct, files_in_flight, streams, chunk_bytes,
-                                staging_bytes, variant, pool_bytes, &placement, env.get(), conversion, cached_read);
+                                staging_bytes, variant, pool_bytes, &placement, env.get(), conversion, cached_read,
+                                zero_copy);
     // The prefetch's own loader, so that its blocks and budget are the ones
     // adopted (a conversion load adopts none: its options differ).
     if (prefetch != nullptr && held == nullptr && !conversion.active() && prefetch->matches(paths, placement)) {
@@ -888,7 +897,7 @@ PYBIND11_MODULE(_core, m) {
         py::arg("variant") = "", py::arg("prefetch") = nullptr, py::arg("dtype") = "",
         py::arg("keep") = std::vector<std::string>{}, py::arg("keep_dtype") = "",
         py::arg("cached_read") = "auto", py::arg("stream") = false, py::arg("pool_bytes") = py::none(),
-        py::arg("held") = nullptr,
+        py::arg("held") = nullptr, py::arg("zero_copy") = "auto",
         "Starts loading `paths` (bytes: files, indexes, folders) to `device` ('cpu', 'sim', 'cuda', 'cuda:N') "
         "on the device's shared pool (with `pool_bytes`: the shared pool of that budget); returns a LoadHandle at once. A `prefetch` of the same paths and device "
         "is adopted: what it read is not read again (its own options then apply). `dtype` ('BF16', 'F16', 'F32'; "
@@ -896,7 +905,8 @@ PYBIND11_MODULE(_core, m) {
         "(those become `keep_dtype`, or stay as stored when it is ''). cached_read: how a file "
         "in the page cache is read ('auto', 'map', 'pread'). stream=True: tensors come only from next_ready() "
         "and the load keeps none of them (HandOut::kStream), so each file's block goes back to the pool once "
-        "the caller has dropped its tensors; result() is then empty. `held`: a HeldFile of the one path, whose header and bytes are read.");
+        "the caller has dropped its tensors; result() is then empty. `held`: a HeldFile of the one path, whose header and bytes are read. "
+        "zero_copy ('auto', 'on', 'off'): host files handed out as leased file mappings (Note [Zero-copy loads]).");
   m.def("prefetch", &start_prefetch, py::arg("paths"), py::arg("device") = "cpu",
         py::arg("threads") = kDefaultThreads, py::arg("block_size") = kDefaultBlockSize, py::arg("direct") = "auto",
         py::arg("files_in_flight") = 2, py::arg("streams") = kDefaultCopyStreams,
