@@ -88,6 +88,7 @@ def load_async(
     prefetch: Optional[Prefetch] = None,
     cached_read: str = "auto",
     stream: bool = False,
+    zero_copy: str = "auto",
 ) -> LoadHandle: ...
 def prefetch(
     paths: Sequence[Union[bytes, str]],

@@ -1,6 +1,7 @@
 #include "load/zero_copy.h"
 
 #include <sys/mman.h>
+#include <sys/resource.h>
 
 #include <algorithm>
 #include <atomic>
@@ -37,6 +38,16 @@ std::vector<std::shared_ptr<LeasedMapping>> choose_zero_copy(const LoadOptions& 
   // Memory the pool has touched already and would hand out again: a load
   // that fits it copies at memory speed and keeps its blocks pinned-ready
   // (the model-switching case), so kAuto reads into it.
+  // A pool with a budget is the caller's cap on the load's memory: kAuto
+  // keeps the load inside it (and failing before reading when it cannot fit).
+  if (options.zero_copy == ZeroCopy::kAuto && pool.options().capacity_bytes != 0) return mapped;
+  // Each mapping holds its file open for the lease: kAuto leaves at least
+  // three quarters of the process's file descriptors to everything else.
+  rlimit nofile{};
+  const std::uint64_t fd_cap = ::getrlimit(RLIMIT_NOFILE, &nofile) == 0 && nofile.rlim_cur != RLIM_INFINITY
+                                   ? nofile.rlim_cur / 4
+                                   : UINT64_MAX;
+  std::uint64_t leased = LeasedMapping::live_count();
   const PoolStats stats = pool.stats();
   std::uint64_t idle = stats.reserved_bytes > stats.in_use_bytes ? stats.reserved_bytes - stats.in_use_bytes : 0;
   for (std::size_t i = 0; i < checkpoint.files.size(); ++i) {
@@ -45,6 +56,10 @@ std::vector<std::shared_ptr<LeasedMapping>> choose_zero_copy(const LoadOptions& 
     const std::uint64_t bytes = cf.header.data_size();
     if (options.zero_copy == ZeroCopy::kAuto && bytes <= idle) {
       idle -= bytes;
+      continue;
+    }
+    if (options.zero_copy == ZeroCopy::kAuto && leased >= fd_cap) {
+      log::debug("{}: read, not mapped (file descriptor budget)", cf.path);
       continue;
     }
     std::string why;
@@ -61,6 +76,7 @@ std::vector<std::shared_ptr<LeasedMapping>> choose_zero_copy(const LoadOptions& 
       }
     }
     mapped[i] = std::move(m);
+    ++leased;
   }
   return mapped;
 }
