@@ -15,6 +15,7 @@
 #include "base/log.h"
 #include "io/read_session.h"
 #include "pinload/error.h"
+#include "pinload/memory_limit.h"
 
 #ifndef MADV_POPULATE_READ
 #define MADV_POPULATE_READ 22
@@ -40,7 +41,15 @@ std::vector<std::shared_ptr<LeasedMapping>> choose_zero_copy(const LoadOptions& 
   // (the model-switching case), so kAuto reads into it.
   // A pool with a budget is the caller's cap on the load's memory: kAuto
   // keeps the load inside it (and failing before reading when it cannot fit).
-  if (options.zero_copy == ZeroCopy::kAuto && pool.options().capacity_bytes != 0) return mapped;
+  if (options.zero_copy == ZeroCopy::kAuto && (pool.options().capacity_bytes != 0 || options.pool_bytes != 0)) {
+    return mapped;
+  }
+  // A load that cannot fit the process's memory limit keeps failing as
+  // Note [Memory limits] says, before reading.
+  if (options.zero_copy == ZeroCopy::kAuto) {
+    const std::optional<HostMemoryLimit> limit = read_host_memory_limit(default_env());
+    if (limit && limit->available_bytes < checkpoint.data_bytes()) return mapped;
+  }
   // Each mapping holds its file open for the lease: kAuto leaves at least
   // three quarters of the process's file descriptors to everything else.
   rlimit nofile{};
