@@ -162,7 +162,13 @@ std::vector<std::string> split(const std::string& text, char sep = ',') {
 
 struct Args {
   std::vector<std::string> paths;
-  pinload::LoadOptions load;
+  // The pool-kept scenario: every load reads into the bench's pool (Note
+  // [Zero-copy loads] is measured in fresh processes: bench/fresh_host_probe.py).
+  pinload::LoadOptions load = [] {
+    pinload::LoadOptions o;
+    o.zero_copy = pinload::ZeroCopy::kOff;
+    return o;
+  }();
   int repeat = 3;
   pinload::HugePages huge_pages = pinload::HugePages::kTransparent;
   std::vector<std::string> phases = {"memcpy", "fio", "buffered", "cold", "warm", "cached-read", "pool"};

@@ -33,6 +33,27 @@
 // the chunk is read again with pread, which reports the short file as the
 // unmapped path does.
 //
+// Note [Zero-copy loads]
+// A new process has no pool memory yet, and fresh anonymous memory can be
+// slow to arrive (first touch at 0.3-1.1 GB/s on a VM whose host has taken
+// back the guest's free pages: docs/tuning.md), while a file in the page
+// cache can be handed out with no byte moved. So a host load (no device, no
+// conversion, local files on the POSIX env) may hand a file's tensors out as
+// views of a private, copy-on-write mapping of the file, guarded by a read
+// lease that moves the bytes out before any writer or truncation gets to the
+// file (Note [Leased mappings] in src/io/leased_mapping.h): never a SIGBUS.
+//   ZeroCopy::kAuto  maps a file when the pool lacks idle memory to read it
+//                    into (the pool-kept, model-switching case keeps reading
+//                    into memory it has touched), a lease is granted and at
+//                    least resident_threshold of it is in the page cache.
+//   ZeroCopy::kOn    maps every file a lease is granted for, whatever is
+//                    cached, and faults what is not in with `threads` threads
+//                    (MADV_POPULATE_READ) before returning.
+//   ZeroCopy::kOff   never maps.
+// A mapped file is counted in LoadProgress::files_zero_copy; its tensors'
+// Block is the mapping (not pool memory, not locked) and lives while any of
+// them does. Files that are not mapped are read as usual, in the same load.
+//
 // Note [Block size]
 // 8 MiB per chunk: a pread of it costs one syscall per 8 MiB (the seed article
 // measured 16x fewer calls than 128 KiB buffered reads at 2 MiB already), 8
@@ -99,6 +120,10 @@ enum class DirectIo { kAuto, kOn, kOff };
 // [Mapped reads]. kAuto measures both and takes the faster, chunk by chunk.
 enum class CachedRead { kAuto, kMap, kPread };
 
+// Whether a host load may hand files out as views of leased file mappings:
+// Note [Zero-copy loads].
+enum class ZeroCopy { kAuto, kOn, kOff };
+
 inline constexpr unsigned kDefaultThreads = 8;
 inline constexpr unsigned kMaxThreads = 1024;
 inline constexpr std::size_t kDefaultBlockSize = 8u << 20;  // Note [Block size]
@@ -113,6 +138,8 @@ std::optional<DirectIo> parse_direct_io(std::string_view text) noexcept;
 const char* direct_io_name(DirectIo direct) noexcept;
 std::optional<CachedRead> parse_cached_read(std::string_view text) noexcept;
 const char* cached_read_name(CachedRead cached_read) noexcept;
+std::optional<ZeroCopy> parse_zero_copy(std::string_view text) noexcept;  // "auto", "on", "off"
+const char* zero_copy_name(ZeroCopy zero_copy) noexcept;
 
 enum class DeviceMode { kCached, kStreaming };
 
@@ -147,6 +174,7 @@ struct LoadOptions {
   // Above 1: never counted as cached.
   double resident_threshold = kDefaultResidentThreshold;
   CachedRead cached_read = CachedRead::kAuto;
+  ZeroCopy zero_copy = ZeroCopy::kAuto;  // Note [Zero-copy loads]
   ResolveOptions resolve;
   DeviceTarget target;  // Note [Device loads]; copy.streams 1..kMaxCopyStreams
   NumaOptions numa;
@@ -175,6 +203,7 @@ struct LoadProgress {
   std::uint64_t files_buffered = 0;  // files read through the page cache
   std::uint64_t files_mapped = 0;    // of those, copied from a mapping (Note [Mapped reads])
   std::uint64_t bytes_copied = 0;    // to the device, completed
+  std::uint64_t files_zero_copy = 0; // handed out as file mappings (Note [Zero-copy loads])
 };
 
 // How a load_async handle gives its tensors out (Note [Ready tensors]).
@@ -246,7 +275,8 @@ class Loader {
   struct Counters;  // internal: a load's live progress counters
 
  private:
-  StateDict run(const Checkpoint& checkpoint, const LoadRequest& request, Counters* counters) const;
+  StateDict run(const Checkpoint& checkpoint, const LoadRequest& request, Counters* counters,
+                bool may_map = true) const;
   StateDict adopt(Prefetch& prefetch, LoadRequest request, Counters* counters) const;
 
   LoadOptions options_;

@@ -62,8 +62,14 @@ struct PoolStats {
 
 class Pool;
 
+namespace detail {
+class LeasedMapping;  // a file mapping handed out as a block (Note [Leased mappings])
+}
+
 // A contiguous piece of pool memory. Shared through std::shared_ptr<Block>;
 // the memory returns to the pool's free list when the last owner lets go.
+// (A zero-copy load's block is a file mapping instead: Note [Zero-copy loads]
+// in loader.h.)
 class Block {
  public:
   std::byte* data() const noexcept { return data_; }
@@ -73,6 +79,7 @@ class Block {
 
  private:
   friend class Pool;
+  friend class detail::LeasedMapping;
   Block(std::byte* data, std::size_t size, std::size_t capacity, bool locked, void* slab)
       : data_(data), size_(size), capacity_(capacity), locked_(locked), slab_(slab) {}
   std::byte* data_;

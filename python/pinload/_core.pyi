@@ -47,7 +47,10 @@ class LoadOptions:
         keep_dtype: Any = None,
         pool_bytes: Union[int, str, None] = None,
         connections: Optional[int] = None,
+        zero_copy: Union[str, bool] = "auto",
     ) -> None: ...
+    @property
+    def zero_copy(self) -> str: ...
     @property
     def threads(self) -> int: ...
     @property

@@ -30,6 +30,7 @@ class LoadKwargs(TypedDict, total=False):
     keep: Union[str, Iterable[str]]  # name patterns not converted to dtype
     keep_dtype: Any  # the dtype of the kept tensors (None: as stored)
     pool_bytes: Union[int, str, None]  # the budget of the load's pool (None: the device's shared pool)
+    zero_copy: Union[str, bool]  # host files as leased file mappings: "auto", "on", "off" (Note [Zero-copy loads])
     connections: Optional[int]  # parallel connections for remote files, 1..1024 (None: PINLOAD_CONNECTIONS, else 16)
 
 

@@ -103,6 +103,9 @@ void add_reader_options(CLI::App& command, LoadOptions* options) {
                       "O_DIRECT reads (auto: unless the file is already cached)");
   add_spelling_option(command, "--cached-read", &options->cached_read, kCachedReadSpellings,
                       "how a cached file is read (auto: map or pread, whichever the file favours)");
+  add_spelling_option(command, "--zero-copy", &options->zero_copy, kZeroCopySpellings,
+                      "host loads: hand files out as leased file mappings (auto: cached files, when the pool has "
+                      "no memory to spare; on: every file, read in by the mapping)");
   command
       .add_option_function<std::string>(
           "--numa-node",

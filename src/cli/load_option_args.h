@@ -14,6 +14,7 @@ namespace pinload::cli {
 
 using detail::kCachedReadSpellings;
 using detail::kDirectSpellings;
+using detail::kZeroCopySpellings;
 using detail::Spelling;
 using detail::parse_spelling;
 using detail::spelling_of;
@@ -25,5 +26,11 @@ inline const char* direct_arg_name(DirectIo d) { return direct_io_name(d); }
 // --cached-read auto|map|pread
 inline std::optional<CachedRead> parse_cached_read_arg(std::string_view text) { return parse_cached_read(text); }
 inline const char* cached_read_arg_name(CachedRead c) { return cached_read_name(c); }
+
+// --zero-copy auto|on|off (Note [Zero-copy loads] in loader.h)
+inline std::optional<ZeroCopy> parse_zero_copy_arg(std::string_view text) {
+  return parse_spelling(kZeroCopySpellings, text);
+}
+inline const char* zero_copy_arg_name(ZeroCopy z) { return spelling_of(kZeroCopySpellings, z); }
 
 }  // namespace pinload::cli

@@ -79,6 +79,7 @@ class ReadyQueue {
 // tensors go (load_async only).
 struct Loader::Counters : detail::ReadCounters {
   std::atomic<std::uint64_t> bytes_copied{0};
+  std::atomic<std::uint64_t> files_zero_copy{0};  // Note [Zero-copy loads]
   detail::ReadyQueue* ready = nullptr;  // set by load_async
   bool stream = false;                  // HandOut::kStream: keep nothing handed out
 
@@ -90,6 +91,7 @@ struct Loader::Counters : detail::ReadCounters {
     p.files_buffered = files_buffered.load(std::memory_order_relaxed);
     p.files_mapped = files_mapped.load(std::memory_order_relaxed);
     p.bytes_copied = bytes_copied.load(std::memory_order_relaxed);
+    p.files_zero_copy = files_zero_copy.load(std::memory_order_relaxed);
     return p;
   }
 };

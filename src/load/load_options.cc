@@ -29,6 +29,10 @@ std::optional<CachedRead> parse_cached_read(std::string_view text) noexcept {
   return parse_spelling(kCachedReadSpellings, text);
 }
 const char* cached_read_name(CachedRead cached_read) noexcept { return spelling_of(kCachedReadSpellings, cached_read); }
+std::optional<ZeroCopy> parse_zero_copy(std::string_view text) noexcept {
+  return parse_spelling(kZeroCopySpellings, text);
+}
+const char* zero_copy_name(ZeroCopy zero_copy) noexcept { return spelling_of(kZeroCopySpellings, zero_copy); }
 
 void LoadOptions::validate() const {
   static_assert(kMinBlockSize == 4096 && kMaxBlockSize == (1u << 30) && kMaxThreads == 1024 && kMaxCopyStreams == 64,

@@ -18,6 +18,7 @@
 #include "load/convert_on_load.h"
 #include "load/load_counters.h"
 #include "load/prefetch_handover.h"
+#include "load/zero_copy.h"
 #include "pinload/error.h"
 #include "pinload/io_template.h"
 #include "pinload/prefetch.h"
@@ -432,8 +433,20 @@ std::string Loader::destination() const {
   return options_.target.device != nullptr ? options_.target.device->name() : std::string(kHostDestination);
 }
 
-StateDict Loader::run(const Checkpoint& checkpoint, const LoadRequest& request, Counters* counters) const {
+StateDict Loader::run(const Checkpoint& checkpoint, const LoadRequest& request, Counters* counters,
+                      bool may_map) const {
   const std::stop_token& stop = request.stop;
+  // Note [Zero-copy loads]: host files handed out as leased mappings.
+  if (may_map && options_.zero_copy != ZeroCopy::kOff && options_.target.device == nullptr &&
+      !options_.dtype.active() && request.adopt == nullptr && request.record == nullptr && env_ == default_env()) {
+    auto hand_out = [&](std::vector<Tensor> ready) {
+      if (counters->ready != nullptr) counters->ready->push(std::move(ready));
+    };
+    auto read = [&](const Checkpoint& rest) { return run(rest, request, counters, false); };
+    if (std::optional<StateDict> sd = detail::load_zero_copy(options_, checkpoint, *pool_, counters, stop, hand_out, read)) {
+      return std::move(*sd);
+    }
+  }
   const bool streaming = staging_pool_ != nullptr;
   Device* device = options_.target.device;
   std::unique_ptr<ReadSession> session = session_for(checkpoint, request, streaming, [&] {

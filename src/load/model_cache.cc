@@ -97,6 +97,13 @@ ModelCache::ModelCache(std::uint64_t budget_bytes, std::shared_ptr<const Loader>
   if (loader_->options().target.device != nullptr) {
     throw InvalidArgumentError("ModelCache needs a Loader that loads to host memory (no device target); use get_on()");
   }
+  // Cached copies live in pool memory, counted against the budget and ready
+  // for upload(): never a file mapping (Note [Zero-copy loads] in loader.h).
+  if (loader_->options().zero_copy != ZeroCopy::kOff) {
+    LoadOptions options = loader_->options();
+    options.zero_copy = ZeroCopy::kOff;
+    loader_ = std::make_shared<const Loader>(options, loader_->pool(), loader_->env());
+  }
 }
 
 ModelCache::~ModelCache() = default;

@@ -21,6 +21,8 @@ inline constexpr Spelling<DirectIo> kDirectSpellings[] = {
     {"auto", DirectIo::kAuto}, {"on", DirectIo::kOn}, {"off", DirectIo::kOff}};
 inline constexpr Spelling<CachedRead> kCachedReadSpellings[] = {
     {"auto", CachedRead::kAuto}, {"map", CachedRead::kMap}, {"pread", CachedRead::kPread}};
+inline constexpr Spelling<ZeroCopy> kZeroCopySpellings[] = {
+    {"auto", ZeroCopy::kAuto}, {"on", ZeroCopy::kOn}, {"off", ZeroCopy::kOff}};
 
 // The value spelled `text`; nullopt for anything else.
 template <class E, std::size_t N>

@@ -86,6 +86,7 @@ py::dict progress_dict(const LoadProgress& p, bool with_copies) {
   d["files_direct"] = p.files_direct;
   d["files_buffered"] = p.files_buffered;
   d["files_mapped"] = p.files_mapped;
+  d["files_zero_copy"] = p.files_zero_copy;
   if (with_copies) d["bytes_copied"] = p.bytes_copied;
   return d;
 }

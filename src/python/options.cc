@@ -43,6 +43,15 @@ DirectIo direct_from_python(const py::handle& value) {
   return *direct;
 }
 
+ZeroCopy zero_copy_from_python(const py::handle& value) {
+  if (PyBool_Check(value.ptr())) return value.cast<bool>() ? ZeroCopy::kOn : ZeroCopy::kOff;
+  if (!PyUnicode_Check(value.ptr())) type_error("zero_copy", "'auto', 'on', 'off' or a bool", value);
+  const std::string text = value.cast<std::string>();
+  const std::optional<ZeroCopy> zero_copy = parse_zero_copy(text);
+  if (!zero_copy) throw InvalidArgumentError("zero_copy must be 'auto', 'on' or 'off', not '" + text + "'");
+  return *zero_copy;
+}
+
 // A conversion dtype from Python: None (as stored), a torch dtype or a name
 // ('bfloat16', 'bf16', 'BF16', 'float16', 'half', 'fp16', 'F16', 'float32',
 // 'float', 'fp32', 'F32').
@@ -81,7 +90,7 @@ PyLoadOptions make_options(const py::object& threads, const py::object& block_si
                            const py::object& files_in_flight, const py::object& streams, const py::object& chunk_bytes,
                            const py::object& staging_bytes, const py::object& variant, const py::object& dtype,
                            const py::object& keep, const py::object& keep_dtype, const py::object& pool_bytes,
-                           const py::object& connections) {
+                           const py::object& connections, const py::object& zero_copy) {
   PyLoadOptions o;
   o.load.threads = count_from_python<unsigned>(threads, "threads");
   o.load.block_size = size_from_python(block_size, "block_size");
@@ -110,6 +119,7 @@ PyLoadOptions make_options(const py::object& threads, const py::object& block_si
     o.load.resolve.remote.connections = count_from_python<unsigned>(connections, "connections");
     if (o.load.resolve.remote.connections == 0) throw InvalidArgumentError("connections must be 1..1024, not 0");
   }
+  o.load.zero_copy = zero_copy_from_python(zero_copy);
   o.load.validate();
   if (o.staging_bytes && *o.staging_bytes == 0) throw InvalidArgumentError("staging_bytes must be > 0, not 0");
   return o;
@@ -148,7 +158,9 @@ void register_options(py::module_& m) {
            py::arg("chunk_bytes") = kDefaultCopyChunkBytes, py::arg("staging_bytes") = py::none(),
            py::arg("variant") = py::none(), py::arg("dtype") = py::none(), py::arg("keep") = py::tuple(),
            py::arg("keep_dtype") = py::none(), py::arg("pool_bytes") = py::none(), py::arg("connections") = py::none(),
-           "dtype: converts floating tensors inside the load (torch.bfloat16, torch.float16, torch.float32 or "
+           py::arg("zero_copy") = "auto",
+           "zero_copy ('auto', 'on', 'off'; or a bool): host files handed out as leased file mappings (Note "
+           "[Zero-copy loads] in loader.h). dtype: converts floating tensors inside the load (torch.bfloat16, torch.float16, torch.float32 or "
            "their names; None: as stored), except names matching a `keep` pattern (those become `keep_dtype`, "
            "or stay as stored). pool_bytes: the budget of the pool the load's blocks come from (one shared pool "
            "per device and budget; None: the device's shared pool). Raises InvalidArgumentError (a ValueError) naming the option for a value out of range, TypeError "
@@ -173,6 +185,8 @@ void register_options(py::module_& m) {
                                return std::string(dtype_name(*o.load.dtype.keep_to));
                              })
       .def_property_readonly("pool_bytes", [](const PyLoadOptions& o) { return o.pool_bytes; })
+      .def_property_readonly("zero_copy",
+                             [](const PyLoadOptions& o) { return std::string(zero_copy_name(o.load.zero_copy)); })
       .def_property_readonly("connections",
                              [](const PyLoadOptions& o) -> std::optional<unsigned> {
                                const unsigned n = o.load.resolve.remote.connections;

@@ -1,4 +1,7 @@
-"""Lifetimes: tensors hold their pool block; loads and frees return the pool to its baseline."""
+"""Lifetimes: tensors hold their pool block; loads and frees return the pool to its baseline.
+
+Host loads here read into the pool (zero_copy="off"): zero-copy loads hold no pool block
+(Note [Zero-copy loads]; their lifetimes: tests/zero_copy_test.cc)."""
 
 import gc
 
@@ -23,11 +26,11 @@ def model_file(tmp_path_factory):
 
 def test_thousand_loads_and_frees_return_to_baseline(model_file):
     path, tensors = model_file
-    pt.load_file(path)  # the first load reserves the pool's memory
+    pt.load_file(path, zero_copy="off")  # the first load reserves the pool's memory
     base = in_use()
     stats0 = pinload.pool_stats()
     for i in range(1000):
-        got = pt.load_file(path, threads=2)
+        got = pt.load_file(path, threads=2, zero_copy="off")
         if i % 97 == 0:
             assert_same_dict(got, tensors)
             assert in_use() > base
@@ -60,7 +63,7 @@ def test_device_loads_return_to_baseline(model_file, device):
 def test_tensors_outlive_state_dict_and_views_hold_the_block(model_file):
     path, tensors = model_file
     base = in_use()
-    got = pt.load_file(path)
+    got = pt.load_file(path, zero_copy="off")
     row = got["layer2.weight"][5]  # a view into the loaded tensor
     ids = got["ids"]
     del got
@@ -90,7 +93,7 @@ def test_dropped_handle_in_flight(model_file):
     path, _ = model_file
     base = in_use()
     for _ in range(50):
-        h = pinload._core.load_async([str(path).encode()], "cpu")
+        h = pinload._core.load_async([str(path).encode()], "cpu", zero_copy="off")
         del h  # cancels and joins; must not crash or leak a block
     gc.collect()
     assert in_use() == base
@@ -99,7 +102,7 @@ def test_dropped_handle_in_flight(model_file):
 def test_unconsumed_capsules_free_their_block(model_file):
     path, _ = model_file
     base = in_use()
-    h = pinload._core.load_async([str(path).encode()], "cpu")
+    h = pinload._core.load_async([str(path).encode()], "cpu", zero_copy="off")
     sd = h.result()
     capsules = sd.export_all()
     del sd, h
@@ -112,7 +115,7 @@ def test_pool_is_shared_per_device(model_file):
     path, _ = model_file
     assert pinload.pool_stats("cpu")["backend"] == pinload.pool_stats(None)["backend"]
     before = pinload.pool_stats()["allocations"]
-    pt.load_file(path)
+    pt.load_file(path, zero_copy="off")
     pinload.safe_open(path).get_tensors()
     pinload.load_files([path])
     assert pinload.pool_stats()["allocations"] == before + 3
@@ -143,7 +146,7 @@ def test_iter_tensors_returns_each_shard_once_dropped(tmp_path):
     base = in_use()
     by_shard = {}
     seen = set()
-    for name, tensor in pinload.iter_tensors(index, files_in_flight=1, threads=2):
+    for name, tensor in pinload.iter_tensors(index, files_in_flight=1, threads=2, zero_copy="off"):
         assert torch.equal(tensor, want[name]), name
         seen.add(name)
         shard = int(name.split(".")[2])

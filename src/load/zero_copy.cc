@@ -1,0 +1,217 @@
+#include "load/zero_copy.h"
+
+#include <sys/mman.h>
+#include <sys/resource.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <mutex>
+#include <thread>
+
+#include "base/log.h"
+#include "io/read_session.h"
+#include "pinload/error.h"
+#include "pinload/memory_limit.h"
+
+#ifndef MADV_POPULATE_READ
+#define MADV_POPULATE_READ 22
+#endif
+
+namespace pinload::detail {
+
+namespace {
+
+constexpr int kResidencySamples = 64;
+// Whether kAuto faults a resident mapped file's pages in before returning
+// (measured in docs/tuning.md).
+const bool kPopulateResident = std::getenv("PINLOAD_ZC_POPULATE") != nullptr;  // TODO measurement knob
+
+}  // namespace
+
+std::vector<std::shared_ptr<LeasedMapping>> choose_zero_copy(const LoadOptions& options, const Checkpoint& checkpoint,
+                                                             const Pool& pool) {
+  std::vector<std::shared_ptr<LeasedMapping>> mapped(checkpoint.files.size());
+  if (options.zero_copy == ZeroCopy::kOff) return mapped;
+  // Memory the pool has touched already and would hand out again: a load
+  // that fits it copies at memory speed and keeps its blocks pinned-ready
+  // (the model-switching case), so kAuto reads into it.
+  // A pool with a budget is the caller's cap on the load's memory: kAuto
+  // keeps the load inside it (and failing before reading when it cannot fit).
+  if (options.zero_copy == ZeroCopy::kAuto && (pool.options().capacity_bytes != 0 || options.pool_bytes != 0)) {
+    return mapped;
+  }
+  // A load that cannot fit the process's memory limit keeps failing as
+  // Note [Memory limits] says, before reading.
+  if (options.zero_copy == ZeroCopy::kAuto) {
+    const std::optional<HostMemoryLimit> limit = read_host_memory_limit(default_env());
+    if (limit && limit->available_bytes < checkpoint.data_bytes()) return mapped;
+  }
+  // Each mapping holds its file open for the lease: kAuto leaves at least
+  // three quarters of the process's file descriptors to everything else.
+  rlimit nofile{};
+  const std::uint64_t fd_cap = ::getrlimit(RLIMIT_NOFILE, &nofile) == 0 && nofile.rlim_cur != RLIM_INFINITY
+                                   ? nofile.rlim_cur / 4
+                                   : UINT64_MAX;
+  std::uint64_t leased = LeasedMapping::live_count();
+  const PoolStats stats = pool.stats();
+  std::uint64_t idle = stats.reserved_bytes > stats.in_use_bytes ? stats.reserved_bytes - stats.in_use_bytes : 0;
+  for (std::size_t i = 0; i < checkpoint.files.size(); ++i) {
+    const CheckpointFile& cf = checkpoint.files[i];
+    if (cf.path.find("://") != std::string::npos || !cf.version.empty()) continue;  // remote
+    const std::uint64_t bytes = cf.header.data_size();
+    if (options.zero_copy == ZeroCopy::kAuto && bytes <= idle) {
+      idle -= bytes;
+      continue;
+    }
+    if (options.zero_copy == ZeroCopy::kAuto && leased >= fd_cap) {
+      log::debug("{}: read, not mapped (file descriptor budget)", cf.path);
+      continue;
+    }
+    std::string why;
+    std::shared_ptr<LeasedMapping> m = LeasedMapping::open(cf.path, FileIdentity::of(cf.stat), &why);
+    if (!m) {
+      log::debug("{}: read, not mapped ({})", cf.path, why);
+      continue;
+    }
+    if (options.zero_copy == ZeroCopy::kAuto) {
+      const double resident = m->resident_fraction(kResidencySamples);
+      if (resident < options.resident_threshold) {
+        log::debug("{}: {:.0f}% in page cache: read, not mapped", cf.path, resident * 100);
+        continue;
+      }
+    }
+    mapped[i] = std::move(m);
+    ++leased;
+  }
+  return mapped;
+}
+
+void populate_mappings(const std::vector<std::shared_ptr<LeasedMapping>>& mappings, const Checkpoint& checkpoint,
+                       unsigned threads, std::size_t block_size, std::stop_token stop) {
+  struct Range {
+    const std::byte* begin;
+    std::size_t bytes;
+    std::size_t file;
+  };
+  std::vector<Range> ranges;
+  for (std::size_t i = 0; i < mappings.size(); ++i) {
+    if (!mappings[i]) continue;
+    const std::uint64_t data_offset = checkpoint.files[i].header.data_offset();
+    const std::uint64_t end = data_offset + checkpoint.files[i].header.data_size();
+    // Whole pages: MADV_POPULATE_READ takes a page-aligned start.
+    const std::uint64_t page = 4096;
+    for (std::uint64_t at = data_offset / page * page; at < end; at += block_size) {
+      ranges.push_back({mappings[i]->data() + at, static_cast<std::size_t>(std::min<std::uint64_t>(block_size, end - at)), i});
+    }
+  }
+  if (ranges.empty()) return;
+  std::atomic<std::size_t> next{0};
+  std::atomic<bool> failed{false};
+  std::mutex mu;
+  std::exception_ptr error;
+  auto work = [&] {
+    for (;;) {
+      const std::size_t k = next.fetch_add(1, std::memory_order_relaxed);
+      if (k >= ranges.size() || failed.load(std::memory_order_relaxed)) return;
+      if (stop.stop_requested()) {
+        failed = true;
+        return;
+      }
+      const Range& r = ranges[k];
+      int rc;
+      do {
+        rc = ::madvise(const_cast<std::byte*>(r.begin), r.bytes, MADV_POPULATE_READ);
+      } while (rc != 0 && (errno == EINTR || errno == EAGAIN));
+      // EINVAL: a kernel without it; the pages then fault in when touched.
+      if (rc != 0 && errno != EINVAL) {
+        std::lock_guard lock(mu);
+        if (!error) {
+          const CheckpointFile& cf = checkpoint.files[r.file];
+          error = std::make_exception_ptr(IoError(
+              std::string("reading a zero-copy mapping failed: ") + std::strerror(errno),
+              ErrorContext{cf.path, {}, static_cast<std::uint64_t>(r.begin - mappings[r.file]->data())}));
+        }
+        failed = true;
+        return;
+      }
+    }
+  };
+  const unsigned n = static_cast<unsigned>(std::min<std::size_t>(std::max(threads, 1u), ranges.size()));
+  {
+    std::vector<std::jthread> workers;
+    for (unsigned t = 1; t < n; ++t) workers.emplace_back(work);
+    work();
+  }
+  if (error) std::rethrow_exception(error);
+  if (stop.stop_requested()) throw CancelledError("load cancelled");
+}
+
+std::optional<StateDict> load_zero_copy(const LoadOptions& options, const Checkpoint& checkpoint, const Pool& pool,
+                                        Loader::Counters* counters, std::stop_token stop,
+                                        const std::function<void(std::vector<Tensor>)>& hand_out,
+                                        const std::function<StateDict(const Checkpoint&)>& read) {
+  std::vector<std::shared_ptr<LeasedMapping>> mapped = choose_zero_copy(options, checkpoint, pool);
+  if (std::none_of(mapped.begin(), mapped.end(), [](const auto& m) { return m != nullptr; })) return std::nullopt;
+  // Files that are not mapped: loaded as usual, after the mapped ones are in.
+  Checkpoint rest;
+  rest.index_files = checkpoint.index_files;
+  std::uint64_t mapped_bytes = 0;
+  std::uint64_t mapped_files = 0;
+  for (std::size_t i = 0; i < mapped.size(); ++i) {
+    if (!mapped[i]) {
+      rest.files.push_back(checkpoint.files[i]);
+    } else {
+      mapped_bytes += checkpoint.files[i].header.data_size();
+      ++mapped_files;
+    }
+  }
+  if (options.zero_copy == ZeroCopy::kOn || kPopulateResident) {
+    populate_mappings(mapped, checkpoint, options.threads, options.block_size, stop);
+  }
+  if (stop.stop_requested()) throw CancelledError("load cancelled");
+  for (std::size_t i = 0; i < mapped.size(); ++i) {
+    if (mapped[i]) log::debug("{}: zero-copy, {} bytes mapped", checkpoint.files[i].path, mapped[i]->size());
+  }
+  std::vector<std::vector<Tensor>> by_file(mapped.size());
+  for (std::size_t i = 0; i < mapped.size(); ++i) {
+    if (!mapped[i]) continue;
+    const CheckpointFile& cf = checkpoint.files[i];
+    const std::shared_ptr<Block> block = mapped[i]->block();
+    const std::uint64_t base = cf.header.data_offset();
+    for (const TensorInfo& t : cf.header.tensors) {
+      by_file[i].emplace_back(cf.name_prefix + t.name, t.dtype, t.shape, block, base + t.begin, t.nbytes());
+    }
+    hand_out(by_file[i]);
+  }
+  mapped.clear();  // the tensors hold the mappings now
+  StateDict read_part;
+  if (!rest.files.empty()) read_part = read(rest);
+  counters->files_zero_copy += mapped_files;
+  counters->bytes_total += mapped_bytes;
+  counters->bytes_done += mapped_bytes;
+  if (counters->stream) return StateDict();
+  std::vector<Tensor> tensors;
+  tensors.reserve(checkpoint.tensor_count());
+  std::size_t next_read = 0;
+  std::vector<std::pair<std::string, std::string>> metadata;
+  for (std::size_t i = 0; i < checkpoint.files.size(); ++i) {
+    const CheckpointFile& cf = checkpoint.files[i];
+    if (!by_file[i].empty() || cf.header.tensors.empty()) {
+      for (Tensor& t : by_file[i]) tensors.push_back(std::move(t));
+    } else {
+      for (std::size_t k = 0; k < cf.header.tensors.size(); ++k) tensors.push_back(read_part[next_read++]);
+    }
+    for (const auto& kv : cf.header.metadata) {
+      if (std::none_of(metadata.begin(), metadata.end(), [&](const auto& m) { return m.first == kv.first; })) {
+        metadata.push_back(kv);
+      }
+    }
+  }
+  return StateDict(std::move(tensors), std::move(metadata));
+}
+
+}  // namespace pinload::detail

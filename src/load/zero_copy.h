@@ -1,0 +1,43 @@
+// Internal: the files of a host load handed out as views of leased file
+// mappings instead of being read (Note [Zero-copy loads] in loader.h).
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <optional>
+#include <stop_token>
+#include <vector>
+
+#include "io/leased_mapping.h"
+#include "pinload/checkpoint.h"
+#include "pinload/loader.h"
+#include "pinload/pool.h"
+
+namespace pinload::detail {
+
+// For each file of `checkpoint`, its mapping, or null where it is read into
+// `pool` instead: the load's options, the pool's idle memory and the file's
+// residency decide (the Note). Called only for host loads without
+// conversion on the POSIX env. Never throws for a file it cannot map.
+std::vector<std::shared_ptr<LeasedMapping>> choose_zero_copy(const LoadOptions& options, const Checkpoint& checkpoint,
+                                                             const Pool& pool);
+
+// Faults the data sections of `mappings` in (MADV_POPULATE_READ) with
+// `threads` threads, reading from the disk what the page cache lacks, so that
+// the load returns with its bytes in memory. Throws CancelledError once
+// `stop` is requested, IoError for a read error.
+void populate_mappings(const std::vector<std::shared_ptr<LeasedMapping>>& mappings, const Checkpoint& checkpoint,
+                       unsigned threads, std::size_t block_size, std::stop_token stop);
+
+// A host load of `checkpoint` with the files choose_zero_copy picks handed
+// out as mappings and the others loaded by `read` (a checkpoint of just
+// those, loaded as usual). Mapped tensors go to `hand_out` once in memory;
+// `counters` gains their files and bytes. Returns nullopt, having done
+// nothing, when no file is mapped; an empty state dict when
+// `counters->stream`. Throws what `read` and populate_mappings throw.
+std::optional<StateDict> load_zero_copy(const LoadOptions& options, const Checkpoint& checkpoint, const Pool& pool,
+                                        Loader::Counters* counters, std::stop_token stop,
+                                        const std::function<void(std::vector<Tensor>)>& hand_out,
+                                        const std::function<StateDict(const Checkpoint&)>& read);
+
+}  // namespace pinload::detail
