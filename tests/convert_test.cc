@@ -87,6 +87,62 @@ TEST(ConvertTest, KeepPatterns) {
   EXPECT_FALSE(keep_pattern_matches("", "a"));
 }
 
+// The converted output comes from the Loader's pool like the read blocks: a
+// re-load after the state dict has gone makes no new OS reservation.
+TEST(HostConvertTest, ReloadWithThePoolKeptReservesNothingNew) {
+  TempDir dir;
+  const std::string path = bf16_checkpoint(dir, 64);
+  LoadOptions options;
+  options.dtype.to = DType::kF32;
+  const Loader loader(options);
+  { StateDict sd = loader.load({path}); ASSERT_EQ(sd.size(), 64u); }
+  const PoolStats first = loader.pool()->stats();
+  EXPECT_GE(first.allocations, 2u);  // the file's block and the converted output
+  for (int i = 0; i < 3; ++i) {
+    StateDict sd = loader.load({path});
+    EXPECT_EQ(sd[0].dtype(), DType::kF32);
+  }
+  const PoolStats after = loader.pool()->stats();
+  EXPECT_EQ(after.os_reservations, first.os_reservations);
+  EXPECT_EQ(after.reserved_bytes, first.reserved_bytes);
+  EXPECT_EQ(after.free_list_hits - first.free_list_hits, after.allocations - first.allocations);
+}
+
+// Long runs are written with non-temporal stores (Note [Streaming stores] in
+// dtype_convert.cc), from any output alignment: the same values as element
+// by element conversions (short runs, plain stores), and nothing written
+// outside the output range.
+TEST(HostConvertTest, StreamedRunsEqualElementwiseAtEveryAlignment) {
+  std::mt19937_64 rng(18);
+  constexpr std::size_t kElements = 300000;  // > 256 KiB of 16-bit output
+  std::vector<std::uint8_t> src(kElements * 4);
+  for (auto& b : src) b = static_cast<std::uint8_t>(rng());
+  for (std::size_t i = 3; i < src.size(); i += 4) src[i] &= 0x7F;  // fewer NaN fp32
+  const std::vector<ElementConversion> cases = {{DType::kF8_E4M3, DType::kBF16, kElements, 0.5f},
+                                                {DType::kF8_E5M2, DType::kF16, kElements, 2.0f},
+                                                {DType::kF8_E4M3, DType::kF32, kElements, 0.25f},
+                                                {DType::kF32, DType::kBF16, kElements},
+                                                {DType::kBF16, DType::kF32, kElements},
+                                                {DType::kF16, DType::kBF16, kElements}};
+  for (const ElementConversion& c : cases) {
+    const std::size_t in = dtype_bits(c.from) / 8, out = dtype_bits(c.to) / 8;
+    std::vector<std::uint8_t> want(kElements * out);
+    for (std::size_t i = 0; i < kElements; ++i) {
+      ElementConversion one = c;
+      one.elements = 1;
+      convert_elements(one, src.data() + i * in, want.data() + i * out);
+    }
+    for (std::size_t shift : {0, 1, 2, 6, 62}) {
+      std::vector<std::uint8_t> got(kElements * out + 128, 0xEE);
+      convert_elements(c, src.data(), got.data() + shift);
+      ASSERT_EQ(0, std::memcmp(got.data() + shift, want.data(), want.size()))
+          << dtype_name(c.from) << "->" << dtype_name(c.to) << " at shift " << shift;
+      for (std::size_t i = 0; i < shift; ++i) ASSERT_EQ(got[i], 0xEE);
+      for (std::size_t i = shift + want.size(); i < got.size(); ++i) ASSERT_EQ(got[i], 0xEE);
+    }
+  }
+}
+
 // The stand-in's conversions run in stream order, after the copy before them.
 TEST(DeviceConvertTest, SimConvertsAfterTheCopyOnItsStream) {
   std::unique_ptr<Device> device = make_sim_device(SimDeviceOptions{.copy_delay = std::chrono::milliseconds(20)});
