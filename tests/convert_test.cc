@@ -5,7 +5,9 @@
 
 #include <gtest/gtest.h>
 
+#include <condition_variable>
 #include <cstring>
+#include <mutex>
 #include <filesystem>
 #include <random>
 #include <stdexcept>
@@ -160,6 +162,82 @@ TEST(DeviceConvertTest, SimConvertsAfterTheCopyOnItsStream) {
   convert_elements(c, fp8.data(), want.data());
   EXPECT_EQ(got, want);
   EXPECT_EQ(got[0x38], bits::f32_to_bf16(2.0f));  // 0x38 is 1.0 in e4m3fn
+}
+
+// Note [Device conversion pipeline]: a tensor's conversion runs once its own
+// copies are done, while later copies are still going. The copies of the
+// int tensor stored after the two converted ones are held until a conversion
+// has begun: a pipeline that converted only after every copy would time out.
+TEST(DeviceConvertTest, SimLoadConvertsWhileLaterCopiesRun) {
+  TempDir dir;
+  std::mt19937_64 rng(5);
+  testing::FileImage image = testing::make_image(
+      {{"a.weight", "F32", {64, 1024}}, {"b.weight", "F32", {64, 1024}}, {"c.index", "I32", {256, 1024}}}, rng);
+  for (std::size_t i = 3; i < 2 * 64 * 1024 * 4; i += 4) image.data[i] &= 0x7F;  // finite-ish floats
+  const std::string path = dir.file("m.safetensors");
+  testing::write_file(path, image.bytes());
+
+  std::mutex mu;
+  std::condition_variable cv;
+  bool converting = false;
+  int copies = 0;
+  bool held_too_long = false;
+  SimDeviceOptions sim;
+  sim.before_convert = [&](std::uint64_t) {
+    std::lock_guard lock(mu);
+    converting = true;
+    cv.notify_all();
+  };
+  sim.before_copy = [&](std::size_t) {
+    std::unique_lock lock(mu);
+    // The first 5 chunks of 128 KiB cover the header, a and b (512 KiB).
+    if (++copies <= 6) return;
+    if (!cv.wait_for(lock, std::chrono::seconds(10), [&] { return converting; })) held_too_long = true;
+  };
+  std::unique_ptr<Device> device = make_sim_device(std::move(sim));
+  LoadOptions options;
+  options.threads = 1;  // chunks submitted in file order
+  options.block_size = 128u << 10;
+  options.direct = DirectIo::kOff;
+  options.target.device = device.get();
+  options.target.copy.streams = 1;  // copies start in submission order
+  options.dtype.to = DType::kBF16;
+  StateDict on_device = Loader(options).load({path});
+  EXPECT_FALSE(held_too_long) << "no conversion began before the last copies";
+  EXPECT_GT(copies, 6);
+
+  // The values: as the host path converts them (tested against torch).
+  LoadOptions host;
+  host.dtype.to = DType::kBF16;
+  host.direct = DirectIo::kOff;
+  StateDict on_host = Loader(host).load({path});
+  for (const char* name : {"a.weight", "b.weight", "c.index"}) {
+    const Tensor& d = on_device.at(name);
+    const Tensor& h = on_host.at(name);
+    ASSERT_EQ(d.dtype(), h.dtype()) << name;
+    std::vector<std::byte> got(d.nbytes());
+    device->copy_to_host(got.data(), *d.device_buffer(), d.device_offset(), got.size());
+    EXPECT_EQ(0, std::memcmp(got.data(), h.data(), got.size())) << name;
+  }
+  EXPECT_EQ(on_device.at("a.weight").dtype(), DType::kBF16);
+}
+
+// Device::wait orders a stream behind another stream's event.
+TEST(DeviceConvertTest, SimStreamWaitsForAnEventOfAnotherStream) {
+  std::unique_ptr<Device> device = make_sim_device(SimDeviceOptions{.copy_delay = std::chrono::milliseconds(50)});
+  Stream copies = device->create_stream();
+  Stream work = device->create_stream();
+  std::vector<std::uint8_t> fp8(4096, 0x38);  // 1.0
+  auto in = device->allocate(fp8.size());
+  auto out = device->allocate(fp8.size() * 2);
+  device->copy_to_device_async(*in, 0, fp8.data(), fp8.size(), copies);
+  device->wait(work, device->record(copies));  // the event may go at once
+  device->convert_async(*out, 0, *in, 0, {DType::kF8_E4M3, DType::kBF16, fp8.size(), 1.0f}, work);
+  work.synchronize();
+  std::vector<std::uint16_t> got(fp8.size());
+  device->copy_to_host(got.data(), *out, 0, got.size() * 2);
+  EXPECT_EQ(got, std::vector<std::uint16_t>(fp8.size(), bits::f32_to_bf16(1.0f)));
+  EXPECT_THROW(device->wait(work, Event()), InvalidFileError);
 }
 
 TEST(DeviceConvertTest, RangesAndPairsAreChecked) {

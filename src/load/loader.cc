@@ -274,6 +274,13 @@ StateDict Loader::run(const Checkpoint& checkpoint, const LoadRequest& request, 
       converted_blocks[i] = pool_->allocate(conversions.out_bytes[i], stop);
     }
   }
+  // Device conversions run as the copies of their tensors complete.
+  std::optional<detail::DeviceConversions> device_conversions;
+  if (device != nullptr && !conversions.empty()) {
+    std::vector<std::shared_ptr<DeviceBuffer>> stored(n);
+    for (std::size_t i = 0; i < n; ++i) stored[i] = s.files[i]->device_buffer;
+    device_conversions.emplace(conversions, checkpoint, *device, *engine, std::move(stored), converted_buffers);
+  }
 
   std::vector<Tensor> tensors;
   tensors.reserve(checkpoint.tensor_count());
@@ -346,6 +353,7 @@ StateDict Loader::run(const Checkpoint& checkpoint, const LoadRequest& request, 
     if (end > begin) {
       engine->submit(std::move(block), block_offset + (begin - c.offset), s.files[c.file]->device_buffer,
                      begin - r.data_offset, end - begin);
+      if (device_conversions) device_conversions->copied(c.file, begin - r.data_offset, end - r.data_offset);
     }
   };
 
@@ -383,9 +391,7 @@ StateDict Loader::run(const Checkpoint& checkpoint, const LoadRequest& request, 
       for (std::size_t i = 0; i < n; ++i) file_blocks[i] = s.files[i]->block;
       detail::convert_straddlers(conversions, s.plan, file_blocks, converted_blocks);
     } else {
-      std::vector<std::shared_ptr<DeviceBuffer>> stored(n);
-      for (std::size_t i = 0; i < n; ++i) stored[i] = s.files[i]->device_buffer;
-      detail::convert_on_device(conversions, checkpoint, *device, engine->stream(0), stored, converted_buffers);
+      device_conversions->finish();
     }
     std::vector<Tensor> kept;
     kept.reserve(tensors.size());
