@@ -257,7 +257,7 @@ EOF
 
 # ---- FP8 on the GPU: the conversion kernel against torch, bit for bit (test_fp8.py's cuda:0
 # cases), then fp8-bench --device cuda:0: an FP8 -> bf16 device load (half the bytes over the
-# link, converted by the kernel on a copy stream) against the bf16 load, next to one pinned
+# link, converted by the kernel on a conversion stream while the next copies run) against the bf16 load, next to one pinned
 # copy of the bf16 bytes. Its JSON goes into results.json as fp8_device.
 export FP8_JSON=$(mktemp)
 if (($(remaining) > 200)) && run_step build_fp8 150 "$OUT/build.log" cmake --build "$BUILD" -j "$JOBS" \

@@ -5,7 +5,9 @@
 
 #include <gtest/gtest.h>
 
+#include <condition_variable>
 #include <cstring>
+#include <mutex>
 #include <filesystem>
 #include <random>
 #include <stdexcept>
@@ -87,6 +89,62 @@ TEST(ConvertTest, KeepPatterns) {
   EXPECT_FALSE(keep_pattern_matches("", "a"));
 }
 
+// The converted output comes from the Loader's pool like the read blocks: a
+// re-load after the state dict has gone makes no new OS reservation.
+TEST(HostConvertTest, ReloadWithThePoolKeptReservesNothingNew) {
+  TempDir dir;
+  const std::string path = bf16_checkpoint(dir, 64);
+  LoadOptions options;
+  options.dtype.to = DType::kF32;
+  const Loader loader(options);
+  { StateDict sd = loader.load({path}); ASSERT_EQ(sd.size(), 64u); }
+  const PoolStats first = loader.pool()->stats();
+  EXPECT_GE(first.allocations, 2u);  // the file's block and the converted output
+  for (int i = 0; i < 3; ++i) {
+    StateDict sd = loader.load({path});
+    EXPECT_EQ(sd[0].dtype(), DType::kF32);
+  }
+  const PoolStats after = loader.pool()->stats();
+  EXPECT_EQ(after.os_reservations, first.os_reservations);
+  EXPECT_EQ(after.reserved_bytes, first.reserved_bytes);
+  EXPECT_EQ(after.free_list_hits - first.free_list_hits, after.allocations - first.allocations);
+}
+
+// Long runs are written with non-temporal stores (Note [Streaming stores] in
+// dtype_convert.cc), from any output alignment: the same values as element
+// by element conversions (short runs, plain stores), and nothing written
+// outside the output range.
+TEST(HostConvertTest, StreamedRunsEqualElementwiseAtEveryAlignment) {
+  std::mt19937_64 rng(18);
+  constexpr std::size_t kElements = 300000;  // > 256 KiB of 16-bit output
+  std::vector<std::uint8_t> src(kElements * 4);
+  for (auto& b : src) b = static_cast<std::uint8_t>(rng());
+  for (std::size_t i = 3; i < src.size(); i += 4) src[i] &= 0x7F;  // fewer NaN fp32
+  const std::vector<ElementConversion> cases = {{DType::kF8_E4M3, DType::kBF16, kElements, 0.5f},
+                                                {DType::kF8_E5M2, DType::kF16, kElements, 2.0f},
+                                                {DType::kF8_E4M3, DType::kF32, kElements, 0.25f},
+                                                {DType::kF32, DType::kBF16, kElements},
+                                                {DType::kBF16, DType::kF32, kElements},
+                                                {DType::kF16, DType::kBF16, kElements}};
+  for (const ElementConversion& c : cases) {
+    const std::size_t in = dtype_bits(c.from) / 8, out = dtype_bits(c.to) / 8;
+    std::vector<std::uint8_t> want(kElements * out);
+    for (std::size_t i = 0; i < kElements; ++i) {
+      ElementConversion one = c;
+      one.elements = 1;
+      convert_elements(one, src.data() + i * in, want.data() + i * out);
+    }
+    for (std::size_t shift : {0, 1, 2, 6, 62}) {
+      std::vector<std::uint8_t> got(kElements * out + 128, 0xEE);
+      convert_elements(c, src.data(), got.data() + shift);
+      ASSERT_EQ(0, std::memcmp(got.data() + shift, want.data(), want.size()))
+          << dtype_name(c.from) << "->" << dtype_name(c.to) << " at shift " << shift;
+      for (std::size_t i = 0; i < shift; ++i) ASSERT_EQ(got[i], 0xEE);
+      for (std::size_t i = shift + want.size(); i < got.size(); ++i) ASSERT_EQ(got[i], 0xEE);
+    }
+  }
+}
+
 // The stand-in's conversions run in stream order, after the copy before them.
 TEST(DeviceConvertTest, SimConvertsAfterTheCopyOnItsStream) {
   std::unique_ptr<Device> device = make_sim_device(SimDeviceOptions{.copy_delay = std::chrono::milliseconds(20)});
@@ -104,6 +162,82 @@ TEST(DeviceConvertTest, SimConvertsAfterTheCopyOnItsStream) {
   convert_elements(c, fp8.data(), want.data());
   EXPECT_EQ(got, want);
   EXPECT_EQ(got[0x38], bits::f32_to_bf16(2.0f));  // 0x38 is 1.0 in e4m3fn
+}
+
+// Note [Device conversion pipeline]: a tensor's conversion runs once its own
+// copies are done, while later copies are still going. The copies of the
+// int tensor stored after the two converted ones are held until a conversion
+// has begun: a pipeline that converted only after every copy would time out.
+TEST(DeviceConvertTest, SimLoadConvertsWhileLaterCopiesRun) {
+  TempDir dir;
+  std::mt19937_64 rng(5);
+  testing::FileImage image = testing::make_image(
+      {{"a.weight", "F32", {64, 1024}}, {"b.weight", "F32", {64, 1024}}, {"c.index", "I32", {256, 1024}}}, rng);
+  for (std::size_t i = 3; i < 2 * 64 * 1024 * 4; i += 4) image.data[i] &= 0x7F;  // finite-ish floats
+  const std::string path = dir.file("m.safetensors");
+  testing::write_file(path, image.bytes());
+
+  std::mutex mu;
+  std::condition_variable cv;
+  bool converting = false;
+  int copies = 0;
+  bool held_too_long = false;
+  SimDeviceOptions sim;
+  sim.before_convert = [&](std::uint64_t) {
+    std::lock_guard lock(mu);
+    converting = true;
+    cv.notify_all();
+  };
+  sim.before_copy = [&](std::size_t) {
+    std::unique_lock lock(mu);
+    // The first 5 chunks of 128 KiB cover the header, a and b (512 KiB).
+    if (++copies <= 6) return;
+    if (!cv.wait_for(lock, std::chrono::seconds(10), [&] { return converting; })) held_too_long = true;
+  };
+  std::unique_ptr<Device> device = make_sim_device(std::move(sim));
+  LoadOptions options;
+  options.threads = 1;  // chunks submitted in file order
+  options.block_size = 128u << 10;
+  options.direct = DirectIo::kOff;
+  options.target.device = device.get();
+  options.target.copy.streams = 1;  // copies start in submission order
+  options.dtype.to = DType::kBF16;
+  StateDict on_device = Loader(options).load({path});
+  EXPECT_FALSE(held_too_long) << "no conversion began before the last copies";
+  EXPECT_GT(copies, 6);
+
+  // The values: as the host path converts them (tested against torch).
+  LoadOptions host;
+  host.dtype.to = DType::kBF16;
+  host.direct = DirectIo::kOff;
+  StateDict on_host = Loader(host).load({path});
+  for (const char* name : {"a.weight", "b.weight", "c.index"}) {
+    const Tensor& d = on_device.at(name);
+    const Tensor& h = on_host.at(name);
+    ASSERT_EQ(d.dtype(), h.dtype()) << name;
+    std::vector<std::byte> got(d.nbytes());
+    device->copy_to_host(got.data(), *d.device_buffer(), d.device_offset(), got.size());
+    EXPECT_EQ(0, std::memcmp(got.data(), h.data(), got.size())) << name;
+  }
+  EXPECT_EQ(on_device.at("a.weight").dtype(), DType::kBF16);
+}
+
+// Device::wait orders a stream behind another stream's event.
+TEST(DeviceConvertTest, SimStreamWaitsForAnEventOfAnotherStream) {
+  std::unique_ptr<Device> device = make_sim_device(SimDeviceOptions{.copy_delay = std::chrono::milliseconds(50)});
+  Stream copies = device->create_stream();
+  Stream work = device->create_stream();
+  std::vector<std::uint8_t> fp8(4096, 0x38);  // 1.0
+  auto in = device->allocate(fp8.size());
+  auto out = device->allocate(fp8.size() * 2);
+  device->copy_to_device_async(*in, 0, fp8.data(), fp8.size(), copies);
+  device->wait(work, device->record(copies));  // the event may go at once
+  device->convert_async(*out, 0, *in, 0, {DType::kF8_E4M3, DType::kBF16, fp8.size(), 1.0f}, work);
+  work.synchronize();
+  std::vector<std::uint16_t> got(fp8.size());
+  device->copy_to_host(got.data(), *out, 0, got.size() * 2);
+  EXPECT_EQ(got, std::vector<std::uint16_t>(fp8.size(), bits::f32_to_bf16(1.0f)));
+  EXPECT_THROW(device->wait(work, Event()), InvalidFileError);
 }
 
 TEST(DeviceConvertTest, RangesAndPairsAreChecked) {

@@ -148,6 +148,7 @@ class Event {
   bool query();
   // Blocks (without spinning) until query() would be true.
   void synchronize();
+  detail::EventImpl* impl() const noexcept { return impl_.get(); }
 
  private:
   std::unique_ptr<detail::EventImpl> impl_;
@@ -214,6 +215,13 @@ class Device {
   virtual Stream create_stream() = 0;
   // Records an event after all work queued on `stream` so far.
   Event record(Stream& stream);
+  // Makes the work queued on `stream` from now on wait until `event` (of
+  // this device, recorded on any of its streams) has completed, without
+  // blocking the caller (cudaStreamWaitEvent). A failure of the work before
+  // `event` fails `stream` too. `event` may be destroyed afterwards. Throws
+  // InvalidFileError for a stream or event of another device (or an empty
+  // event), DeviceError when the device fails.
+  void wait(Stream& stream, const Event& event);
   // Queues a copy of `bytes` from host `src` to dst[dst_offset, +bytes) on
   // `stream` and returns at once; see Note [Ordering] for when `src` may be
   // reused. Throws InvalidArgumentError when the range leaves `dst` or `dst` or
@@ -243,6 +251,7 @@ class Device {
   virtual void do_copy_to_device_async(void* dst, const void* src, std::size_t bytes, Stream& stream) = 0;
   virtual void do_copy_to_host(void* dst, const void* src, std::size_t bytes) = 0;
   virtual void do_convert_async(void* dst, const void* src, const ElementConversion& c, Stream& stream) = 0;
+  virtual void do_wait(Stream& stream, const Event& event) = 0;
 
  private:
   void check_stream(const Stream& stream) const;
@@ -262,6 +271,9 @@ struct SimDeviceOptions {
   // stream then fails like a CUDA stream with a sticky error (its later work
   // is skipped and its events, synchronize and new copies throw DeviceError).
   std::function<void(std::size_t bytes)> before_copy;
+  // Called on the stream's thread before each conversion (convert_async),
+  // with its element count; a throw fails the stream as before_copy's does.
+  std::function<void(std::uint64_t elements)> before_convert;
   // Device memory limit for the default allocator (0: none); past it,
   // allocate() throws OutOfMemoryError.
   std::uint64_t memory_bytes = 0;

@@ -160,6 +160,7 @@ class CudaEvent final : public detail::EventImpl {
     DeviceGuard guard(ordinal_);
     check(cudaEventSynchronize(event_), "cudaEventSynchronize", where(ordinal_));
   }
+  cudaEvent_t event() const noexcept { return event_; }
 
  private:
   int ordinal_;
@@ -363,6 +364,14 @@ class CudaDevice final : public Device {
     DeviceGuard guard(ordinal_);
     check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, static_cast<CudaStream*>(stream.impl())->stream),
           "cudaMemcpyAsync", name_);
+  }
+
+  void do_wait(Stream& stream, const Event& event) override {
+    auto* e = dynamic_cast<CudaEvent*>(event.impl());
+    if (e == nullptr) throw InvalidFileError("an event of another device given to " + name_);
+    DeviceGuard guard(ordinal_);
+    check(cudaStreamWaitEvent(static_cast<CudaStream*>(stream.impl())->stream, e->event(), 0), "cudaStreamWaitEvent",
+          where(ordinal_));
   }
 
   void do_convert_async(void* dst, const void* src, const ElementConversion& c, Stream& stream) override {

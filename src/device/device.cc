@@ -102,6 +102,12 @@ void Device::copy_to_device_async(DeviceBuffer& dst, std::size_t dst_offset, con
   do_copy_to_device_async(static_cast<std::byte*>(dst.data()) + dst_offset, src, bytes, stream);
 }
 
+void Device::wait(Stream& stream, const Event& event) {
+  check_stream(stream);
+  if (!event.valid()) throw InvalidArgumentError("wait on an empty event on " + name());
+  do_wait(stream, event);
+}
+
 void Device::convert_async(DeviceBuffer& dst, std::size_t dst_offset, const DeviceBuffer& src, std::size_t src_offset,
                            const ElementConversion& c, Stream& stream) {
   check_stream(stream);

@@ -194,6 +194,8 @@ class SimEvent final : public detail::EventImpl {
   SimEvent(std::shared_ptr<SimStreamCore> core, std::uint64_t seq) : core_(std::move(core)), seq_(seq) {}
   bool query() override { return core_->reached(seq_); }
   void synchronize() override { core_->wait_for(seq_, "cudaEventSynchronize (sim)"); }
+  const std::shared_ptr<SimStreamCore>& core() const noexcept { return core_; }
+  std::uint64_t seq() const noexcept { return seq_; }
 
  private:
   std::shared_ptr<SimStreamCore> core_;  // outlives the stream: a joined core still answers
@@ -318,7 +320,20 @@ class SimDevice final : public Device {
 
   // The conversion a CUDA kernel does, with the host loops, in stream order.
   void do_convert_async(void* dst, const void* src, const ElementConversion& c, Stream& stream) override {
-    static_cast<SimStream*>(stream.impl())->core->enqueue_work([dst, src, c] { convert_elements(c, src, dst); });
+    static_cast<SimStream*>(stream.impl())->core->enqueue_work([dst, src, c, options = options_] {
+      if (options->before_convert) options->before_convert(c.elements);
+      convert_elements(c, src, dst);
+    });
+  }
+
+  // A task on `stream` that waits for the event's stream to pass it (work
+  // on the same stream is in order already).
+  void do_wait(Stream& stream, const Event& event) override {
+    auto* e = dynamic_cast<SimEvent*>(event.impl());
+    if (e == nullptr) throw InvalidFileError("an event of another device given to sim");
+    const auto& core = static_cast<SimStream*>(stream.impl())->core;
+    if (e->core() == core) return;
+    core->enqueue_work([waited = e->core(), seq = e->seq()] { waited->wait_for(seq, "cudaStreamWaitEvent (sim)"); });
   }
 
   void do_copy_to_host(void* dst, const void* src, std::size_t bytes) override {

@@ -1,5 +1,6 @@
 #include "format/dtype_convert.h"
 
+#include <algorithm>
 #include <cmath>
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -43,9 +44,49 @@ struct F32 {
 };
 
 #if defined(__x86_64__)
-// 32 fp8 codes to 32 16-bit outputs per step with AVX-512 VBMI byte
+// Note [Streaming stores]
+// A conversion's output is written once and not read again soon (it is a
+// loaded tensor: hundreds of MiB, far beyond the caches). Plain stores first
+// read every output line for ownership, so a fp8 -> bf16 conversion moved
+// in + 2 x out bytes through memory, more than memcpy (which streams large
+// copies past the cache). Runs of at least kStreamOutBytes of output are
+// therefore written with non-temporal stores: the conversion loops write
+// tiles of kTileElements into a cache-resident buffer, which goes out with
+// _mm_stream_si128 (SSE2: every x86-64), and the VBMI loop streams directly.
+// The values are those of the same loops (bit for bit); an sfence at the end
+// of convert_elements orders the stores before whatever the caller does next
+// (handing the memory to another thread). Short runs keep plain stores: their
+// output may well be read from the cache.
+constexpr std::uint64_t kStreamOutBytes = 256u << 10;
+constexpr std::uint64_t kTileElements = 4096;  // 16 KiB of fp32 output at most
+
+void stream_copy(std::uint8_t* dst, const std::uint8_t* src, std::size_t bytes) {
+  std::size_t i = std::min<std::size_t>(bytes, (16 - (reinterpret_cast<std::uintptr_t>(dst) & 15)) & 15);
+  std::memcpy(dst, src, i);
+  for (; i + 64 <= bytes; i += 64) {
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16));
+    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 32));
+    const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 48));
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), a);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 16), b);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 32), c);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 48), d);
+  }
+  for (; i + 16 <= bytes; i += 16) {
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
+  }
+  std::memcpy(dst + i, src + i, bytes - i);
+}
+
+void stream_fence() { _mm_sfence(); }
+
+// 64 fp8 codes to 64 16-bit outputs per step with AVX-512 VBMI byte
 // permutes: the table's low and high bytes are each two 128-entry halves
 // (permutex2var picks by the low 7 bits, the sign bit picks the half).
+// kStream: dst + 2 * (returned count) steps are 64-byte aligned by the
+// caller, and the stores are non-temporal (Note [Streaming stores]).
+template <bool kStream>
 __attribute__((target("avx512f,avx512bw,avx512vbmi"))) std::uint64_t lookup16_vbmi(const std::uint16_t* table,
                                                                                     const std::uint8_t* src,
                                                                                     std::uint8_t* dst,
@@ -73,8 +114,13 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi"))) std::uint64_t lookup16_vb
     const __m512i b = _mm512_unpackhi_epi8(l, h);  // lanes: e8-15, e24-31, e40-47, e56-63
     const __m512i first = _mm512_permutex2var_epi64(a, _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0), b);
     const __m512i second = _mm512_permutex2var_epi64(a, _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4), b);
-    _mm512_storeu_si512(dst + i * 2, first);
-    _mm512_storeu_si512(dst + i * 2 + 64, second);
+    if constexpr (kStream) {
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i * 2), first);
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i * 2 + 64), second);
+    } else {
+      _mm512_storeu_si512(dst + i * 2, first);
+      _mm512_storeu_si512(dst + i * 2 + 64, second);
+    }
   }
   return i;
 }
@@ -84,35 +130,77 @@ bool have_vbmi() {
                           __builtin_cpu_supports("avx512vbmi");
   return yes;
 }
+#else
+constexpr std::uint64_t kStreamOutBytes = UINT64_MAX;  // plain stores only
+constexpr std::uint64_t kTileElements = 4096;
+void stream_copy(std::uint8_t* dst, const std::uint8_t* src, std::size_t bytes) { std::memcpy(dst, src, bytes); }
+void stream_fence() {}
 #endif
+
+// Runs `convert(src_element, count, out)` over n elements in tiles written
+// to a cache-resident buffer, each then streamed to dst (Note [Streaming
+// stores]).
+template <unsigned kIn, unsigned kOut, class Convert>
+void tiled(const std::uint8_t* src, std::uint8_t* dst, std::uint64_t n, Convert convert) {
+  alignas(64) std::uint8_t tile[kTileElements * kOut];
+  for (std::uint64_t i = 0; i < n; i += kTileElements) {
+    const std::uint64_t m = std::min(kTileElements, n - i);
+    convert(src + i * kIn, m, tile);
+    stream_copy(dst + i * kOut, tile, m * kOut);
+  }
+}
 
 // FP8 sources: 256 encodings, so each call first converts every encoding
 // once (with the scalar forms, so rounding is theirs) into a table of output
 // elements, then the loop is one table load per element.
-template <class In, class Out>
-void convert_run(const std::uint8_t* src, std::uint8_t* dst, std::uint64_t n, float scale) {
-  constexpr std::size_t kOut = std::is_same_v<Out, F32> ? 4 : 2;
-  using Element = std::conditional_t<kOut == 4, std::uint32_t, std::uint16_t>;
-  Element table[256];
-  for (unsigned code = 0; code < 256; ++code) {
-    const std::uint8_t b = static_cast<std::uint8_t>(code);
-    Out::put(reinterpret_cast<std::uint8_t*>(table), code, In::get(&b, 0) * scale);
-  }
-  if (n < 1024) {  // a short run: the table would cost more than it saves
-    for (std::uint64_t i = 0; i < n; ++i) Out::put(dst, i, In::get(src, i) * scale);
-    return;
-  }
+template <class Element>
+void lookup_loop(const Element* table, const std::uint8_t* src, std::uint8_t* dst, std::uint64_t n) {
+  constexpr std::size_t kOut = sizeof(Element);
   std::uint64_t i = 0;
-#if defined(__x86_64__)
-  if constexpr (kOut == 2) {
-    if (have_vbmi()) i = lookup16_vbmi(table, src, dst, n);
-  }
-#endif
   for (; i + 4 <= n; i += 4) {
     const Element v[4] = {table[src[i]], table[src[i + 1]], table[src[i + 2]], table[src[i + 3]]};
     std::memcpy(dst + i * kOut, v, sizeof v);
   }
   for (; i < n; ++i) std::memcpy(dst + i * kOut, &table[src[i]], kOut);
+}
+
+template <class In, class Out>
+void convert_run(const std::uint8_t* src, std::uint8_t* dst, std::uint64_t n, float scale, bool stream) {
+  constexpr std::size_t kOut = std::is_same_v<Out, F32> ? 4 : 2;
+  using Element = std::conditional_t<kOut == 4, std::uint32_t, std::uint16_t>;
+  if (n < 1024) {  // a short run: the table would cost more than it saves
+    for (std::uint64_t i = 0; i < n; ++i) Out::put(dst, i, In::get(src, i) * scale);
+    return;
+  }
+  Element table[256];
+  for (unsigned code = 0; code < 256; ++code) {
+    const std::uint8_t b = static_cast<std::uint8_t>(code);
+    Out::put(reinterpret_cast<std::uint8_t*>(table), code, In::get(&b, 0) * scale);
+  }
+#if defined(__x86_64__)
+  if constexpr (kOut == 2) {
+    if (have_vbmi()) {
+      std::uint64_t i = 0;
+      if (stream && (reinterpret_cast<std::uintptr_t>(dst) & 1) == 0) {
+        // Plain lookups up to the first 64-byte boundary, then streamed.
+        const std::uint64_t head = std::min<std::uint64_t>(n, ((64 - (reinterpret_cast<std::uintptr_t>(dst) & 63)) & 63) / 2);
+        lookup_loop(table, src, dst, head);
+        i = head + lookup16_vbmi<true>(table, src + head, dst + head * 2, n - head);
+      } else {
+        i = lookup16_vbmi<false>(table, src, dst, n);
+      }
+      lookup_loop(table, src + i, dst + i * 2, n - i);
+      return;
+    }
+  }
+#endif
+  if (stream) {
+    tiled<1, kOut>(src, dst, n, [&](const std::uint8_t* s, std::uint64_t m, std::uint8_t* t) {
+      lookup_loop(table, s, t, m);
+    });
+  } else {
+    lookup_loop(table, src, dst, n);
+  }
 }
 
 // Widening and narrowing among bf16/fp16/fp32 take no scale: x * 1 would be
@@ -123,10 +211,15 @@ void cast_loop(const std::uint8_t* src, std::uint8_t* dst, std::uint64_t n) {
 }
 
 #if defined(__x86_64__)
-// The same loop compiled for AVX-512: 16 lanes of the branch-free forms.
+// The same loop compiled for AVX-512 and for AVX2: 16 or 8 lanes of the
+// branch-free forms (the plain build targets baseline x86-64, SSE2).
 template <class In, class Out>
 __attribute__((target("avx512f,avx512bw"))) void cast_loop_avx512(const std::uint8_t* src, std::uint8_t* dst,
                                                                  std::uint64_t n) {
+  for (std::uint64_t i = 0; i < n; ++i) Out::put(dst, i, In::get(src, i));
+}
+template <class In, class Out>
+__attribute__((target("avx2,fma"))) void cast_loop_avx2(const std::uint8_t* src, std::uint8_t* dst, std::uint64_t n) {
   for (std::uint64_t i = 0; i < n; ++i) Out::put(dst, i, In::get(src, i));
 }
 
@@ -134,20 +227,35 @@ bool have_avx512() {
   static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
   return yes;
 }
+bool have_avx2() {
+  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return yes;
+}
 #endif
 
 template <class In, class Out>
-void cast_run(const std::uint8_t* src, std::uint8_t* dst, std::uint64_t n, float) {
+void cast_any(const std::uint8_t* src, std::uint8_t* dst, std::uint64_t n) {
 #if defined(__x86_64__)
-  if (have_avx512()) {
-    cast_loop_avx512<In, Out>(src, dst, n);
-    return;
-  }
+  if (have_avx512()) return cast_loop_avx512<In, Out>(src, dst, n);
+  if (have_avx2()) return cast_loop_avx2<In, Out>(src, dst, n);
 #endif
   cast_loop<In, Out>(src, dst, n);
 }
 
-using Run = void (*)(const std::uint8_t*, std::uint8_t*, std::uint64_t, float);
+template <class In, class Out>
+void cast_run(const std::uint8_t* src, std::uint8_t* dst, std::uint64_t n, float, bool stream) {
+  constexpr unsigned kIn = std::is_same_v<In, F32> ? 4 : 2;
+  constexpr unsigned kOut = std::is_same_v<Out, F32> ? 4 : 2;
+  if (stream) {
+    tiled<kIn, kOut>(src, dst, n, [](const std::uint8_t* s, std::uint64_t m, std::uint8_t* t) {
+      cast_any<In, Out>(s, t, m);
+    });
+  } else {
+    cast_any<In, Out>(src, dst, n);
+  }
+}
+
+using Run = void (*)(const std::uint8_t*, std::uint8_t*, std::uint64_t, float, bool);
 
 template <class Out>
 Run run_for(DType from) {
@@ -212,20 +320,22 @@ void convert_elements(const ElementConversion& c, const void* src_v, void* dst_v
   if (run == nullptr) throw_unsupported("conversion", c.from, c.to);
   const auto* src = static_cast<const std::uint8_t*>(src_v);
   auto* dst = static_cast<std::uint8_t*>(dst_v);
-  if (c.row_scales == nullptr || c.row_elements == 0) {
-    run(src, dst, c.elements, c.scale);
-    return;
-  }
-  // Per row: one run per (part of a) row, each with its row's scale.
   const unsigned in = element_bytes(c.from), out = element_bytes(c.to);
-  std::uint64_t done = 0;
-  while (done < c.elements) {
-    const std::uint64_t index = c.first + done;
-    const std::uint64_t row = index / c.row_elements;
-    const std::uint64_t n = std::min(c.elements - done, (row + 1) * c.row_elements - index);
-    run(src + done * in, dst + done * out, n, c.row_scales[row]);
-    done += n;
+  const bool stream = c.elements >= kStreamOutBytes / out;  // Note [Streaming stores]
+  if (c.row_scales == nullptr || c.row_elements == 0) {
+    run(src, dst, c.elements, c.scale, stream);
+  } else {
+    // Per row: one run per (part of a) row, each with its row's scale.
+    std::uint64_t done = 0;
+    while (done < c.elements) {
+      const std::uint64_t index = c.first + done;
+      const std::uint64_t row = index / c.row_elements;
+      const std::uint64_t n = std::min(c.elements - done, (row + 1) * c.row_elements - index);
+      run(src + done * in, dst + done * out, n, c.row_scales[row], stream);
+      done += n;
+    }
   }
+  if (stream) stream_fence();
 }
 
 void quantize_elements(DType from, DType to, const void* src_v, std::uint8_t* dst, std::uint64_t elements,

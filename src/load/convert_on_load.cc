@@ -251,25 +251,98 @@ void convert_straddlers(const ConversionPlan& plan, const ReadPlan& read_plan,
   }
 }
 
-void convert_on_device(const ConversionPlan& plan, const Checkpoint& checkpoint, Device& device, Stream& stream,
-                       const std::vector<std::shared_ptr<DeviceBuffer>>& in,
-                       const std::vector<std::shared_ptr<DeviceBuffer>>& out) {
-  // Per-row scales go up from their host copies (read at planning): the
-  // scale tensor's own bytes on the device need not be 4-byte aligned.
-  std::vector<std::shared_ptr<DeviceBuffer>> row_scales;
-  for (const TensorConversion& t : plan.tensors) {
-    ElementConversion c = t.conversion(0, t.elements);
+// Note [Device conversion pipeline]
+// A device load copies the stored (smaller) bytes and converts them on the
+// device. The conversions do not wait for the whole load: when the copy of a
+// tensor's last stored bytes has been submitted (by whichever reader thread
+// read them), an event is recorded on every copy stream, the conversion
+// stream waits for those events (Device::wait: cudaStreamWaitEvent), and the
+// tensor's conversion is queued behind them. Stream order then guarantees it
+// runs after every copy of its bytes, and the copy streams go on with the
+// next chunks meanwhile: the kernel (or sim's host loop, on the conversion
+// stream's thread) overlaps the copies. The conversion stream is a stream of
+// its own rather than copy stream 0, so that no copy queues behind a
+// kernel. finish() only waits.
+DeviceConversions::DeviceConversions(const ConversionPlan& plan, const Checkpoint& checkpoint, Device& device,
+                                     CopyEngine& engine, std::vector<std::shared_ptr<DeviceBuffer>> in,
+                                     std::vector<std::shared_ptr<DeviceBuffer>> out)
+    : plan_(plan),
+      checkpoint_(checkpoint),
+      device_(device),
+      engine_(engine),
+      in_(std::move(in)),
+      out_(std::move(out)),
+      stream_(device.create_stream()),
+      row_scales_(plan.tensors.size()),
+      missing_(plan.tensors.size()),
+      launched_(plan.tensors.size(), false) {
+  for (std::size_t k = 0; k < plan.tensors.size(); ++k) {
+    const TensorConversion& t = plan.tensors[k];
+    missing_[k] = t.in_bytes();
+    // Per-row scales go up from their host copies (read at planning): the
+    // scale tensor's own bytes on the device need not be 4-byte aligned.
     if (!t.row_scales.empty()) {
       const std::size_t bytes = t.row_scales.size() * sizeof(float);
-      std::shared_ptr<DeviceBuffer> scales = device.allocate(bytes);
-      device.copy_to_device_async(*scales, 0, t.row_scales.data(), bytes, stream);
-      c.row_scales = static_cast<const float*>(scales->data());
-      row_scales.push_back(std::move(scales));
+      row_scales_[k] = device.allocate(bytes);
+      device.copy_to_device_async(*row_scales_[k], 0, t.row_scales.data(), bytes, stream_);
     }
-    const std::uint64_t src_offset = t.in_begin - checkpoint.files[t.file].header.data_offset();
-    device.convert_async(*out[t.file], t.out_offset, *in[t.file], src_offset, c, stream);
   }
-  stream.synchronize();
+}
+
+DeviceConversions::~DeviceConversions() {
+  try {
+    stream_.synchronize();
+  } catch (...) {  // the load reports its own error; the buffers stay valid either way
+  }
+}
+
+void DeviceConversions::launch(std::size_t k) {
+  const TensorConversion& t = plan_.tensors[k];
+  launched_[k] = true;
+  if (!finished_) {
+    for (std::size_t s = 0; s < engine_.options().streams; ++s) {
+      const Event copied = device_.record(engine_.stream(s));
+      device_.wait(stream_, copied);
+    }
+  }
+  ElementConversion c = t.conversion(0, t.elements);
+  if (row_scales_[k]) c.row_scales = static_cast<const float*>(row_scales_[k]->data());
+  const std::uint64_t src_offset = t.in_begin - checkpoint_.files[t.file].header.data_offset();
+  device_.convert_async(*out_[t.file], t.out_offset, *in_[t.file], src_offset, c, stream_);
+}
+
+void DeviceConversions::copied(std::size_t file, std::uint64_t begin, std::uint64_t end) {
+  const std::vector<std::size_t>& list = plan_.by_file[file];
+  if (list.empty() || end <= begin) return;
+  const std::uint64_t base = checkpoint_.files[file].header.data_offset();
+  begin += base;
+  end += base;
+  auto it = std::partition_point(list.begin(), list.end(), [&](std::size_t k) {
+    const TensorConversion& t = plan_.tensors[k];
+    return t.in_begin + t.in_bytes() <= begin;
+  });
+  std::lock_guard lock(mu_);
+  for (; it != list.end(); ++it) {
+    const TensorConversion& t = plan_.tensors[*it];
+    if (t.in_begin >= end) break;
+    const std::uint64_t overlap = std::min(t.in_begin + t.in_bytes(), end) - std::max(t.in_begin, begin);
+    missing_[*it] -= std::min(missing_[*it], overlap);
+    if (missing_[*it] == 0 && !launched_[*it]) {
+      launch(*it);
+      ++queued_early_;
+    }
+  }
+}
+
+void DeviceConversions::finish() {
+  {
+    std::lock_guard lock(mu_);
+    finished_ = true;  // every copy has completed: no events needed
+    for (std::size_t k = 0; k < plan_.tensors.size(); ++k) {
+      if (!launched_[k]) launch(k);
+    }
+  }
+  stream_.synchronize();
 }
 
 }  // namespace pinload::detail

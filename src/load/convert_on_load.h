@@ -10,10 +10,12 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <vector>
 
 #include "pinload/checkpoint.h"
 #include "pinload/convert.h"
+#include "pinload/copy_engine.h"
 #include "pinload/device.h"
 #include "pinload/env.h"
 #include "pinload/pool.h"
@@ -72,10 +74,52 @@ void convert_straddlers(const ConversionPlan& plan, const ReadPlan& read_plan,
                         const std::vector<std::shared_ptr<Block>>& file_blocks,
                         const std::vector<std::shared_ptr<Block>>& out_blocks);
 
-// Device loads, after the copies: queues every conversion on `stream` from
-// the files' data sections (`in`) to `out`, then waits for them.
-void convert_on_device(const ConversionPlan& plan, const Checkpoint& checkpoint, Device& device, Stream& stream,
-                       const std::vector<std::shared_ptr<DeviceBuffer>>& in,
-                       const std::vector<std::shared_ptr<DeviceBuffer>>& out);
+// Device loads (Note [Device conversion pipeline] in convert_on_load.cc):
+// each tensor's conversion is queued, on a conversion stream of its own, as
+// soon as the copies of all its stored bytes have been submitted, behind
+// events on the copy streams, so it runs while the later copies go on.
+//
+// Thread safety: copied() may be called from many reader threads at once;
+// the constructor, finish() and the destructor on the load's thread.
+class DeviceConversions {
+ public:
+  // `in[f]` holds file f's data section, `out[f]` its converted tensors;
+  // both, `plan` and `engine` must outlive this object. Per-row scales are
+  // queued for upload here. Throws DeviceError.
+  DeviceConversions(const ConversionPlan& plan, const Checkpoint& checkpoint, Device& device, CopyEngine& engine,
+                    std::vector<std::shared_ptr<DeviceBuffer>> in, std::vector<std::shared_ptr<DeviceBuffer>> out);
+  // Waits for the conversions queued (never throws): the buffers stay valid
+  // until the device is done with them, also when a load failed.
+  ~DeviceConversions();
+  DeviceConversions(const DeviceConversions&) = delete;
+  DeviceConversions& operator=(const DeviceConversions&) = delete;
+
+  // After the copy of file `file`'s data-section bytes [begin, end) (offsets
+  // from the data section's start) has been submitted to the engine: queues
+  // the conversions of the tensors whose stored bytes are now all submitted.
+  // Throws DeviceError, InvalidFileError as Device::convert_async does.
+  void copied(std::size_t file, std::uint64_t begin, std::uint64_t end);
+  // After the last copy: queues any conversion not queued yet (none when
+  // every byte was reported), then waits for all of them. Throws DeviceError.
+  void finish();
+  // How many conversions were queued before finish() (tests, logs).
+  std::size_t queued_early() const noexcept { return queued_early_; }
+
+ private:
+  void launch(std::size_t k);  // under mu_
+
+  const ConversionPlan& plan_;
+  const Checkpoint& checkpoint_;
+  Device& device_;
+  CopyEngine& engine_;
+  std::vector<std::shared_ptr<DeviceBuffer>> in_, out_;
+  Stream stream_;
+  std::vector<std::shared_ptr<DeviceBuffer>> row_scales_;  // per tensor, device copies (or null)
+  std::mutex mu_;
+  std::vector<std::uint64_t> missing_;  // per tensor: stored bytes not yet submitted
+  std::vector<bool> launched_;
+  std::size_t queued_early_ = 0;
+  bool finished_ = false;
+};
 
 }  // namespace pinload::detail

@@ -205,16 +205,15 @@ TensorIndex index_tensors(const Checkpoint& checkpoint, const ReadSession& s,
 // Converts what could not convert chunk by chunk once every read (and copy)
 // is done: on the host the elements across chunks, on a device everything;
 // then drops the tensors the conversion used up.
-void finish_conversions(const detail::ConversionPlan& conversions, const Checkpoint& checkpoint, const ReadSession& s,
-                        Device* device, Stream* stream, const std::vector<std::shared_ptr<DeviceBuffer>>& device_buffers,
-                        const ConvertedMemory& converted, TensorIndex* index) {
+void finish_conversions(const detail::ConversionPlan& conversions, const ReadSession& s,
+                        detail::DeviceConversions* on_device, const ConvertedMemory& converted, TensorIndex* index) {
   if (conversions.empty()) return;
-  if (device == nullptr) {
+  if (on_device == nullptr) {
     std::vector<std::shared_ptr<Block>> file_blocks(s.file_count());
     for (std::size_t i = 0; i < file_blocks.size(); ++i) file_blocks[i] = s.block(i);
     detail::convert_straddlers(conversions, s.plan(), file_blocks, converted.blocks);
   } else {
-    detail::convert_on_device(conversions, checkpoint, *device, *stream, device_buffers, converted.buffers);
+    on_device->finish();
   }
   std::vector<Tensor> kept;
   kept.reserve(index->tensors.size());
@@ -236,8 +235,10 @@ class DevicePipeline {
     }
   }
   const std::vector<std::shared_ptr<DeviceBuffer>>& buffers() const noexcept { return buffers_; }
-  // The stream device-side conversions run on, after drain().
-  Stream& stream() { return engine_.stream(0); }
+  CopyEngine& engine() noexcept { return engine_; }
+  // Each copy submitted is reported to `conversions` (may be null), so that a
+  // tensor converts as soon as its stored bytes are submitted.
+  void convert_as_copied(detail::DeviceConversions* conversions) noexcept { conversions_ = conversions; }
 
   // Queues the copy of chunk `c`, which lies at `block_offset` in `block`.
   // Only the data section goes to the device: the header bytes that an
@@ -250,6 +251,7 @@ class DevicePipeline {
     if (end > begin) {
       engine_.submit(std::move(block), block_offset + (begin - c.offset), buffers_[c.file], begin - r.data_offset,
                      end - begin);
+      if (conversions_ != nullptr) conversions_->copied(c.file, begin - r.data_offset, end - r.data_offset);
     }
   }
 
@@ -267,6 +269,7 @@ class DevicePipeline {
  private:
   CopyEngine engine_;
   std::vector<std::shared_ptr<DeviceBuffer>> buffers_;
+  detail::DeviceConversions* conversions_ = nullptr;
 };
 
 // Hands a load's tensors out as they become ready (Note [Ready tensors]):
@@ -487,6 +490,13 @@ StateDict Loader::run(const Checkpoint& checkpoint, const LoadRequest& request, 
   TensorIndex index = index_tensors(checkpoint, s, device_buffers, conversions, converted);
   TensorHandOut hand_out(s.plan(), checkpoint, index.tensors, *counters, device == nullptr && conversions.empty(),
                          !conversions.empty(), s.budgeted() ? &s : nullptr);
+  // Device conversions run as the copies of their tensors complete (Note
+  // [Device conversion pipeline] in convert_on_load.h).
+  std::optional<detail::DeviceConversions> device_conversions;
+  if (pipeline && !conversions.empty()) {
+    device_conversions.emplace(conversions, checkpoint, *device, pipeline->engine(), device_buffers, converted.buffers);
+    pipeline->convert_as_copied(&*device_conversions);
+  }
 
   // Wiring reads to copies: after each chunk, its host conversions (out of
   // the read block while it is fresh, on this reader), its tensors that
@@ -522,8 +532,7 @@ StateDict Loader::run(const Checkpoint& checkpoint, const LoadRequest& request, 
   if (pipeline) pipeline->drain(&error, counters);
   if (error) std::rethrow_exception(error);
   if (stop.stop_requested()) throw CancelledError("load cancelled");
-  finish_conversions(conversions, checkpoint, s, device, pipeline ? &pipeline->stream() : nullptr, device_buffers,
-                     converted, &index);
+  finish_conversions(conversions, s, device_conversions ? &*device_conversions : nullptr, converted, &index);
   if (request.record != nullptr) record_template(checkpoint, s, destination(), request.record);
   if (s.budgeted() && s.file_count() > 0) s.take_blocks_up_to(s.file_count() - 1, stop);  // files with nothing to read
   hand_out.rest();

@@ -106,6 +106,26 @@ def test_16_32_pairs_match_torch(where, src, dst):
     assert_bits(got, x.to(WIDE[dst]), f"{src}->{dst}")
 
 
+# Runs of at least 256 KiB of output take the non-temporal store paths (Note [Streaming stores] in
+# src/format/dtype_convert.cc): tiles streamed out, and the VBMI loop streaming from an aligned point.
+@pytest.mark.parametrize("where", CONVERT_DEVICES)
+@pytest.mark.parametrize("src", sorted(FP8) + sorted(WIDE))
+@pytest.mark.parametrize("dst", sorted(WIDE))
+def test_streamed_long_runs_match_torch(where, src, dst):
+    gen = torch.Generator().manual_seed(7)
+    if src in FP8:
+        x = torch.cat([torch.arange(256, dtype=torch.uint8).repeat(600),
+                       torch.randint(0, 256, (4099,), generator=gen, dtype=torch.uint8)]).view(FP8[src])
+        scale = 0.375
+    else:
+        x = edge_values().repeat(40)[: 160_000 + 3].to(WIDE[src])
+        scale = 1.0
+    kw = {"scale": scale} if src in FP8 else {}
+    got = _from_bytes(_convert(where, _bytes(x), src, dst, **kw), WIDE[dst])
+    want = (x.to(torch.float32) * scale).to(WIDE[dst]) if src in FP8 else x.to(WIDE[dst])
+    assert_bits(got, want, f"{src}->{dst} streamed")
+
+
 @pytest.mark.parametrize("where", CONVERT_DEVICES)
 def test_fp8_per_row_scales_match_torch(where):
     gen = torch.Generator().manual_seed(1)
