@@ -44,6 +44,7 @@ LoadOptions small_options() {
   LoadOptions o;
   o.threads = 4;
   o.block_size = 64 << 10;  // several chunks per file: files interleave
+  o.zero_copy = ZeroCopy::kOff;  // pool blocks and descriptors are counted: no file mappings
   return o;
 }
 

@@ -97,6 +97,7 @@ LoadOptions small_options() {
   LoadOptions options;
   options.threads = 2;
   options.block_size = 64 << 10;
+  options.zero_copy = ZeroCopy::kOff;  // pool blocks and descriptors are counted: no file mappings
   return options;
 }
 

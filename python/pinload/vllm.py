@@ -150,9 +150,8 @@ def pinload_weights_iterator(hf_weights_files: List[str], use_tqdm_on_load: bool
 
                 options["block_size"] = max(4096, min(_core.DEFAULT_BLOCK_SIZE, budget // 4 // 4096 * 4096))
         elif remote:
-            # A streaming host load within the pool budget (Note [Streaming within a budget]):
-            # each shard's block is taken as it is reached; the budget must hold the largest shard.
-            options["pool_bytes"] = budget
+            logger.warning("pinload: budget %d: host loads of remote files have no streaming mode (batches); "
+                           "loading without it", budget)
         else:
             from pinload.distributed import iter_sharded
 

@@ -39,11 +39,12 @@ std::string tensor_digest(const Tensor& t, Device* device) {
 void print_details(const Loader& loader, const LoadProgress& p, Device* device) {
   const PoolStats s = loader.pool()->stats();
   std::fprintf(stderr,
-               "  files: %llu direct, %llu buffered (%llu of them mapped)\n"
+               "  files: %llu direct, %llu buffered (%llu of them mapped), %llu zero-copy\n"
                "  pool[%s]: reserved %.3f GB, in use %.3f GB, peak %.3f GB, %llu allocations "
                "(%llu from free lists, %llu OS reservations)\n",
                static_cast<unsigned long long>(p.files_direct), static_cast<unsigned long long>(p.files_buffered),
-               static_cast<unsigned long long>(p.files_mapped), std::string(loader.pool()->backend_name()).c_str(),
+               static_cast<unsigned long long>(p.files_mapped), static_cast<unsigned long long>(p.files_zero_copy),
+               std::string(loader.pool()->backend_name()).c_str(),
                s.reserved_bytes / 1e9, s.in_use_bytes / 1e9, s.peak_in_use_bytes / 1e9,
                static_cast<unsigned long long>(s.allocations), static_cast<unsigned long long>(s.free_list_hits),
                static_cast<unsigned long long>(s.os_reservations));

@@ -2,6 +2,7 @@
 // (io_template.h), as text or JSON.
 #include "cli/template_print.h"
 
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <iterator>
@@ -25,6 +26,10 @@ std::vector<std::uint8_t> read_all(const std::string& path) {
 }  // namespace
 
 bool is_template_file(const std::string& path) {
+  // Only a regular file is opened here: a FIFO or a device is refused by the
+  // checkpoint reader, which never blocks on one (reliability item 4).
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(path, ec)) return false;
   std::ifstream in(path, std::ios::binary);
   char head[sizeof kTemplateMagic] = {};
   return in.read(head, sizeof head) && std::equal(head, head + sizeof head, kTemplateMagic);

@@ -20,6 +20,7 @@ namespace {
 
 using detail::kCachedReadSpellings;
 using detail::kDirectSpellings;
+using detail::kZeroCopySpellings;
 using detail::parse_spelling;
 using detail::spelling_of;
 

@@ -83,8 +83,11 @@ def test_connections_keyword_sets_the_connections_in_flight(remote_model, nginx,
         assert_same(pt.load_file(url, block_size="64K", connections=2, prefetch=handle), remote_model)
     finally:
         proxy.stop()
-    for bad in (0, -1, 1025, 2.5, "4", True):
-        with pytest.raises(ValueError, match="connections must be 1..1024"):
+    for bad in (0, -1, 1025):
+        with pytest.raises(ValueError, match="connections must be"):
+            pt.load_file(f"{nginx.url}/py.safetensors", connections=bad)
+    for bad in (2.5, "4", True):  # LoadOptions: TypeError for a value of the wrong type
+        with pytest.raises(TypeError, match="connections must be an int"):
             pt.load_file(f"{nginx.url}/py.safetensors", connections=bad)
     with pytest.raises(ValueError, match="connections"):
         pinload.prefetch([f"{nginx.url}/py.safetensors"], connections=0)
