@@ -22,7 +22,8 @@ files_in_flight, streams, chunk_bytes, staging_bytes, variant, progress, pool_by
   (``staging_bytes``); a host load of local files is read batch by batch, about two batches of
   budget / 4 in flight (``pinload.distributed.iter_sharded`` with one rank; a tensor larger than
   a batch is a batch of its own, so the budget should exceed twice the largest tensor). A host load of
-  remote files has no streaming mode in this build: it warns and loads without the budget. Not
+  remote files streams within the budget shard by shard (``pool_bytes``), which needs the budget
+  to hold the largest shard; where it does not, it warns and loads without the budget. Not
   with ``cache`` (a cache keeps whole models) or ``staging_bytes`` (the same knob);
 - ``connections``: parallel connections for remote files (1..1024; default ``PINLOAD_CONNECTIONS``,
   else 16).
@@ -150,8 +151,34 @@ def pinload_weights_iterator(hf_weights_files: List[str], use_tqdm_on_load: bool
 
                 options["block_size"] = max(4096, min(_core.DEFAULT_BLOCK_SIZE, budget // 4 // 4096 * 4096))
         elif remote:
-            logger.warning("pinload: budget %d: host loads of remote files have no streaming mode (batches); "
-                           "loading without it", budget)
+            # Streaming within the pool budget (Note [Streaming within a budget]): each shard's
+            # block is taken as the read reaches it and given back once its tensors are dropped.
+            # That needs the budget to hold the largest shard; if it does not (an error before any
+            # byte is read), the load goes on without the budget, and says so.
+            # Nothing here keeps a tensor once it is yielded: a block held past its file's last
+            # tensor would stall the load (Note [Streaming within a budget]).
+            source = pinload.iter_tensors(files, device=device, pool_bytes=budget, **options)
+            first: List[Tuple[str, torch.Tensor]] = []
+            try:
+                first.append(next(source))
+            except StopIteration:
+                return
+            except pinload.OutOfMemoryError as e:
+                logger.warning("pinload: budget %d holds no whole shard of this remote checkpoint (%s); "
+                               "loading without it", budget, e)
+                source = pinload.iter_tensors(files, device=device, **options)
+            while True:
+                if first:
+                    name, tensor = first.pop()
+                else:
+                    try:
+                        name, tensor = next(source)
+                    except StopIteration:
+                        return
+                if dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype:
+                    tensor = tensor.to(dtype)
+                yield name, tensor
+                del tensor
         else:
             from pinload.distributed import iter_sharded
 

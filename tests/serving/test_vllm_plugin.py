@@ -200,10 +200,18 @@ def test_budget_streams_host_and_device_loads(llama_dir, served_llama, caplog):
     # A device load: the budget is the staging budget of a streaming load ("sim": the CPU stand-in).
     ours = dict(pinload.vllm.pinload_weights_iterator(files, False, device="sim", budget=4 << 20))
     _same({n: t.cpu() for n, t in ours.items()}, theirs)
-    # Host, remote: no streaming mode; it says so and loads.
+    # Host, remote: shard by shard within the pool budget when it holds the largest shard (15 MiB)...
     _proxy, base = served_llama
+    index = base + "/model.safetensors.index.json"
+    ours = {}
+    for name, tensor in pinload.vllm.pinload_weights_iterator([index], False, budget=24 << 20, connections=2):
+        ours[name] = tensor.clone()
+        del tensor
+    _same(ours, theirs)
+    peak = pinload.pool_stats("cpu", pool_bytes=24 << 20)["peak"]
+    assert 0 < peak <= 24 << 20 < total, (peak, total)
+    # ... and where it holds none, it says so and loads without it.
     with caplog.at_level(logging.WARNING, logger="pinload.vllm"):
-        ours = dict(pinload.vllm.pinload_weights_iterator([base + "/model.safetensors.index.json"], False,
-                                                          budget=8 << 20, connections=2))
-    assert "no streaming mode" in caplog.text
+        ours = dict(pinload.vllm.pinload_weights_iterator([index], False, budget=8 << 20, connections=2))
+    assert "holds no whole shard" in caplog.text
     _same(ours, theirs)
