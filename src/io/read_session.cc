@@ -532,7 +532,13 @@ void ReadSession::allocate_blocks(Pool& pool, std::stop_token stop) {
     }
   }
   for (std::size_t i = 0; i < files_.size(); ++i) {
-    if (!files_[i]->block) files_[i]->block = pool.allocate(plan_.files[i].block_bytes(), stop);
+    if (files_[i]->block) continue;
+    try {
+      files_[i]->block = pool.allocate(plan_.files[i].block_bytes(), stop);
+    } catch (const OutOfMemoryError& e) {  // the pool's budget, held by other loads: name the file
+      if (!e.context().file.empty()) throw;
+      throw OutOfMemoryError(e.message(), ErrorContext{files_[i]->path});
+    }
   }
 }
 

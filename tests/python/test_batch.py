@@ -100,3 +100,30 @@ def test_tensors_outlive_the_batch(library):
 def test_backend_and_os_paths(library):
     got = pt.load_files_batch([os.fsencode(library[0])], backend="pread")
     _same(got[library[0]], st.load_file(library[0]))
+
+
+def test_a_batch_larger_than_its_budget_stays_within_it(tmp_path):
+    """Issue 13 item 2, the batch path: with pool_bytes smaller than the library, the batch holds at
+    most the budget; each path that does not fit fails alone with OutOfMemoryError naming it (the
+    consumer drops what it has and asks again), and the others are whole and exact."""
+    g = torch.Generator().manual_seed(5)
+    paths = []
+    for i in range(24):
+        p = tmp_path / f"l{i:02d}.safetensors"
+        st.save_file({"a": torch.randn(256, 1024, generator=g)}, str(p))  # 1 MiB each
+        paths.append(str(p))
+    budget = 8 << 20
+    out = pt.load_files_batch(paths, pool_bytes=budget, return_errors=True)
+    ok = [p for p, v in out.items() if not isinstance(v, BaseException)]
+    assert 0 < len(ok) < len(paths)
+    for p, v in out.items():
+        if isinstance(v, BaseException):
+            assert isinstance(v, pinload.OutOfMemoryError) and v.file == p, (p, v)
+        else:
+            _same(v, st.load_file(p))
+    assert pinload.pool_stats("cpu", pool_bytes=budget)["peak_reserved"] <= budget
+    rest = [p for p in paths if p not in ok]
+    del out
+    again = pt.load_files_batch(rest[:2], pool_bytes=budget)  # what was held is back in the pool
+    for p in rest[:2]:
+        _same(again[p], st.load_file(p))
