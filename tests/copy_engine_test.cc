@@ -264,7 +264,9 @@ TEST(CopyEngineSim, AHeldCopyKeepsItsBlockOutOfThePool) {
 // had completed, the next fill would overwrite bytes still to be copied.
 TEST(CopyEngineSim, RecycledBlocksNeverCorruptInFlightCopies) {
   SimDeviceOptions options;
-  options.copy_delay = std::chrono::microseconds(300);
+  // Copies far slower than a fill, also under a sanitizer on a loaded machine:
+  // the fills must wait for blocks to come back.
+  options.copy_delay = std::chrono::milliseconds(2);
   auto d = make_sim_device(options);
   const std::size_t bytes = 128 * KiB;
   auto pool = Pool::create(d->make_pinned_backend(PinnedMemoryOptions{.huge_pages = HugePages::kOff}),
