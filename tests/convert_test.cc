@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <condition_variable>
 #include <cstring>
 #include <mutex>
@@ -49,7 +50,7 @@ TEST(ConvertTest, FailureMidConvertLeavesNoOutputAndNoTemporary) {
   const std::string in = bf16_checkpoint(dir, 8);
   ConvertOptions options;
   options.threads = 2;
-  int written = 0;
+  std::atomic<int> written{0};  // called from every worker at once
   options.after_tensor = [&](const std::string&) {
     if (++written == 3) throw IoError("disk full (injected)");
   };

@@ -99,8 +99,8 @@ struct ConvertOptions {
   // memory stays within threads * (piece + its fp8 output).
   std::size_t piece_bytes = 16u << 20;
   ResolveOptions resolve;
-  // Tests: called on a worker after each tensor is written; a throw aborts
-  // the conversion like any other failure.
+  // Tests: called on a worker after each tensor is written, from several
+  // workers at once; a throw aborts the conversion like any other failure.
   std::function<void(const std::string& tensor)> after_tensor;
 };
 
