@@ -9,6 +9,7 @@
 #include <string>
 #include <type_traits>
 
+#include "base/streaming_copy.h"
 #include "format/dtype_bits.h"
 #include "pinload/error.h"
 
@@ -60,26 +61,9 @@ struct F32 {
 constexpr std::uint64_t kStreamOutBytes = 256u << 10;
 constexpr std::uint64_t kTileElements = 4096;  // 16 KiB of fp32 output at most
 
-void stream_copy(std::uint8_t* dst, const std::uint8_t* src, std::size_t bytes) {
-  std::size_t i = std::min<std::size_t>(bytes, (16 - (reinterpret_cast<std::uintptr_t>(dst) & 15)) & 15);
-  std::memcpy(dst, src, i);
-  for (; i + 64 <= bytes; i += 64) {
-    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16));
-    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 32));
-    const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 48));
-    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), a);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 16), b);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 32), c);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 48), d);
-  }
-  for (; i + 16 <= bytes; i += 16) {
-    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
-  }
-  std::memcpy(dst + i, src + i, bytes - i);
-}
+void stream_copy(std::uint8_t* dst, const std::uint8_t* src, std::size_t bytes) { detail::streaming_copy(dst, src, bytes); }
 
-void stream_fence() { _mm_sfence(); }
+void stream_fence() { detail::streaming_fence(); }
 
 // 64 fp8 codes to 64 16-bit outputs per step with AVX-512 VBMI byte
 // permutes: the table's low and high bytes are each two 128-entry halves

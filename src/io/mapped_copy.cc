@@ -6,10 +6,7 @@
 #include <cstring>
 #include <mutex>
 
-#if defined(__x86_64__) || defined(__SSE2__)
-#include <emmintrin.h>
-#define PINLOAD_STREAMING_STORES 1
-#endif
+#include "base/streaming_copy.h"
 
 namespace pinload::detail {
 namespace {
@@ -50,35 +47,12 @@ void install_handler_once() {
   });
 }
 
-// Streams whole 64-byte lines past the cache: the destination is a block
-// that is written once and read later (or by a DMA engine), so write-allocate
-// reads of it would only cost bandwidth.
+// The destination is a block written once and read later (or by a DMA
+// engine): streamed past the cache, then fenced so that the stores are
+// published before the chunk is marked done.
 void stream_copy(std::byte* dst, const std::byte* src, std::size_t bytes) noexcept {
-#ifdef PINLOAD_STREAMING_STORES
-  std::size_t i = 0;
-  // Align the destination to 16 bytes for _mm_stream_si128.
-  const std::size_t head = (16 - reinterpret_cast<std::uintptr_t>(dst) % 16) % 16;
-  if (head >= bytes) {
-    std::memcpy(dst, src, bytes);
-    return;
-  }
-  std::memcpy(dst, src, head);
-  i = head;
-  for (; i + 64 <= bytes; i += 64) {
-    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16));
-    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 32));
-    const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 48));
-    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), a);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 16), b);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 32), c);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 48), d);
-  }
-  _mm_sfence();  // streaming stores are weakly ordered: publish before the chunk is marked done
-  std::memcpy(dst + i, src + i, bytes - i);
-#else
-  std::memcpy(dst, src, bytes);
-#endif
+  detail::streaming_copy(dst, src, bytes);
+  detail::streaming_fence();
 }
 
 }  // namespace
