@@ -32,6 +32,9 @@ direct sequential read (numjobs=1, best variant) and the first touch of a fresh 
 after the page cache was dropped and the memory left idle (the rate at which fresh anonymous memory
 arrives: the bound of any cold load that lands in new memory). Medians over the rounds.
 
+--device cuda:N runs the same loads to a GPU (scripts/gpu-check.sh runs the set there): a fresh
+process's device load, where pinning the staging memory plays the part of fresh memory.
+
 Output: --out JSON (default bench/results/fresh.<scale>.json) and a markdown table on stdout, in the
 form of docs/benchmarks.md's section "A fresh process per load".
 """
@@ -190,9 +193,10 @@ def limits(bench_bin: str, files: list[str], settle: int, fio_runtime: int) -> d
 
 # ---- runs ----
 
-def run_one(system: str, workload: str, files: list[str], digests: dict, cold: bool, env: dict) -> dict:
+def run_one(system: str, workload: str, files: list[str], digests: dict, cold: bool, env: dict,
+            device: str = "cpu") -> dict:
     step = {"paths": files, "files": files, "digests": digests, "label": workload}
-    r = harness.run_system(system, [step], cold=cold, drop_all=True, env=env, timeout=3600)
+    r = harness.run_system(system, [step], device=device, cold=cold, drop_all=True, env=env, timeout=3600)
     rec = {"system": system, "workload": workload, "case": "cold" if cold else "warm", "cache": r.get("cache")}
     if "skipped" in r or "error" in r:
         rec["skipped"] = r.get("skipped") or r.get("error")
@@ -287,6 +291,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-st09", action="store_true", help="skip the safetensors 0.9 rows")
     ap.add_argument("--pool-settle", type=int, default=10, help="idle seconds before the first-touch probe")
     ap.add_argument("--fio-runtime", type=int, default=15)
+    ap.add_argument("--device", default="cpu", help="the load's target: cpu (the issue's table) or cuda:N "
+                    "(a fresh process's device load: pinload streams through pinned staging; scripts/gpu-check.sh)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     if os.geteuid() != 0:
@@ -323,7 +329,7 @@ def main(argv=None) -> int:
                                      "skipped": f"{ST09} did not install"})
                         continue
                     env = st09_env if name.startswith("safetensors 0.9") else base_env
-                    r = run_one(name, w, sets[w], digests[w], case == "cold", env)
+                    r = run_one(name, w, sets[w], digests[w], case == "cold", env, a.device)
                     r["round"] = rnd
                     runs.append(r)
                     shown = (f"{r['ms_per_call']:.3f} ms/call" if w == "percall" else f"{r['gbps']:.2f} GB/s") \
@@ -335,9 +341,11 @@ def main(argv=None) -> int:
            "command": " ".join([os.path.relpath(sys.argv[0], ROOT)] + (argv if argv is not None else sys.argv[1:])),
            "host": {"cores": os.cpu_count(), "kernel": platform.release(), "loadavg_at_end": os.getloadavg()},
            "versions": harness.versions(), "peers": peers, "scale": a.scale, "rounds": a.rounds,
+           "device": a.device,
            "files": {w: {"count": len(sets[w]), "bytes": sum(os.path.getsize(p) for p in sets[w])} for w in sets},
            "limits": lims, "runs": runs, "summary": summary, "seconds": time.monotonic() - t0}
-    path = a.out or os.path.join(HERE, "results", f"fresh.{a.scale:g}.json")
+    suffix = "" if a.device == "cpu" else "." + a.device.replace(":", "")
+    path = a.out or os.path.join(HERE, "results", f"fresh.{a.scale:g}{suffix}.json")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         json.dump(out, f, indent=1)

@@ -28,7 +28,9 @@
 #                          cold/warm targets against fio (if present) and memcpy
 #   bench.log              its progress (and fp8-bench --device cuda:0's table: FP8 -> bf16
 #                          device loads against bf16 loads and a pinned copy; its JSON is
-#                          results.json's fp8_device)
+#                          results.json's fp8_device; and bench/fresh_bench.py --device cuda:0,
+#                          a fresh process's device load beside the peers': results.json's
+#                          fresh_device)
 #   run_all.quick.json     bench/run_all.py --quick on cuda:0 (pinload and the peers on the
 #                          small checkpoints), when at least 90 s of the budget are left
 #
@@ -165,6 +167,10 @@ fp8 = os.environ.get("FP8_JSON", "")
 if fp8 and os.path.exists(fp8):
     with open(fp8) as f:
         res["fp8_device"] = json.load(f)  # fp8-bench --device cuda:0: FP8 -> bf16 loads, bf16 loads, pinned copy
+fresh = os.environ.get("FRESH_JSON")
+if fresh and os.path.exists(fresh) and os.path.getsize(fresh) > 0:
+    with open(fresh) as f:
+        res["fresh_device"] = {k: v for k, v in json.load(f).items() if k in ("summary", "limits", "files", "device")}
 bench = os.path.join(out, "bench_device.json")
 if os.path.exists(bench):
     with open(bench) as f:
@@ -280,6 +286,20 @@ if (($(remaining) > 200)) && run_step build_bench 120 "$OUT/build.log" cmake --b
       --phases memcpy,fio,buffered,cold,warm,device --memcpy-bytes 1G --json "$OUT/bench_device.json" \
       "$M/text_encoder" "$M/vae" "$M/text_encoder_2/model-00002-of-00002.safetensors"
   fi
+fi
+
+# ---- a fresh process's device load (issue 16): bench/fresh_bench.py's set at scale 0.05 (0.39 GB),
+# every system in a fresh worker per load to cuda:0, cold and warm, one round; pinload's default
+# streams through pinned staging (Note [Device loads from Python]), so pinning only the staging is
+# its fresh-memory cost. Its JSON goes into results.json as fresh_device.
+export FRESH_JSON=$(mktemp)
+if (($(remaining) > 240)) && ls "$BUILD"/python/pinload/_core*.so >/dev/null 2>&1; then
+  run_step fresh_device 150 "$OUT/bench.log" env LD_LIBRARY_PATH="$ORIG_LD_LIBRARY_PATH" \
+    python3 bench/fresh_bench.py --device cuda:0 --scale 0.05 --workloads set --rounds 1 --no-st09 \
+    --pool-settle 0 --fio-runtime 5 --build "$BUILD" \
+    --dir "$MODELS/fresh-bench-0.05" --out "$FRESH_JSON"
+else
+  log "fresh_device: skipped ($(remaining)s left or no Python module)"
 fi
 
 # ---- the vLLM plugin on cuda:0 (tests/serving/gpu_vllm_check.py): pinload's iterator against

@@ -10,6 +10,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cctype>
 #include <chrono>
 #include <cstring>
 #include <filesystem>
@@ -145,6 +146,37 @@ TEST(ZeroCopy, AutoMapsOnlyWhenThePoolWouldNeedFreshMemory) {
   LoadHandle h = loader.load_async({path});
   expect_bytes_of(h.wait(), file, image);
   EXPECT_EQ(h.progress().files_zero_copy, 0u);
+}
+
+// Resident kilobytes of the mappings of `path` in this process (/proc/self/smaps).
+std::uint64_t resident_kib_of_mappings(const std::string& path) {
+  std::ifstream in("/proc/self/smaps");
+  std::uint64_t kib = 0;
+  bool inside = false;
+  for (std::string line; std::getline(in, line);) {
+    if (!line.empty() && std::isxdigit(static_cast<unsigned char>(line[0])) && line.find('-') != std::string::npos &&
+        line.find(' ') < line.find(':')) {
+      inside = line.size() >= path.size() && line.compare(line.size() - path.size(), path.size(), path) == 0;
+    } else if (inside && line.rfind("Rss:", 0) == 0) {
+      kib += std::stoull(line.substr(4));
+    }
+  }
+  return kib;
+}
+
+// kAuto hands out a load, not a lazy map: before any tensor is touched,
+// every data byte of the mapped file is in this process's page tables.
+TEST(ZeroCopy, AutoLeavesEveryMappedByteResident) {
+  TempDir dir;
+  const std::string path = dir.file("a.safetensors");
+  const FileImage image = write_big(path, 8, 1 << 20);  // 8 MiB, just written: in the page cache
+  Loader loader(zero_copy_options(ZeroCopy::kAuto));
+  LoadHandle h = loader.load_async({path});
+  const StateDict sd = h.wait();
+  ASSERT_EQ(h.progress().files_zero_copy, 1u);
+  const std::uint64_t data_kib = image.data.size() / 1024;
+  EXPECT_GE(resident_kib_of_mappings(path), data_kib);
+  expect_bytes_of(sd, slurp(path), image);
 }
 
 // Several files, some mapped and some not: one state dict in file order.

@@ -47,9 +47,12 @@
 //                    into memory it has touched), a lease is granted and at
 //                    least resident_threshold of it is in the page cache.
 //   ZeroCopy::kOn    maps every file a lease is granted for, whatever is
-//                    cached, and faults what is not in with `threads` threads
-//                    (MADV_POPULATE_READ) before returning.
+//                    cached.
 //   ZeroCopy::kOff   never maps.
+// Either way a mapped file's pages are faulted into the process with
+// `threads` threads (MADV_POPULATE_READ) before the load returns: its bytes
+// are resident, as a read's are, and a page that cannot be read is an
+// IoError then, not a fault in the caller's first pass.
 // A mapped file is counted in LoadProgress::files_zero_copy; its tensors'
 // Block is the mapping (not pool memory, not locked) and lives while any of
 // them does. Files that are not mapped are read as usual, in the same load.
@@ -240,8 +243,11 @@ class Loader {
   // Loader and every load it starts. Throws InvalidArgumentError for options
   // that fail LoadOptions::validate(), kStreaming without a target device, a
   // LoadOptions::numa.node the machine lacks, or a staging budget below one
-  // read block.
-  explicit Loader(LoadOptions options = {}, std::shared_ptr<Pool> pool = nullptr, Env* env = nullptr);
+  // read block. `staging`: kStreaming's staging pool, which loaders may share
+  // so that one pinned allocation serves load after load (make_staging_pool);
+  // null: a staging pool of the loader's own.
+  explicit Loader(LoadOptions options = {}, std::shared_ptr<Pool> pool = nullptr, Env* env = nullptr,
+                  std::shared_ptr<Pool> staging = nullptr);
 
   // Loads every tensor of `paths` (files, indexes, folders). Blocks; throws
   // pinload::Error. The tensors keep their blocks alive on their own.
@@ -285,6 +291,14 @@ class Loader {
   Env* env_;
   NumaPlacement numa_;
 };
+
+// The staging pool of kStreaming loads with `options`: pinned memory of
+// options.target.device (on the loader's NUMA node), capped at
+// target.staging_bytes, waiting when full. Loaders given the same one reuse
+// its pinned blocks, so only the first load pins memory. Throws
+// InvalidArgumentError without a target device, or for a budget below one
+// read block.
+std::shared_ptr<Pool> make_staging_pool(const LoadOptions& options, Env* env = nullptr);
 
 // Copies the host tensors of `host` to `device`: one device allocation per
 // host block, tensors at the same offsets, so a model cached in the pool goes

@@ -50,8 +50,11 @@ if TYPE_CHECKING:
     from typing_extensions import Unpack
 
 __version__ = _core.__version__
+#: The pinned staging budget of a streaming device load given no ``staging_bytes``.
+DEFAULT_STAGING_BYTES: int = _core.DEFAULT_STAGING_BYTES
 
 __all__ = [
+    "DEFAULT_STAGING_BYTES",
     "CancelledError",
     "DeviceError",
     "Error",
@@ -118,20 +121,21 @@ def __dir__():
     return sorted(set(globals()) | set(_LAZY) | set(_SUBMODULES))
 
 
-def pool_stats(device="cpu", pool_bytes=None) -> dict:
+def pool_stats(device="cpu", pool_bytes=None, staging_bytes=None) -> dict:
     """Statistics of the pool that loads to ``device`` share ('cpu', 'sim', 'cuda:N'); with
-    ``pool_bytes``, of the pool that the loads given that ``pool_bytes=`` share.
+    ``pool_bytes``, of the pool that the loads given that ``pool_bytes=`` share; with
+    ``staging_bytes`` (a device only), of the pinned staging pool that the streaming loads of that
+    budget share (``DEFAULT_STAGING_BYTES`` for loads given none).
 
     Keys (bytes unless noted): ``reserved`` (held from the OS), ``in_use`` (in live blocks),
     ``peak``, ``peak_reserved``, ``capacity`` (0: unlimited), and counts ``allocations``,
     ``free_list_hits`` (allocations that reused a block), ``os_reservations``, ``os_releases``,
     ``budget_waits``, ``live_blocks``; ``backend`` names the memory backend.
     """
-    if pool_bytes is None:
-        return _core.pool_stats(_devices.key(device))
     from ._options import size
 
-    return _core.pool_stats(_devices.key(device), size(pool_bytes, "pool_bytes"))
+    return _core.pool_stats(_devices.key(device), None if pool_bytes is None else size(pool_bytes, "pool_bytes"),
+                            None if staging_bytes is None else size(staging_bytes, "staging_bytes"))
 
 
 def trim_pool(device="cpu") -> None:

@@ -16,7 +16,8 @@ raises :class:`pinload.InvalidArgumentError`, a ``ValueError``, naming the optio
 - ``direct`` ("auto" | "on" | "off"): O_DIRECT reads (auto: unless the file is already cached);
 - ``files_in_flight`` (2): shards read at once; ``variant``: "fp16" loads ``*.fp16.safetensors``;
 - ``streams`` (2), ``chunk_bytes`` (8 MiB): host-to-device copy streams and chunk size;
-- ``staging_bytes``: streaming mode for device loads (host memory capped at this many bytes);
+- ``staging_bytes`` (256 MiB): the pinned staging that device loads stream through (shared by
+  every load of one budget);
 - ``progress`` (False): a tqdm progress bar on stderr (GB and GB/s, as the CLI's) when the load
   takes over a second on a terminal;
 - ``pool_bytes``: the budget of the pool the load's blocks come from (one shared pool per device
@@ -321,7 +322,8 @@ def load_file(filename: PathLike, device: Device = "cpu", *, backend: Optional[s
 
     ``device``: "cpu" (the default), "cuda", "cuda:N", an int or a torch.device; "sim" (pinload's
     CPU stand-in device, for tests). Device loads go through pinload's pipelined device target
-    (cached mode; streaming mode with ``staging_bytes``). ``backend``: "mmap" or "pread", how a
+    (streaming through a shared pinned staging pool of ``staging_bytes``, default
+    ``pinload.DEFAULT_STAGING_BYTES``). ``backend``: "mmap" or "pread", how a
     file already in the page cache is read (default: pinload's own choice; a cold file is read with
     O_DIRECT either way); any other value is an error. Returns name -> tensor in file order.
     Options: see the module docstring. Raises pinload.Error subclasses (SafetensorError too).

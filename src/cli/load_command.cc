@@ -67,10 +67,13 @@ void run_load(const LoadArgs& args) {
   std::unique_ptr<Device> device;
   LoadOptions options = args.load;
   const DeviceSpec spec = parse_device_spec(args.device, "--device");
-  if (args.staging_bytes != 0) {
-    if (spec.is_host()) throw UsageError("--staging-bytes needs --device");
-    options.target.staging_bytes = args.staging_bytes;
+  if (args.staging_bytes != 0 && spec.is_host()) throw UsageError("--staging-bytes needs --device");
+  // A device load streams through pinned staging (Note [Device loads] in
+  // loader.h): each run is a fresh process, which would otherwise pin a host
+  // copy of the whole model first.
+  if (!spec.is_host()) {
     options.target.mode = DeviceMode::kStreaming;
+    if (args.staging_bytes != 0) options.target.staging_bytes = args.staging_bytes;
   }
   if (!args.dtype.empty()) options.dtype.to = parse_dtype_arg(args.dtype);  // checked by CLI11
   if (!options.dtype.keep.empty() && !options.dtype.to) throw UsageError("--keep needs --dtype");
@@ -133,7 +136,7 @@ void add_load_command(CLI::App& app) {
       ->type_name("SIZE")
       ->default_str(size_text(args->load.target.copy.chunk_bytes));
   command->add_option("--staging-bytes", args->staging_bytes,
-                      "stream to the device through this much pinned host memory (needs --device)")
+                      "the pinned host memory a device load streams through (needs --device; default 256M)")
       ->transform(size_range(1, std::uint64_t{1} << 50))
       ->type_name("SIZE");
   command->add_option("--dtype", args->dtype,

@@ -569,9 +569,12 @@ void ReadSession::execute(const std::vector<std::size_t>& todo, unsigned threads
         OpenFile& f = *s.files_[c.file];
         if (s.budget_) s.take_blocks_up_to(c.file, abort.get_token());  // Note [Streaming within a budget]
         s.open_in_flight(c.file, abort.get_token(), counters);
-        // Streaming reads into a staging block of the chunk's own; the
-        // others into the file's block.
-        std::shared_ptr<Block> dest = s.streaming() ? s.staging_pool_->allocate(c.length, abort.get_token()) : f.block;
+        // Streaming reads into a staging block of the chunk's own, of one
+        // size for every chunk (a short chunk reuses a block any other load
+        // left idle); the others into the file's block.
+        std::shared_ptr<Block> dest =
+            s.streaming() ? s.staging_pool_->allocate(std::max<std::size_t>(c.length, s.options_.block_size), abort.get_token())
+                          : f.block;
         const std::size_t dest_offset = s.streaming() ? 0 : c.offset - r.read_begin;
         read_chunk(s.env_, f, r, c, s.direct_mode_, s.cached_read_ == CachedRead::kAuto ? &s.chooser_ : nullptr,
                    counters, dest->data() + dest_offset);

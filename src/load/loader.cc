@@ -353,7 +353,26 @@ void record_template(const Checkpoint& checkpoint, const ReadSession& s, const s
 
 }  // namespace
 
-Loader::Loader(LoadOptions options, std::shared_ptr<Pool> pool, Env* env)
+std::shared_ptr<Pool> make_staging_pool(const LoadOptions& options, Env* env) {
+  options.validate();
+  if (options.target.device == nullptr) throw InvalidArgumentError("staging_bytes (streaming mode) needs a target device");
+  // Small budgets use plain pages: a 2 MiB huge-page granule would not fit.
+  PinnedMemoryOptions pinned{.env = env != nullptr ? env : default_env(), .numa_node = choose_numa_placement(options).node};
+  if (options.target.staging_bytes < (64u << 20)) pinned.huge_pages = HugePages::kOff;
+  std::unique_ptr<HostMemoryBackend> backend = options.target.device->make_pinned_backend(pinned);
+  const std::uint64_t align = backend->alignment();
+  const std::uint64_t one_block = (Pool::size_class(options.block_size) + align - 1) / align * align;
+  if (options.target.staging_bytes < one_block) {
+    throw InvalidArgumentError("staging budget of " + std::to_string(options.target.staging_bytes) +
+                               " bytes cannot hold one " + std::to_string(one_block) + "-byte read block");
+  }
+  PoolOptions staging;
+  staging.capacity_bytes = options.target.staging_bytes;
+  staging.when_full = WhenFull::kWait;
+  return Pool::create(std::move(backend), staging);
+}
+
+Loader::Loader(LoadOptions options, std::shared_ptr<Pool> pool, Env* env, std::shared_ptr<Pool> staging)
     : options_((options.validate(), options)),
       pool_(std::move(pool)),
       env_(env != nullptr ? env : default_env()),
@@ -372,20 +391,11 @@ Loader::Loader(LoadOptions options, std::shared_ptr<Pool> pool, Env* env)
                    : Pool::create(make_locked_memory_backend(env_, host), budget);
   }
   if (device && options_.target.mode == DeviceMode::kStreaming) {
-    // Small budgets use plain pages: a 2 MiB huge-page granule would not fit.
-    PinnedMemoryOptions pinned{.env = env_, .numa_node = numa_.node};
-    if (options_.target.staging_bytes < (64u << 20)) pinned.huge_pages = HugePages::kOff;
-    std::unique_ptr<HostMemoryBackend> backend = device->make_pinned_backend(pinned);
-    const std::uint64_t align = backend->alignment();
-    const std::uint64_t one_block = (Pool::size_class(options_.block_size) + align - 1) / align * align;
-    if (options_.target.staging_bytes < one_block) {
-      throw InvalidArgumentError("staging budget of " + std::to_string(options_.target.staging_bytes) +
-                             " bytes cannot hold one " + std::to_string(one_block) + "-byte read block");
+    if (staging && staging->options().capacity_bytes < Pool::size_class(options_.block_size)) {
+      throw InvalidArgumentError("staging pool of " + std::to_string(staging->options().capacity_bytes) +
+                                 " bytes cannot hold one " + std::to_string(options_.block_size) + "-byte read block");
     }
-    PoolOptions staging;
-    staging.capacity_bytes = options_.target.staging_bytes;
-    staging.when_full = WhenFull::kWait;
-    staging_pool_ = Pool::create(std::move(backend), staging);
+    staging_pool_ = staging ? std::move(staging) : make_staging_pool(options_, env_);
   }
 }
 

@@ -6,7 +6,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
-#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <mutex>
@@ -27,9 +26,6 @@ namespace pinload::detail {
 namespace {
 
 constexpr int kResidencySamples = 64;
-// Whether kAuto faults a resident mapped file's pages in before returning
-// (measured in docs/tuning.md).
-const bool kPopulateResident = std::getenv("PINLOAD_ZC_POPULATE") != nullptr;  // TODO measurement knob
 
 }  // namespace
 
@@ -170,9 +166,10 @@ std::optional<StateDict> load_zero_copy(const LoadOptions& options, const Checkp
       ++mapped_files;
     }
   }
-  if (options.zero_copy == ZeroCopy::kOn || kPopulateResident) {
-    populate_mappings(mapped, checkpoint, options.threads, options.block_size, stop);
-  }
+  // Every byte is in the process's page tables before the call returns, so a
+  // zero-copy load is a load: the caller's first pass over the weights takes
+  // no page faults, and a page that cannot be read fails here, typed.
+  populate_mappings(mapped, checkpoint, options.threads, options.block_size, stop);
   if (stop.stop_requested()) throw CancelledError("load cancelled");
   for (std::size_t i = 0; i < mapped.size(); ++i) {
     if (mapped[i]) log::debug("{}: zero-copy, {} bytes mapped", checkpoint.files[i].path, mapped[i]->size());

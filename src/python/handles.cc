@@ -243,16 +243,34 @@ class PyPrefetch {
   LoadProgress last_;
 };
 
+// Note [Device loads from Python]
+// A fresh worker's first device load should make new host memory only for
+// its staging, not a pinned copy of the model (pinning runs at a few GB/s:
+// it is what fresh memory costs on a GPU machine). So a load to a device
+// streams by default (DeviceMode::kStreaming) through a staging pool shared by
+// every streaming load to that device with that budget (staging_pool_for):
+// the first load pins DEFAULT_STAGING_BYTES (or staging_bytes), later loads
+// reuse those blocks. A prefetch, which reads the whole model ahead of its
+// load, still reads into the device's pinned pool unless given staging_bytes;
+// the load that adopts it uses the prefetch's loader.
+
 // The loader of a load or prefetch with `options`, on the device's shared pool
 // (of the options' pool_bytes budget), reading through `env` (null: the
-// default Env).
+// default Env). A load to a device streams through the device's shared
+// staging pool (Note [Device loads from Python]); a prefetch reads into pool
+// blocks (the whole model ahead of its load) unless given staging_bytes.
 Loader make_loader(const std::vector<std::string>& paths, const std::string& device_spec, const PyLoadOptions& options,
-                   Placement* placement, Env* env = nullptr, CachedRead cached_read = CachedRead::kAuto) {
+                   Placement* placement, Env* env = nullptr, CachedRead cached_read = CachedRead::kAuto,
+                   bool prefetching = false) {
   if (paths.empty()) throw InvalidArgumentError("paths: no path given");
   Device* device = device_for(device_spec, placement);
-  LoadOptions load = options.for_device(device);
+  LoadOptions load = options.for_device(device, !prefetching);
   load.cached_read = cached_read;
-  return Loader(load, pool_for(device_spec, options.pool_bytes), env);
+  std::shared_ptr<Pool> staging;
+  if (device != nullptr && load.target.mode == DeviceMode::kStreaming) {
+    staging = staging_pool_for(load, placement->device());
+  }
+  return Loader(load, pool_for(device_spec, options.pool_bytes), env, std::move(staging));
 }
 
 CachedRead cached_read_from_python(const std::string& text) {
@@ -451,7 +469,7 @@ std::unique_ptr<PyPrefetch> start_prefetch(const std::vector<std::string>& paths
   PyLoadOptions reader = options;
   reader.load.dtype = {};
   py::gil_scoped_release release;
-  Loader loader = make_loader(paths, device_spec, reader, &placement);
+  Loader loader = make_loader(paths, device_spec, reader, &placement, nullptr, CachedRead::kAuto, true);
   Prefetch p = prefetch(loader, paths);
   return std::make_unique<PyPrefetch>(std::move(p), std::move(loader), std::move(placement), paths);
 }

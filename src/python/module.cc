@@ -70,12 +70,24 @@ PYBIND11_MODULE(_core, m) {
 
   m.def(
       "pool_stats",
-      [](const std::string& device, std::optional<std::uint64_t> pool_bytes) {
-        auto pool = pool_for(device, pool_bytes);
+      [](const std::string& device, std::optional<std::uint64_t> pool_bytes, std::optional<std::uint64_t> staging_bytes) {
+        if (pool_bytes && staging_bytes) throw InvalidArgumentError("pool_stats: pool_bytes or staging_bytes, not both");
+        std::shared_ptr<Pool> pool;
+        if (staging_bytes) {
+          Placement placement;
+          LoadOptions options;
+          options.target.device = device_for(device, &placement);
+          if (options.target.device == nullptr) throw InvalidArgumentError("staging_bytes: staging pools are a device's");
+          options.target.staging_bytes = *staging_bytes;
+          pool = staging_pool_for(options, placement.device());
+        } else {
+          pool = pool_for(device, pool_bytes);
+        }
         return stats_dict(pool->stats(), pool->backend_name());
       },
-      py::arg("device") = "cpu", py::arg("pool_bytes") = py::none(),
-      "Statistics of the pool shared by loads to `device` (with `pool_bytes`: by the loads with that budget).");
+      py::arg("device") = "cpu", py::arg("pool_bytes") = py::none(), py::arg("staging_bytes") = py::none(),
+      "Statistics of the pool shared by loads to `device` (with `pool_bytes`: by the loads with that budget; with "
+      "`staging_bytes`: the staging pool of the streaming loads with that budget).");
   m.def(
       "trim_pool",
       [](const std::string& device) {

@@ -136,10 +136,10 @@ const char* kind_name(DeviceSpec::Kind kind) {
 
 }  // namespace
 
-LoadOptions PyLoadOptions::for_device(Device* device) const {
+LoadOptions PyLoadOptions::for_device(Device* device, bool stream_by_default) const {
   LoadOptions out = load;
   out.target.device = device;
-  if (staging_bytes) out.target.mode = DeviceMode::kStreaming;
+  if (staging_bytes || (device != nullptr && stream_by_default)) out.target.mode = DeviceMode::kStreaming;
   return out;
 }
 

@@ -15,13 +15,16 @@ namespace pinload::python {
 // device comes with each load), and whether the load streams.
 struct PyLoadOptions {
   LoadOptions load;                            // validated; target.device null, mode kCached
-  std::optional<std::uint64_t> staging_bytes;  // set: kStreaming with this budget
+  std::optional<std::uint64_t> staging_bytes;  // set: kStreaming with this budget (target.staging_bytes)
   // set: the load's blocks come from the shared pool of this budget (> 0)
   // instead of the device's shared pool (pool_for in registry.h).
   std::optional<std::uint64_t> pool_bytes;
 
-  // The options of a load to `device` (null: host memory).
-  LoadOptions for_device(Device* device) const;
+  // The options of a load to `device` (null: host memory). A device load
+  // streams (kStreaming, the default staging budget unless staging_bytes) when
+  // staging_bytes is set or `stream_by_default`: a load's host memory is then
+  // only its staging, not a pinned copy of the whole model.
+  LoadOptions for_device(Device* device, bool stream_by_default = false) const;
 };
 
 // A size from Python: an int >= 0, or a string parse_size takes ("64K",

@@ -11,6 +11,7 @@ struct Registry {
   std::mutex mu;
   std::map<std::string, Device*> devices;  // by canonical name; never destroyed
   std::map<std::string, std::shared_ptr<Pool>> pools;
+  std::map<std::string, std::shared_ptr<Pool>> staging_pools;  // by device and budget
 };
 Registry& registry() {
   static auto* r = new Registry;
@@ -49,6 +50,14 @@ std::shared_ptr<Pool> pool_for(std::string_view spec, std::optional<std::uint64_
     options.capacity_bytes = pool_bytes.value_or(0);
     pool = device ? Pool::create(device->make_pinned_backend(), options) : Pool::create_default(options);
   }
+  return pool;
+}
+
+std::shared_ptr<Pool> staging_pool_for(const LoadOptions& options, const std::string& device) {
+  Registry& r = registry();
+  std::lock_guard lock(r.mu);
+  std::shared_ptr<Pool>& pool = r.staging_pools[device + "#" + std::to_string(options.target.staging_bytes)];
+  if (!pool) pool = make_staging_pool(options);
   return pool;
 }
 

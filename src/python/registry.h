@@ -9,6 +9,7 @@
 #include <string_view>
 
 #include "pinload/device.h"
+#include "pinload/loader.h"
 #include "pinload/pool.h"
 
 namespace pinload::python {
@@ -33,5 +34,10 @@ Device* device_for(std::string_view spec, Placement* placement);
 // loads to `spec` with that budget (PoolOptions::capacity_bytes).
 // Thread-safe.
 std::shared_ptr<Pool> pool_for(std::string_view spec, std::optional<std::uint64_t> pool_bytes = std::nullopt);
+
+// The staging pool shared by the streaming loads to options.target.device
+// (named `device`) with options.target.staging_bytes: its pinned blocks are
+// made once and reused by every later load (make_staging_pool). Thread-safe.
+std::shared_ptr<Pool> staging_pool_for(const LoadOptions& options, const std::string& device);
 
 }  // namespace pinload::python

@@ -123,7 +123,7 @@ def test_no_leaks_after_200_failing_loads(remote_model, nginx):
         for _ in range(200):
             fail_once()
         assert count_fds() <= fds + 2
-        assert threading.active_count() == threads
+        assert threading.active_count() <= threads  # the proxy's handler threads may end meanwhile
         assert len(os.listdir("/proc/self/task")) <= tasks
         assert pinload.pool_stats("cpu")["in_use"] == in_use
     finally:
