@@ -223,7 +223,7 @@ def _torch_shape(dtype: str, shape: List[int], name: str, file: Optional[str]) -
     if len(shape) > _MAX_TORCH_RANK:
         raise _error(InvalidFileError, f"rank {len(shape)} exceeds torch's limit of {_MAX_TORCH_RANK} dimensions",
                      file=file, tensor=name)
-    if any(d > _MAX_TORCH_DIM for d in shape):
+    if shape and max(shape) > _MAX_TORCH_DIM:
         raise _error(InvalidFileError, f"shape {shape} has a dimension beyond torch's int64 sizes",
                      file=file, tensor=name)
     if dtype == "F4":
@@ -250,7 +250,9 @@ def _to_torch(dtype: str, shape: List[int], export: Any, torch_device: str, move
             tensor = torch.empty(shape, dtype=torch_dtype, device=torch_device)
         else:
             # Typed and shaped already, but for the types DLPack spells as bytes (Note [DLPack export]).
-            tensor = torch.from_dlpack(export)
+            # Host memory needs no stream hand-shake: the capsule itself, which spares torch's
+            # negotiation with the producer (a small file's call pays it for every tensor).
+            tensor = torch.from_dlpack(export.__dlpack__() if torch_device == "cpu" else export)
             if tensor.dtype != torch_dtype:
                 tensor = tensor.view(torch_dtype)
             if list(tensor.shape) != list(shape):
