@@ -162,6 +162,37 @@ TEST(DeviceLoadBudget, BudgetSmallerThanOneBlockIsAClearError) {
   EXPECT_THROW(Loader loader(options), InvalidArgumentError);
 }
 
+// Loaders given one staging pool (make_staging_pool) reuse its pinned blocks:
+// after the first load, loads of other models make no new OS reservation.
+TEST(DeviceLoadBudget, LoadersSharingAStagingPoolPinItOnce) {
+  auto device = make_sim_device();
+  testing::TempDir dir;
+  const Model big = write_model(dir.file("big.safetensors"), 5, 60);
+  const Model small = write_model(dir.file("small.safetensors"), 6, 6);
+  LoadOptions options;
+  options.block_size = 16 << 10;
+  options.target = {device.get(), DeviceMode::kStreaming, CopyOptions{2, 8 << 10, 0}, 128 << 10};
+  const std::shared_ptr<Pool> staging = make_staging_pool(options);
+  expect_device_matches(*device, Loader(options, nullptr, nullptr, staging).load({dir.file("big.safetensors")}), big);
+  const PoolStats first = staging->stats();
+  EXPECT_GT(first.os_reservations, 0u);
+  for (int i = 0; i < 3; ++i) {
+    Loader loader(options, nullptr, nullptr, staging);
+    EXPECT_EQ(loader.staging_pool(), staging);
+    expect_device_matches(*device, loader.load({dir.file(i % 2 ? "big.safetensors" : "small.safetensors")}),
+                          i % 2 ? big : small);
+  }
+  const PoolStats after = staging->stats();
+  EXPECT_EQ(after.os_reservations, first.os_reservations);
+  EXPECT_GT(after.free_list_hits, first.free_list_hits);
+  EXPECT_EQ(after.live_blocks, 0u);
+  EXPECT_LE(after.peak_reserved_bytes, 128u << 10);
+  // A shared pool too small for this loader's blocks is refused up front.
+  LoadOptions larger = options;
+  larger.block_size = 256 << 10;
+  EXPECT_THROW(Loader(larger, nullptr, nullptr, staging), InvalidArgumentError);
+}
+
 class DeviceLoadFaultTest : public ::testing::TestWithParam<DeviceMode> {};
 
 TEST_P(DeviceLoadFaultTest, ReadErrorMidLoadReleasesEverything) {
