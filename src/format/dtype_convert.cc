@@ -61,10 +61,6 @@ struct F32 {
 constexpr std::uint64_t kStreamOutBytes = 256u << 10;
 constexpr std::uint64_t kTileElements = 4096;  // 16 KiB of fp32 output at most
 
-void stream_copy(std::uint8_t* dst, const std::uint8_t* src, std::size_t bytes) { detail::streaming_copy(dst, src, bytes); }
-
-void stream_fence() { detail::streaming_fence(); }
-
 // 64 fp8 codes to 64 16-bit outputs per step with AVX-512 VBMI byte
 // permutes: the table's low and high bytes are each two 128-entry halves
 // (permutex2var picks by the low 7 bits, the sign bit picks the half).
@@ -117,8 +113,6 @@ bool have_vbmi() {
 #else
 constexpr std::uint64_t kStreamOutBytes = UINT64_MAX;  // plain stores only
 constexpr std::uint64_t kTileElements = 4096;
-void stream_copy(std::uint8_t* dst, const std::uint8_t* src, std::size_t bytes) { std::memcpy(dst, src, bytes); }
-void stream_fence() {}
 #endif
 
 // Runs `convert(src_element, count, out)` over n elements in tiles written
@@ -130,7 +124,7 @@ void tiled(const std::uint8_t* src, std::uint8_t* dst, std::uint64_t n, Convert 
   for (std::uint64_t i = 0; i < n; i += kTileElements) {
     const std::uint64_t m = std::min(kTileElements, n - i);
     convert(src + i * kIn, m, tile);
-    stream_copy(dst + i * kOut, tile, m * kOut);
+    detail::streaming_copy(dst + i * kOut, tile, m * kOut);
   }
 }
 
@@ -319,7 +313,7 @@ void convert_elements(const ElementConversion& c, const void* src_v, void* dst_v
       done += n;
     }
   }
-  if (stream) stream_fence();
+  if (stream) detail::streaming_fence();
 }
 
 void quantize_elements(DType from, DType to, const void* src_v, std::uint8_t* dst, std::uint64_t elements,

@@ -353,23 +353,37 @@ void record_template(const Checkpoint& checkpoint, const ReadSession& s, const s
 
 }  // namespace
 
-std::shared_ptr<Pool> make_staging_pool(const LoadOptions& options, Env* env) {
-  options.validate();
-  if (options.target.device == nullptr) throw InvalidArgumentError("staging_bytes (streaming mode) needs a target device");
+namespace {
+
+// InvalidArgumentError unless a staging pool of `capacity` bytes holds one
+// read block of `block_bytes`.
+void require_one_block(std::uint64_t capacity, std::uint64_t block_bytes) {
+  if (capacity < block_bytes) {
+    throw InvalidArgumentError("staging budget of " + std::to_string(capacity) + " bytes cannot hold one " +
+                               std::to_string(block_bytes) + "-byte read block");
+  }
+}
+
+// make_staging_pool for options already validated, on `numa_node`.
+std::shared_ptr<Pool> staging_pool_on(const LoadOptions& options, Env* env, int numa_node) {
   // Small budgets use plain pages: a 2 MiB huge-page granule would not fit.
-  PinnedMemoryOptions pinned{.env = env != nullptr ? env : default_env(), .numa_node = choose_numa_placement(options).node};
+  PinnedMemoryOptions pinned{.env = env, .numa_node = numa_node};
   if (options.target.staging_bytes < (64u << 20)) pinned.huge_pages = HugePages::kOff;
   std::unique_ptr<HostMemoryBackend> backend = options.target.device->make_pinned_backend(pinned);
   const std::uint64_t align = backend->alignment();
-  const std::uint64_t one_block = (Pool::size_class(options.block_size) + align - 1) / align * align;
-  if (options.target.staging_bytes < one_block) {
-    throw InvalidArgumentError("staging budget of " + std::to_string(options.target.staging_bytes) +
-                               " bytes cannot hold one " + std::to_string(one_block) + "-byte read block");
-  }
+  require_one_block(options.target.staging_bytes, (Pool::size_class(options.block_size) + align - 1) / align * align);
   PoolOptions staging;
   staging.capacity_bytes = options.target.staging_bytes;
   staging.when_full = WhenFull::kWait;
   return Pool::create(std::move(backend), staging);
+}
+
+}  // namespace
+
+std::shared_ptr<Pool> make_staging_pool(const LoadOptions& options, Env* env) {
+  options.validate();
+  if (options.target.device == nullptr) throw InvalidArgumentError("staging_bytes (streaming mode) needs a target device");
+  return staging_pool_on(options, env != nullptr ? env : default_env(), choose_numa_placement(options).node);
 }
 
 Loader::Loader(LoadOptions options, std::shared_ptr<Pool> pool, Env* env, std::shared_ptr<Pool> staging)
@@ -391,11 +405,8 @@ Loader::Loader(LoadOptions options, std::shared_ptr<Pool> pool, Env* env, std::s
                    : Pool::create(make_locked_memory_backend(env_, host), budget);
   }
   if (device && options_.target.mode == DeviceMode::kStreaming) {
-    if (staging && staging->options().capacity_bytes < Pool::size_class(options_.block_size)) {
-      throw InvalidArgumentError("staging pool of " + std::to_string(staging->options().capacity_bytes) +
-                                 " bytes cannot hold one " + std::to_string(options_.block_size) + "-byte read block");
-    }
-    staging_pool_ = staging ? std::move(staging) : make_staging_pool(options_, env_);
+    if (staging) require_one_block(staging->options().capacity_bytes, Pool::size_class(options_.block_size));
+    staging_pool_ = staging ? std::move(staging) : staging_pool_on(options_, env_, numa_.node);
   }
 }
 
