@@ -148,8 +148,11 @@ def test_trace_names_the_reader_of_every_range(tmp_path, run_pinload, need_event
     size_a = a.stat().st_size
     reads = list(zip(t["dests"]["page-cache"], t["read_by"]["page-cache"]))
     who = [(f, off, n, t["readers"][i][0], t["readers"][i][1]) for (f, off, n), i in reads]
-    assert who == [(0, 0, 131072, pids["dd"], "dd"),
-                   (0, 131072, size_a - 131072, pids["cat"], "cat"),
+    # dd's second 64 KiB block may be served without a second event (it can arrive with the first
+    # read's folio); cat then reads on from wherever dd's recorded range ends.
+    dd_bytes = who[0][2] if who and who[0][2] in (65536, 131072) else 131072
+    assert who == [(0, 0, dd_bytes, pids["dd"], "dd"),
+                   (0, dd_bytes, size_a - dd_bytes, pids["cat"], "cat"),
                    (1, 1 << 20, 262144, pids["python"], Path(sys.executable).name[:15])], (who, t["readers"], r.stderr)
     exes = {pid: exe for pid, _, exe in t["readers"]}
     assert Path(exes[pids["dd"]]).name == "dd" and Path(exes[pids["cat"]]).name == "cat"
