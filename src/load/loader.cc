@@ -294,13 +294,15 @@ class TensorHandOut {
       }
     }
   }
-  // Chunk `c` has been read. True when it was the last of its file: the
-  // file's tensors are then all handed out.
-  bool arrived(const ReadChunk& c) {
+  // Chunk `c` has been read into `block`, its file's block. True when it was
+  // the last of its file: the file's tensors are then all handed out.
+  // Budgeted tensors take `block` itself, not the session's pointer to it:
+  // the reader of the file's last chunk may release that one meanwhile.
+  bool arrived(const ReadChunk& c, const std::shared_ptr<Block>& block) {
     if (!arrivals_) return false;
     std::vector<std::size_t> ready;
     const bool file_read = arrivals_->arrived(c, &ready);
-    push(ready);
+    push(ready, block.get() != nullptr ? &block : nullptr);
     return file_read;
   }
   // The load is complete: everything not handed out yet.
@@ -313,18 +315,21 @@ class TensorHandOut {
     if (!arrivals_) arrivals_.emplace(plan_, checkpoint_);
     std::vector<std::size_t> rest;
     arrivals_->rest(&rest);
-    push(rest);
+    push(rest, nullptr);
   }
 
  private:
-  void push(const std::vector<std::size_t>& indices) {
+  // `block`: the block of every tensor in `indices` (one file's), or null to
+  // take each tensor's from the session (no reader runs any more).
+  void push(const std::vector<std::size_t>& indices, const std::shared_ptr<Block>* block) {
     if (indices.empty()) return;
     std::vector<Tensor> out;
     out.reserve(indices.size());
     for (std::size_t i : indices) {
       if (budgeted_ != nullptr) {
         const Tensor& t = tensors_[i];
-        out.emplace_back(t.name(), t.dtype(), t.shape(), budgeted_->block(file_of_[i]), t.block_offset(), t.nbytes());
+        out.emplace_back(t.name(), t.dtype(), t.shape(), block != nullptr ? *block : budgeted_->block(file_of_[i]),
+                         t.block_offset(), t.nbytes());
         continue;
       }
       out.push_back(stream_ ? std::move(tensors_[i]) : tensors_[i]);
@@ -529,7 +534,7 @@ StateDict Loader::run(const Checkpoint& checkpoint, const LoadRequest& request, 
     }
     // HandOut::kStream: the file's tensors are all out and no reader
     // touches its block again, so the callers' tensors alone hold it.
-    if (hand_out.arrived(c) && counters->stream) s.release_block(c.file);
+    if (hand_out.arrived(c, block) && counters->stream) s.release_block(c.file);
     if (pipeline) pipeline->submit(s.plan(), c, std::move(block), block_offset);
   };
   std::exception_ptr error;
