@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -571,6 +572,47 @@ TEST_F(LoaderTest, BufferedThenDirectReloadReusesTheBlock) {
   const StateDict sd = direct.load({path});
   EXPECT_EQ(pool->stats().os_reservations, before.os_reservations);
   EXPECT_EQ(sd.at("w").bytes()[12345], std::byte{0x3c});
+}
+
+// Counts the preads running at once; each takes 20 ms, so that they overlap.
+class InFlightEnv : public EnvWrapper {
+ public:
+  using EnvWrapper::EnvWrapper;
+  std::int64_t pread(int fd, void* buffer, std::size_t bytes, std::uint64_t offset) override {
+    const unsigned now = ++in_flight_;
+    for (unsigned most = most_.load(); now > most && !most_.compare_exchange_weak(most, now);) {
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    const std::int64_t n = EnvWrapper::pread(fd, buffer, bytes, offset);
+    --in_flight_;
+    return n;
+  }
+  unsigned most() const { return most_.load(); }
+
+ private:
+  std::atomic<unsigned> in_flight_{0};
+  std::atomic<unsigned> most_{0};
+};
+
+// Note [Direct reads in flight]: `threads` bounds the copies out of the page
+// cache; direct reads keep more in flight.
+TEST_F(LoaderTest, DirectReadsKeepMoreInFlightThanTheThreadsThatCopy) {
+  const std::string path = dir_.file("depth.safetensors");
+  const FileImage image = write_shard(path, "d", 6, 64 * KiB, 77);  // 6 tensors of 64 KiB: 96 chunks of 4 KiB
+  if (!direct_io_works(path)) GTEST_SKIP() << "O_DIRECT refused here";
+  {
+    InFlightEnv counting(&env_);
+    Loader loader(load_options(2, 4 * KiB, Mode::kOffPread), make_pool(), &counting);
+    expect_matches_file(loader.load({path}), path, image);
+    EXPECT_LE(counting.most(), 2u) << "buffered reads beyond `threads`";
+  }
+  {
+    InFlightEnv counting(&env_);
+    Loader loader(load_options(2, 4 * KiB, Mode::kOn), make_pool(), &counting);
+    expect_matches_file(loader.load({path}), path, image);
+    EXPECT_GT(counting.most(), 8u) << "direct reads held to `threads`";
+    EXPECT_LE(counting.most(), kDirectReadsInFlight);
+  }
 }
 
 }  // namespace

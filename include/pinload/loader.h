@@ -66,6 +66,16 @@
 // 10-25% of a copy from large folios. Measured against 2 MiB, cold and warm,
 // in docs/tuning.md.
 //
+// Note [Direct reads in flight]
+// `threads` bounds a load's work on the CPU: copies out of the page cache and
+// what follows each read (conversions, handing tensors out). A direct read
+// only waits on the device, and this VM's disk and its fresh memory (pinned
+// by the read) both deliver more with more requests outstanding, so direct
+// reads keep up to kDirectReadsInFlight in flight on extra workers. In a fresh
+// process, the 7.8 GB set cold at 32 in flight read 1.14-1.61 GB/s against
+// 1.03-1.13 at 8; warm pool-kept copies at 32 threads were 5% slower than at
+// 8, hence the split (docs/tuning.md).
+//
 // Note [Device loads]
 // With LoadOptions::target.device set, every chunk is copied to the device as
 // soon as its read completes (CopyEngine, copy_engine.h), so reads and copies
@@ -129,6 +139,7 @@ enum class ZeroCopy { kAuto, kOn, kOff };
 
 inline constexpr unsigned kDefaultThreads = 8;
 inline constexpr unsigned kMaxThreads = 1024;
+inline constexpr unsigned kDirectReadsInFlight = 32;  // Note [Direct reads in flight]
 inline constexpr std::size_t kDefaultBlockSize = 8u << 20;  // Note [Block size]
 inline constexpr std::size_t kMinBlockSize = 4u << 10;
 inline constexpr std::size_t kMaxBlockSize = 1u << 30;

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <exception>
 #include <optional>
+#include <semaphore>
 #include <thread>
 
 #include "base/log.h"
@@ -542,6 +543,22 @@ void ReadSession::allocate_blocks(Pool& pool, std::stop_token stop) {
   }
 }
 
+namespace {
+
+// One of a load's `threads` slots for work on the CPU, held while it lasts.
+class CpuSlot {
+ public:
+  explicit CpuSlot(std::counting_semaphore<kMaxThreads>& slots) : slots_(slots) { slots_.acquire(); }
+  ~CpuSlot() { slots_.release(); }
+  CpuSlot(const CpuSlot&) = delete;
+  CpuSlot& operator=(const CpuSlot&) = delete;
+
+ private:
+  std::counting_semaphore<kMaxThreads>& slots_;
+};
+
+}  // namespace
+
 void ReadSession::execute(const std::vector<std::size_t>& todo, unsigned threads, std::stop_token stop,
                           ReadCounters* counters, const std::vector<int>& cpus, const ChunkSink& sink) {
   if (executing_.exchange(true, std::memory_order_acq_rel)) {
@@ -551,6 +568,12 @@ void ReadSession::execute(const std::vector<std::size_t>& todo, unsigned threads
     std::atomic<bool>& executing;
     ~Idle() { executing.store(false, std::memory_order_release); }
   } idle{executing_};
+  threads = remote_threads_ != 0 ? remote_threads_ : std::max(threads, min_threads_);  // Note [Remote reads]
+  threads = std::max(threads, 1u);
+  std::counting_semaphore<kMaxThreads> cpu_slots(threads);
+  // Note [Direct reads in flight]: readers beyond `threads` only wait on the device.
+  const unsigned reader_count =
+      remote_threads_ == 0 && direct_mode_ != DirectIo::kOff ? std::max(threads, kDirectReadsInFlight) : threads;
   ReadSession& s = *this;
   std::atomic<std::size_t> next{0};
   std::stop_source abort;  // the first error, or the caller's stop, ends every worker
@@ -576,6 +599,10 @@ void ReadSession::execute(const std::vector<std::size_t>& todo, unsigned threads
             s.streaming() ? s.staging_pool_->allocate(std::max<std::size_t>(c.length, s.options_.block_size), abort.get_token())
                           : f.block;
         const std::size_t dest_offset = s.streaming() ? 0 : c.offset - r.read_begin;
+        // Note [Direct reads in flight]: a read that waits on the device or
+        // the network takes no slot; a copy out of the page cache does.
+        std::optional<CpuSlot> slot;
+        if (!f.direct.load(std::memory_order_relaxed) && !f.remote && !f.network_fs) slot.emplace(cpu_slots);
         read_chunk(s.env_, f, r, c, s.direct_mode_, s.cached_read_ == CachedRead::kAuto ? &s.chooser_ : nullptr,
                    counters, dest->data() + dest_offset);
         counters->bytes_done.fetch_add(c.valid, std::memory_order_relaxed);
@@ -586,7 +613,9 @@ void ReadSession::execute(const std::vector<std::size_t>& todo, unsigned threads
         s.done_[i].store(true, std::memory_order_release);
         const bool file_read = f.chunks_left.fetch_sub(1, std::memory_order_acq_rel) == 1;
         if (file_read) s.close_in_flight(c.file);
+        if (!slot) slot.emplace(cpu_slots);  // the sink's work (conversions, hand-out) is the CPU's
         if (sink) sink(i, std::move(dest), dest_offset);
+        slot.reset();
         if (file_read && s.budget_) s.budget_->file_finished();  // its tensors are out
       }
     } catch (...) {
@@ -594,8 +623,7 @@ void ReadSession::execute(const std::vector<std::size_t>& todo, unsigned threads
       abort.request_stop();
     }
   };
-  threads = remote_threads_ != 0 ? remote_threads_ : std::max(threads, min_threads_);  // Note [Remote reads]
-  const std::size_t thread_count = std::min<std::size_t>(std::max(threads, 1u), std::max<std::size_t>(todo.size(), 1));
+  const std::size_t thread_count = std::min<std::size_t>(reader_count, std::max<std::size_t>(todo.size(), 1));
   {
     std::vector<std::jthread> workers;
     workers.reserve(thread_count);
