@@ -13,6 +13,7 @@ caller's tensors over it are gone too.
 
 from __future__ import annotations
 
+import collections
 import os
 from typing import TYPE_CHECKING, Dict, Iterable, Optional, Union
 
@@ -20,7 +21,7 @@ import torch
 
 from . import _core, _devices
 from ._options import LoadKwargs, LoadOptions, request
-from .torch import Device, PathLike, _as_paths, _check_dtypes, _describe, _resolve_device, _to_torch
+from .torch import Device, PathLike, _as_paths, _check_dtypes, _describe, _resolve_device, _yield_entries
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -56,12 +57,8 @@ class ModelCache:
         spec, move_to = _resolve_device(device)
         sd = self._core.get([os.fsencode(p) for p in names], spec)
         file = _describe(names)
-        _check_dtypes(sd, file)
-        torch_device = sd.torch_device
-        return {
-            name: _to_torch(dtype, shape, export, torch_device, move_to, name, file)
-            for name, dtype, shape, export in sd.export_all()
-        }
+        return dict(_yield_entries(collections.deque(sd.export_all()), _check_dtypes(sd, file), sd.torch_device,
+                                   move_to, file))
 
     def contains(self, paths: Union[PathLike, Iterable[PathLike]]) -> bool:
         """Whether ``get(paths)`` would be served from the cache now (stats the files, reads nothing)."""

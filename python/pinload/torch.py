@@ -235,16 +235,22 @@ def _torch_shape(dtype: str, shape: List[int], name: str, file: Optional[str]) -
     return shape
 
 
-def _check_dtypes(sd: "_core.StateDict", file: Optional[str]) -> None:
-    for name, dtype, shape in sd.infos():
-        _torch_dtype(dtype, name, file)
-        _torch_shape(dtype, shape, name, file)
+def _check_dtypes(sd: "_core.StateDict", file: Optional[str]) -> List[Tuple[torch.dtype, List[int]]]:
+    """Every tensor's torch dtype and shape, in load order: a tensor torch cannot hold fails the
+    call before any tensor is handed out."""
+    return [(_torch_dtype(dtype, name, file), _torch_shape(dtype, shape, name, file))
+            for name, dtype, shape in sd.infos()]
 
 
 def _to_torch(dtype: str, shape: List[int], export: Any, torch_device: str, move_to: Optional[torch.device],
               name: str, file: Optional[str]) -> torch.Tensor:
-    torch_dtype = _torch_dtype(dtype, name, file)
-    shape = _torch_shape(dtype, shape, name, file)
+    return _as_torch(_torch_dtype(dtype, name, file), _torch_shape(dtype, shape, name, file), dtype, export,
+                     torch_device, move_to, name, file)
+
+
+def _as_torch(torch_dtype: torch.dtype, shape: List[int], dtype: str, export: Any, torch_device: str,
+              move_to: Optional[torch.device], name: str, file: Optional[str]) -> torch.Tensor:
+    """The tensor of `export`, whose torch dtype and shape _check_dtypes gave."""
     try:
         if export is None:  # no bytes (a zero-size tensor): nothing to alias
             tensor = torch.empty(shape, dtype=torch_dtype, device=torch_device)
@@ -271,18 +277,18 @@ def _describe(paths: List[str]) -> str:
 
 def _yield_all(sd: "_core.StateDict", move_to: Optional[torch.device],
                file: str) -> Iterator[Tuple[str, torch.Tensor]]:
-    _check_dtypes(sd, file)
-    return _yield_entries(collections.deque(sd.export_all()), sd.torch_device, move_to, file)
+    resolved = _check_dtypes(sd, file)
+    return _yield_entries(collections.deque(sd.export_all()), resolved, sd.torch_device, move_to, file)
 
 
-def _yield_entries(entries: "collections.deque", torch_device: str, move_to: Optional[torch.device],
-                   file: str) -> Iterator[Tuple[str, torch.Tensor]]:
+def _yield_entries(entries: "collections.deque", resolved: List[Tuple[torch.dtype, List[int]]], torch_device: str,
+                   move_to: Optional[torch.device], file: str) -> Iterator[Tuple[str, torch.Tensor]]:
     # One export per tensor, dropped as soon as it is converted (the state dict that exported
     # them is gone): a file's block goes back to the pool once the caller has dropped every tensor
-    # of that file.
-    while entries:
-        name, dtype, shape, export = entries.popleft()
-        tensor = _to_torch(dtype, shape, export, torch_device, move_to, name, file)
+    # of that file. `resolved`: _check_dtypes' answer for the same tensors, in the same order.
+    for torch_dtype, shape in resolved:
+        name, dtype, _, export = entries.popleft()
+        tensor = _as_torch(torch_dtype, shape, dtype, export, torch_device, move_to, name, file)
         del export
         yield name, tensor
 
@@ -306,10 +312,10 @@ def _stream(paths: List[str], device: Device, req: Request) -> Iterator[Tuple[st
             if batch is None:
                 break
             shown.tick()
-            _check_dtypes(batch, file)
+            resolved = _check_dtypes(batch, file)
             entries, torch_device = collections.deque(batch.export_all()), batch.torch_device
             del batch  # the exports alone hold the tensors now
-            yield from _yield_entries(entries, torch_device, move_to, file)
+            yield from _yield_entries(entries, resolved, torch_device, move_to, file)
     except BaseException:
         handle.cancel()
         handle.wait(None)
