@@ -247,20 +247,6 @@ LeasedMapping::~LeasedMapping() {
 
 std::shared_ptr<Block> LeasedMapping::block() { return std::shared_ptr<Block>(shared_from_this(), &block_); }
 
-double LeasedMapping::resident_fraction(int samples) const noexcept {
-  const std::size_t page = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
-  const std::size_t pages = mapped_ / page;
-  const std::size_t probes = std::min<std::size_t>(pages, static_cast<std::size_t>(std::max(samples, 1)));
-  std::size_t resident = 0;
-  for (std::size_t i = 0; i < probes; ++i) {
-    const std::size_t at = probes == 1 ? 0 : i * (pages - 1) / (probes - 1);
-    unsigned char vec = 0;
-    if (::mincore(base_ + at * page, page, &vec) != 0) return 0;
-    resident += vec & 1u;
-  }
-  return probes == 0 ? 1.0 : static_cast<double>(resident) / static_cast<double>(probes);
-}
-
 bool LeasedMapping::moved() const noexcept {
   return __atomic_load_n(&moved_, __ATOMIC_ACQUIRE);
 }

@@ -71,8 +71,6 @@ class LeasedMapping : public std::enable_shared_from_this<LeasedMapping> {
   // A Block spanning the whole file that keeps this mapping alive (tensors
   // point into it as into a pool block).
   std::shared_ptr<Block> block();
-  // Fraction in [0, 1] of the mapping's pages in memory (mincore, sampled).
-  double resident_fraction(int samples) const noexcept;
   // True once the bytes live in anonymous memory (a lease break, or
   // move_out()).
   bool moved() const noexcept;

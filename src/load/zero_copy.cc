@@ -27,6 +27,17 @@ namespace {
 
 constexpr int kResidencySamples = 64;
 
+// The fraction of `path` in the page cache, on a plain descriptor (below 0:
+// unknown). kAuto measures it before taking a lease: a cold file then costs
+// no lease and no lease-watcher thread.
+double page_cache_fraction(const std::string& path, std::uint64_t size) {
+  Env* env = default_env();
+  const int fd = env->open_read(path, 0);
+  if (fd < 0) return -1.0;
+  const ScopedFd owned(env, fd);
+  return env->resident_fraction(fd, size, kResidencySamples);
+}
+
 }  // namespace
 
 std::vector<std::shared_ptr<LeasedMapping>> choose_zero_copy(const LoadOptions& options, const Checkpoint& checkpoint,
@@ -68,18 +79,18 @@ std::vector<std::shared_ptr<LeasedMapping>> choose_zero_copy(const LoadOptions& 
       log::debug("{}: read, not mapped (file descriptor budget)", cf.path);
       continue;
     }
+    if (options.zero_copy == ZeroCopy::kAuto) {
+      const double resident = page_cache_fraction(cf.path, cf.stat.size);
+      if (resident < options.resident_threshold) {
+        log::debug("{}: {:.0f}% in page cache: read, not mapped", cf.path, std::max(resident, 0.0) * 100);
+        continue;
+      }
+    }
     std::string why;
     std::shared_ptr<LeasedMapping> m = LeasedMapping::open(cf.path, FileIdentity::of(cf.stat), &why);
     if (!m) {
       log::debug("{}: read, not mapped ({})", cf.path, why);
       continue;
-    }
-    if (options.zero_copy == ZeroCopy::kAuto) {
-      const double resident = m->resident_fraction(kResidencySamples);
-      if (resident < options.resident_threshold) {
-        log::debug("{}: {:.0f}% in page cache: read, not mapped", cf.path, resident * 100);
-        continue;
-      }
     }
     mapped[i] = std::move(m);
     ++leased;
