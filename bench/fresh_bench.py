@@ -155,13 +155,17 @@ def generate(root: str, scale: float, loras: int, percall_files: int, seed: int 
 
 # ---- peers ----
 
+PIP_PEERS = {"fastsafetensors": "fastsafetensors", "runai-model-streamer": "runai_model_streamer"}
+
+
 def setup_peers(peers_dir: str, want_st09: bool) -> dict:
-    """fastsafetensors where missing (pip, as run_all.py does); safetensors 0.9 into peers_dir."""
+    """fastsafetensors and runai-model-streamer where missing (pip, as run_all.py does); safetensors 0.9
+    into peers_dir."""
     out = {}
-    if importlib.util.find_spec("fastsafetensors") is None:
-        log("fresh_bench: pip install fastsafetensors")
-        out["fastsafetensors_pip"] = subprocess.run([sys.executable, "-m", "pip", "install", "-q",
-                                                     "fastsafetensors"]).returncode
+    for pip_name, module in PIP_PEERS.items():
+        if importlib.util.find_spec(module) is None:
+            log(f"fresh_bench: pip install {pip_name}")
+            out[f"{module}_pip"] = subprocess.run([sys.executable, "-m", "pip", "install", "-q", pip_name]).returncode
     st09 = os.path.join(peers_dir, "safetensors-0.9")
     if want_st09 and not os.path.isdir(os.path.join(st09, "safetensors")):
         log(f"fresh_bench: pip install --target {st09} {ST09}")
@@ -214,6 +218,18 @@ def median(xs):
     return statistics.median(xs) if xs else None
 
 
+def same_round_ratios(systems: dict, best: str) -> dict:
+    """For each pinload row: the median over rounds of its GB/s over the best peer's in the same round
+    (the disk's speed drifts between rounds more than the systems differ), with the per-round ratios."""
+    peer = {r["round"]: r["gbps"] for r in systems.get(best, [])}
+    out = {}
+    for name in PINLOAD_ROWS:
+        ratios = [r["gbps"] / peer[r["round"]] for r in systems.get(name, []) if r["round"] in peer]
+        if ratios:
+            out[name] = {"median": median(ratios), "rounds": ratios}
+    return out
+
+
 def summarize(runs: list[dict], lims: list[dict]) -> dict:
     cells = {}
     for r in runs:
@@ -229,7 +245,8 @@ def summarize(runs: list[dict], lims: list[dict]) -> dict:
                          "rounds": len(rs)}
         peers = {k: v for k, v in row.items() if k not in PINLOAD_ROWS}
         best = max(peers, key=lambda k: peers[k]["gbps"]) if peers else None
-        out[f"{w}/{case}"] = {"systems": row, "best_peer": best}
+        out[f"{w}/{case}"] = {"systems": row, "best_peer": best,
+                              "same_round": same_round_ratios(systems, best) if best else {}}
     fio = [x["fio_gbps"] for x in lims if x.get("fio_gbps")]
     touch = [x["first_touch_gbps"] for x in lims if x.get("first_touch_gbps")]
     out["limits"] = {"fio_gbps": median(fio), "first_touch_gbps": median(touch)}
@@ -239,8 +256,8 @@ def summarize(runs: list[dict], lims: list[dict]) -> dict:
 def table(summary: dict, set_bytes: int, loras: int, percall_bytes: float) -> str:
     lim = summary["limits"]
     fio, touch = lim.get("fio_gbps"), lim.get("first_touch_gbps")
-    lines = [f"| workload | case | pinload | pinload batch | best peer | pinload / best peer | "
-             f"fio direct | first touch |", "|---|---|---:|---:|---|---:|---:|---:|"]
+    lines = [f"| workload | case | pinload | pinload batch | best peer | pinload / best peer | same round | "
+             f"fio direct | first touch |", "|---|---|---:|---:|---|---:|---:|---:|---:|"]
     names = {"set": f"{set_bytes / 1e9:.2f} GB set of 3 files",
              "lora": f"{loras} LoRA-like files of 3-25 MB, one file per call",
              "percall": f"{percall_bytes / 1e6:.1f} MB files, one file per call (ms per call)"}
@@ -264,7 +281,9 @@ def table(summary: dict, set_bytes: int, loras: int, percall_bytes: float) -> st
                 ratio = f"{(bp[key] / pin[key]) if w == 'percall' else (pin[key] / bp[key]):.2f}x"
             lim_cells = (f"{fio:.2f}" if fio and case == "cold" and w != "percall" else "",
                          f"{touch:.2f}" if touch and case == "cold" and w != "percall" else "")
-            lines.append(f"| {names[w]} | {case} | {f(pin)} | {f(batch)} | {f(bp)} ({best}) | {ratio} | "
+            same = cell.get("same_round", {})
+            same_cell = " / ".join(f"{same[n]['median']:.2f}x" for n in PINLOAD_ROWS if n in same) or "-"
+            lines.append(f"| {names[w]} | {case} | {f(pin)} | {f(batch)} | {f(bp)} ({best}) | {ratio} | {same_cell} | "
                          f"{lim_cells[0]} | {lim_cells[1]} |")
     detail = ["", "| workload | case | " + " | ".join(["system", "median", "rounds"]) + " |", "|---|---|---|---:|---:|"]
     for k, cell in summary.items():
