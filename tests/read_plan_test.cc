@@ -189,6 +189,66 @@ TEST(ReadPlanTest, ZeroFilesInFlightMeansOne) {
   EXPECT_EQ(order, (std::vector<std::uint32_t>{0, 0, 1, 1}));
 }
 
+// Note [Tapered tail]: the last taper_bytes in chunks of taper_block_size,
+// the 2 x taper_bytes before them in chunks twice that, and so on up to the
+// block size; the file still tiled in order, each chunk's index its rank.
+TEST(ReadPlanTest, ALargePlanEndsInChunksThatHalve) {
+  PlanOptions o = options(8 * MiB);
+  o.taper_bytes = 32 * MiB;
+  o.taper_block_size = 1 * MiB;
+  const ReadPlan plan = make_read_plan({file(8, 400 * MiB + 100, 4096)}, o);
+  expect_valid_plan(plan, 8 * MiB);
+  ASSERT_EQ(plan.files[0].chunk_count, plan.chunks.size());
+  std::vector<std::uint64_t> lengths;
+  for (std::size_t k = 0; k < plan.chunks.size(); ++k) {
+    EXPECT_EQ(plan.chunks[k].index, k);
+    lengths.push_back(plan.chunks[k].length);
+  }
+  // From the end: the short last chunk (100 bytes in one 4 KiB block), 32 of
+  // 1 MiB, 32 of 2 MiB, 32 of 4 MiB, and 8 MiB chunks before them.
+  std::vector<std::uint64_t> expected_tail;
+  for (int i = 0; i < 32; ++i) expected_tail.push_back(4 * MiB);
+  for (int i = 0; i < 32; ++i) expected_tail.push_back(2 * MiB);
+  for (int i = 0; i < 32; ++i) expected_tail.push_back(1 * MiB);
+  expected_tail.push_back(4096);
+  ASSERT_GT(lengths.size(), expected_tail.size());
+  const std::vector<std::uint64_t> tail(lengths.end() - static_cast<std::ptrdiff_t>(expected_tail.size()), lengths.end());
+  EXPECT_EQ(tail, expected_tail);
+  for (std::size_t k = 0; k + expected_tail.size() < lengths.size(); ++k) EXPECT_EQ(lengths[k], 8 * MiB) << k;
+}
+
+TEST(ReadPlanTest, SmallPlansAndUntaperedOptionsKeepTheirChunks) {
+  PlanOptions tapered = options(8 * MiB);
+  tapered.taper_bytes = 32 * MiB;
+  tapered.taper_block_size = 1 * MiB;
+  for (const std::uint64_t size : {std::uint64_t{1300 * KiB}, std::uint64_t{128 * MiB}}) {
+    const ReadPlan a = make_read_plan({file(8, size, 4096)}, tapered);
+    const ReadPlan b = make_read_plan({file(8, size, 4096)}, options(8 * MiB));
+    ASSERT_EQ(a.chunks.size(), b.chunks.size()) << size;
+    for (std::size_t k = 0; k < a.chunks.size(); ++k) EXPECT_EQ(a.chunks[k].length, b.chunks[k].length);
+  }
+}
+
+TEST(ReadPlanTest, TaperedInterleavedFilesStayInOrder) {
+  PlanOptions o = options(8 * MiB, 2);
+  o.taper_bytes = 16 * MiB;
+  o.taper_block_size = 1 * MiB;
+  const ReadPlan plan = make_read_plan({file(8, 100 * MiB + 7, 4096), file(16, 90 * MiB + 3, 4096)}, o);
+  expect_valid_plan(plan, 8 * MiB);  // each file tiled from read_begin, in order
+  std::uint64_t total = 0;
+  for (std::uint32_t f = 0; f < 2; ++f) {
+    const auto chunks = chunks_of(plan, f);
+    EXPECT_EQ(plan.files[f].chunk_count, chunks.size());
+    for (std::size_t k = 0; k < chunks.size(); ++k) {
+      EXPECT_EQ(chunks[k].index, k);
+      total += chunks[k].valid;
+    }
+  }
+  EXPECT_EQ(total, (100 * MiB + 7) + (90 * MiB + 3));  // both read from their aligned start, 0
+  EXPECT_EQ(plan.chunks.back().length, 4096u);  // the last one is small
+  EXPECT_LT(plan.chunks[plan.chunks.size() - 2].length, 8 * MiB);
+}
+
 // Random plans: every rule holds, each file is swept in order, files start in
 // order and no more than files_in_flight are ever open at once.
 TEST(ReadPlanTest, RandomPlansKeepEveryRule) {

@@ -141,6 +141,7 @@ inline constexpr unsigned kDefaultThreads = 8;
 inline constexpr unsigned kMaxThreads = 1024;
 inline constexpr unsigned kDirectReadsInFlight = 32;  // Note [Direct reads in flight]
 inline constexpr std::size_t kDefaultBlockSize = 8u << 20;  // Note [Block size]
+inline constexpr std::size_t kTaperBlockSize = 1u << 20;    // Note [Tapered tail] in read_plan.h
 inline constexpr std::size_t kMinBlockSize = 4u << 10;
 inline constexpr std::size_t kMaxBlockSize = 1u << 30;
 inline constexpr std::size_t kDefaultFilesInFlight = 2;

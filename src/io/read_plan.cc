@@ -4,6 +4,47 @@
 #include <utility>
 
 namespace pinload {
+namespace {
+
+// Note [Tapered tail] in read_plan.h.
+void taper_tail(ReadPlan& plan, const PlanOptions& options) {
+  if (options.taper_bytes == 0 || options.taper_block_size == 0 || plan.total_bytes <= 4 * options.taper_bytes) return;
+  // Back to front: taper_bytes in chunks of taper_block_size, the 2 x
+  // taper_bytes before them in chunks twice that, and so on up to block_size.
+  std::vector<ReadChunk> tail;  // back to front
+  std::size_t first = plan.chunks.size();
+  std::uint64_t step = options.taper_block_size, region = options.taper_bytes, region_end = options.taper_bytes;
+  std::uint64_t covered = 0;
+  while (first > 0 && step < options.block_size) {
+    const ReadChunk& c = plan.chunks[--first];
+    const FileRead& f = plan.files[c.file];
+    const std::uint64_t align = std::max<std::uint32_t>(f.alignment, 1);
+    const std::uint64_t piece_step = std::max<std::uint64_t>(align, step / align * align);
+    const std::size_t at_end = tail.size();
+    for (std::uint64_t at = c.offset; at < c.offset + c.length; at += piece_step) {
+      ReadChunk piece = c;
+      piece.offset = at;
+      piece.length = std::min(piece_step, c.offset + c.length - at);
+      piece.valid = std::min(at + piece.length, f.file_size) - at;  // at < file_size: read_end - file_size < align
+      tail.push_back(piece);
+    }
+    std::reverse(tail.begin() + static_cast<std::ptrdiff_t>(at_end), tail.end());
+    covered += c.length;
+    while (covered >= region_end && step < options.block_size) {
+      step *= 2;
+      region *= 2;
+      region_end += region;
+    }
+  }
+  std::vector<ReadChunk> chunks(plan.chunks.begin(), plan.chunks.begin() + static_cast<std::ptrdiff_t>(first));
+  chunks.insert(chunks.end(), tail.rbegin(), tail.rend());
+  std::vector<std::uint32_t> count(plan.files.size(), 0);
+  for (ReadChunk& c : chunks) c.index = count[c.file]++;  // each file's chunks stay in offset order
+  for (std::size_t i = 0; i < plan.files.size(); ++i) plan.files[i].chunk_count = count[i];
+  plan.chunks = std::move(chunks);
+}
+
+}  // namespace
 
 ReadPlan make_read_plan(std::vector<FileRead> files, const PlanOptions& options) {
   ReadPlan plan;
@@ -43,6 +84,7 @@ ReadPlan make_read_plan(std::vector<FileRead> files, const PlanOptions& options)
     }
   }
   plan.files = std::move(files);
+  taper_tail(plan, options);
   return plan;
 }
 

@@ -433,7 +433,12 @@ std::unique_ptr<ReadSession> ReadSession::open(Env* env, const LoadOptions& opti
     reads.push_back(std::move(r));
     s->files_.push_back(std::move(f));
   }
-  s->plan_ = make_read_plan(std::move(reads), PlanOptions{options.block_size, options.files_in_flight});
+  PlanOptions plan_options{options.block_size, options.files_in_flight};
+  if (s->remote_threads_ == 0 && s->min_threads_ == 0 && options.direct != DirectIo::kOff) {
+    plan_options.taper_block_size = kTaperBlockSize;  // Note [Tapered tail] in read_plan.h
+    plan_options.taper_bytes = std::uint64_t{kDirectReadsInFlight} * kTaperBlockSize;
+  }
+  s->plan_ = make_read_plan(std::move(reads), plan_options);
   if (replay != nullptr) {
     if (std::optional<ReadPlan> replayed = replay_plan(s->plan_, replay->reads)) {
       s->plan_ = std::move(*replayed);
