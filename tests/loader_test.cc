@@ -23,6 +23,7 @@
 
 #include "fault_env.h"
 #include "pinload/error.h"
+#include "pinload/io_template.h"
 #include "file_check.h"
 #include "test_files.h"
 
@@ -574,53 +575,46 @@ TEST_F(LoaderTest, BufferedThenDirectReloadReusesTheBlock) {
   EXPECT_EQ(sd.at("w").bytes()[12345], std::byte{0x3c});
 }
 
-// Note [Tapered tail] in read_plan.h: a large direct load reads its last
-// 32 MiB in 1 MiB pieces, the 64 MiB before them in 2 MiB pieces and the 128
-// MiB before those (here, the rest) in 4 MiB pieces; the bytes are the file's.
-TEST_F(LoaderTest, ALargeDirectLoadEndsInSmallReads) {
-  class RecordingEnv : public EnvWrapper {
-   public:
-    using EnvWrapper::EnvWrapper;
-    std::int64_t pread(int fd, void* buffer, std::size_t bytes, std::uint64_t offset) override {
-      {
-        std::lock_guard lock(mu_);
-        reads_.emplace_back(offset, bytes);
-      }
-      return EnvWrapper::pread(fd, buffer, bytes, offset);
-    }
-    std::vector<std::pair<std::uint64_t, std::size_t>> reads() {
-      std::lock_guard lock(mu_);
-      return reads_;
-    }
-
-   private:
-    std::mutex mu_;
-    std::vector<std::pair<std::uint64_t, std::size_t>> reads_;
-  };
+// Note [Tapered tail] in read_plan.h: a large load that reads direct reads
+// its last 32 MiB in 1 MiB pieces, the 64 MiB before them in 2 MiB pieces and
+// the 128 MiB before those (here, the rest) in 4 MiB pieces; one copied from
+// the page cache keeps its 8 MiB chunks. The bytes are the file's either way.
+TEST_F(LoaderTest, ALargeLoadEndsInSmallReadsWhereItReadsDirect) {
   const std::string path = dir_.file("large.safetensors");
-  const std::uint64_t bytes = 136 * MiB;  // more than 4 x 32 MiB: tapered
+  const std::uint64_t bytes = 136 * MiB;  // more than 4 x 32 MiB
   std::vector<std::uint8_t> data(bytes);
   for (std::size_t i = 0; i < data.size(); ++i) data[i] = static_cast<std::uint8_t>(i * 2654435761u >> 13);
   const std::string n = std::to_string(bytes);
   testing::write_file(path, testing::raw_file("{\"w\":{\"dtype\":\"U8\",\"shape\":[" + n + "],\"data_offsets\":[0," + n +
                                                   "]}}", data));
   if (!direct_io_works(path)) GTEST_SKIP() << "O_DIRECT refused here";
-  RecordingEnv recording(&env_);
-  LoadOptions options = load_options(2, 8 * MiB, Mode::kOn);
-  options.zero_copy = ZeroCopy::kOff;  // the file is in the page cache: read it, not map it
-  Loader loader(options, make_pool(), &recording);
-  const StateDict sd = loader.load({path});
-  ASSERT_EQ(sd.at("w").nbytes(), bytes);
-  EXPECT_EQ(std::memcmp(sd.at("w").bytes().data(), data.data(), bytes), 0);
   const std::uint64_t file_size = std::filesystem::file_size(path);
-  std::size_t largest = 0, largest_in_the_last_32_mib = 0;
-  for (const auto& [offset, length] : recording.reads()) {
-    if (length < 4096) continue;  // the header's reads
-    largest = std::max(largest, length);
-    if (offset + 32 * MiB >= file_size) largest_in_the_last_32_mib = std::max(largest_in_the_last_32_mib, length);
-  }
-  EXPECT_EQ(largest, 4 * MiB);
-  EXPECT_EQ(largest_in_the_last_32_mib, 1 * MiB);
+  struct Chunks {
+    std::uint64_t largest = 0;
+    std::uint64_t largest_in_the_last_32_mib = 0;
+  };
+  auto load_and_measure = [&](Mode mode) {
+    LoadOptions options = load_options(2, 8 * MiB, mode);
+    options.zero_copy = ZeroCopy::kOff;  // read it, never map it
+    const Loader loader(options, make_pool(), &env_);
+    IoTemplate record;
+    const StateDict sd = loader.load({path}, LoadRequest{{}, nullptr, &record});
+    EXPECT_EQ(std::memcmp(sd.at("w").bytes().data(), data.data(), bytes), 0);
+    Chunks out;
+    const TemplateReads* reads = record.find(loader.destination());
+    EXPECT_NE(reads, nullptr);
+    for (const TemplateRead& r : reads != nullptr ? reads->reads : std::vector<TemplateRead>{}) {
+      out.largest = std::max(out.largest, r.length);
+      if (r.offset + 32 * MiB >= file_size) out.largest_in_the_last_32_mib = std::max(out.largest_in_the_last_32_mib, r.length);
+    }
+    return out;
+  };
+  const Chunks direct = load_and_measure(Mode::kOn);
+  EXPECT_EQ(direct.largest, 4 * MiB);
+  EXPECT_EQ(direct.largest_in_the_last_32_mib, 1 * MiB);
+  const Chunks cached = load_and_measure(Mode::kAuto);  // the file is in the page cache: copied from a mapping
+  EXPECT_EQ(cached.largest, 8 * MiB);
+  EXPECT_EQ(cached.largest_in_the_last_32_mib, 8 * MiB);
 }
 
 // Counts the preads running at once; each takes 20 ms, so that they overlap.

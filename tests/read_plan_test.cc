@@ -287,6 +287,32 @@ TEST(ReadPlanTest, RandomPlansKeepEveryRule) {
   }
 }
 
+// Random tapered plans: every rule holds and each chunk's index is its rank in
+// its file, with odd block sizes, buffered alignments and files in flight.
+TEST(ReadPlanTest, RandomTaperedPlansKeepEveryRule) {
+  std::mt19937_64 rng(7);
+  for (int round = 0; round < 200; ++round) {
+    const std::size_t n = 1 + rng() % 4;
+    PlanOptions o = options(4096 + rng() % (3 * MiB), 1 + rng() % 3);
+    o.taper_bytes = 64 * KiB + rng() % (2 * MiB);
+    o.taper_block_size = 512 + rng() % (300 * KiB);
+    std::vector<FileRead> files;
+    for (std::size_t i = 0; i < n; ++i) {
+      const std::uint64_t data_offset = 9 + rng() % 9000;
+      const std::uint32_t align = rng() % 2 ? 1 : (512u << (rng() % 4));
+      files.push_back(file(data_offset, data_offset + rng() % (12 * MiB), align));
+    }
+    const ReadPlan plan = make_read_plan(files, o);
+    SCOPED_TRACE("round " + std::to_string(round));
+    expect_valid_plan(plan, o.block_size);
+    for (std::uint32_t f = 0; f < n; ++f) {
+      const auto chunks = chunks_of(plan, f);
+      ASSERT_EQ(plan.files[f].chunk_count, chunks.size());
+      for (std::size_t k = 0; k < chunks.size(); ++k) ASSERT_EQ(chunks[k].index, k);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace pinload
 

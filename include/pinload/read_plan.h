@@ -1,7 +1,8 @@
 // pinload/read_plan.h: what to read, as plain data.
 //
 // A plan lists, per file, the aligned byte range that lands in that file's
-// pool block, and the chunks (block_size pieces of those ranges) in the order
+// pool block, and the chunks (block_size pieces of those ranges, smaller at a
+// tapered end: Note [Tapered tail]) in the order
 // worker threads should claim them. Building a plan does no I/O, so plans are
 // tested on their own; threads only execute them.
 #pragma once
@@ -60,17 +61,20 @@ struct PlanOptions {
 
 // Note [Tapered tail]
 // Whatever follows a load's last reads (dtype conversions, handing tensors
-// out, device copies) overlaps no read. A disk that completes the reads in
-// flight in bursts makes that tail the work of a whole burst: on this VM's
-// virtio disk, strace of a 340 MB FP8 load showed 31 of its 32 direct reads
-// of 8 MiB returning within 1 ms, and the last 10 together 45 ms later, after
-// which their 80 MB were still to convert. Chunks that halve towards the end
-// make each burst about half the one before, so its work overlaps the next
-// burst's reads, and bound the last burst at kDirectReadsInFlight chunks of
-// taper_block_size. fp8-bench (512 MiB, 9 rounds): FP8 -> bf16 took 6-7 ms
-// more than reading the FP8 file as stored, against 10-25 ms untapered, and
-// fp32 -> bf16 0.96-0.98 x the plain fp32 load, against 1.01-1.06 x. Small
-// loads (4 x taper_bytes or less) keep their plan: one read per small file.
+// out) overlaps no read. A disk that completes the reads in flight in bursts
+// makes that tail the work of a whole burst: on this VM's virtio disk, strace
+// of a 340 MB FP8 load showed 31 of its 32 direct reads of 8 MiB returning
+// within 1 ms, and the last 10 together 45 ms later, after which their 80 MB
+// were still to convert. Chunks that halve towards the end make each burst
+// about half the one before, so its work overlaps the next burst's reads, and
+// leave the last burst one chunk of taper_block_size per reader in flight.
+// Regions round up to whole chunks of the plan. fp8-bench (512 MiB, 9
+// rounds): FP8 -> bf16 took 6-10 ms more than reading the FP8 file as stored,
+// against 23-26 ms untapered. ReadSession tapers only loads of more than 4 x
+// taper_bytes (one read per small file stays one read) that end in direct
+// reads into pool blocks: copies from a mapping pay per chunk (Note [Block
+// size] in loader.h), and a streamed load's staging blocks are block_size
+// whatever the read. A replayed I/O template keeps its recorded reads.
 
 // Fills read_begin/read_end of every file and cuts them into chunks.
 ReadPlan make_read_plan(std::vector<FileRead> files, const PlanOptions& options);

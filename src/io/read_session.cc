@@ -125,6 +125,17 @@ void prepare_source(Env* env, const CheckpointFile& cf, const LoadOptions& optio
   f->network_fs = on_network_filesystem(env, fd.get(), cf.path);
 }
 
+// Whether the load's last file will be read direct, as open_for_load decides
+// it (Note [Tapered tail] in read_plan.h): a cached file is copied from a
+// mapping, where small chunks cost more (Note [Block size] in loader.h).
+bool ends_in_direct_reads(Env* env, const LoadOptions& options, const OpenFile& last) {
+  if (last.remote || last.network_fs || options.direct == DirectIo::kOff) return false;
+  if (options.direct == DirectIo::kOn) return true;
+  FileStat st;
+  const ScopedFd fd = open_regular_or_throw(env, last.path, &st);
+  return env->resident_fraction(fd.get(), st.size, kResidencySamples) < options.resident_threshold;
+}
+
 // Opens a file for the load and decides direct or buffered (Note [Direct I/O]).
 // Every descriptor must be the file whose header was read (Note [One version
 // per load] in checkpoint.h). Remote files have none (Note [Remote reads]):
@@ -434,11 +445,17 @@ std::unique_ptr<ReadSession> ReadSession::open(Env* env, const LoadOptions& opti
     s->files_.push_back(std::move(f));
   }
   PlanOptions plan_options{options.block_size, options.files_in_flight};
-  if (s->remote_threads_ == 0 && s->min_threads_ == 0 && options.direct != DirectIo::kOff) {
-    plan_options.taper_block_size = kTaperBlockSize;  // Note [Tapered tail] in read_plan.h
-    plan_options.taper_bytes = std::uint64_t{kDirectReadsInFlight} * kTaperBlockSize;
+  s->plan_ = make_read_plan(reads, plan_options);
+  // Note [Tapered tail] in read_plan.h: where the load ends in direct reads
+  // into pool blocks (not a streamed load's staging blocks, whose size is the
+  // block size whatever the read).
+  const std::uint64_t taper_bytes = std::uint64_t{kDirectReadsInFlight} * kTaperBlockSize;
+  if (s->plan_.total_bytes > 4 * taper_bytes && !s->streaming() && s->remote_threads_ == 0 && s->min_threads_ == 0 &&
+      ends_in_direct_reads(env, options, *s->files_[s->plan_.chunks.back().file])) {
+    plan_options.taper_bytes = taper_bytes;
+    plan_options.taper_block_size = kTaperBlockSize;
+    s->plan_ = make_read_plan(std::move(reads), plan_options);
   }
-  s->plan_ = make_read_plan(std::move(reads), plan_options);
   if (replay != nullptr) {
     if (std::optional<ReadPlan> replayed = replay_plan(s->plan_, replay->reads)) {
       s->plan_ = std::move(*replayed);
