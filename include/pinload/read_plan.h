@@ -76,8 +76,13 @@ struct PlanOptions {
 // size] in loader.h), and a streamed load's staging blocks are block_size
 // whatever the read. A replayed I/O template keeps its recorded reads.
 
-// Fills read_begin/read_end of every file and cuts them into chunks.
+// Fills read_begin/read_end of every file and cuts them into chunks, tapered
+// as `options` says (taper_tail).
 ReadPlan make_read_plan(std::vector<FileRead> files, const PlanOptions& options);
+
+// Note [Tapered tail]: cuts the end of a plan from make_read_plan as options'
+// taper_bytes and taper_block_size say (nothing where they are 0).
+void taper_tail(ReadPlan& plan, const PlanOptions& options);
 
 // `plan` (from make_read_plan) with its chunks replaced by `reads`, a
 // recorded I/O template's (io_template.h), in their order: only when they

@@ -4,7 +4,6 @@
 #include <utility>
 
 namespace pinload {
-namespace {
 
 // Note [Tapered tail] in read_plan.h.
 void taper_tail(ReadPlan& plan, const PlanOptions& options) {
@@ -43,8 +42,6 @@ void taper_tail(ReadPlan& plan, const PlanOptions& options) {
   for (std::size_t i = 0; i < plan.files.size(); ++i) plan.files[i].chunk_count = count[i];
   plan.chunks = std::move(chunks);
 }
-
-}  // namespace
 
 ReadPlan make_read_plan(std::vector<FileRead> files, const PlanOptions& options) {
   ReadPlan plan;

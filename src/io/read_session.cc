@@ -445,7 +445,7 @@ std::unique_ptr<ReadSession> ReadSession::open(Env* env, const LoadOptions& opti
     s->files_.push_back(std::move(f));
   }
   PlanOptions plan_options{options.block_size, options.files_in_flight};
-  s->plan_ = make_read_plan(reads, plan_options);
+  s->plan_ = make_read_plan(std::move(reads), plan_options);
   // Note [Tapered tail] in read_plan.h: where the load ends in direct reads
   // into pool blocks (not a streamed load's staging blocks, whose size is the
   // block size whatever the read).
@@ -454,7 +454,7 @@ std::unique_ptr<ReadSession> ReadSession::open(Env* env, const LoadOptions& opti
       ends_in_direct_reads(env, options, *s->files_[s->plan_.chunks.back().file])) {
     plan_options.taper_bytes = taper_bytes;
     plan_options.taper_block_size = kTaperBlockSize;
-    s->plan_ = make_read_plan(std::move(reads), plan_options);
+    taper_tail(s->plan_, plan_options);
   }
   if (replay != nullptr) {
     if (std::optional<ReadPlan> replayed = replay_plan(s->plan_, replay->reads)) {
