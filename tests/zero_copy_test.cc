@@ -309,7 +309,8 @@ TEST(ZeroCopy, LeavesNoFdMappingOrThreadBehind) {
   EXPECT_FALSE(detail::LeasedMapping::watcher_running());
   EXPECT_EQ(count_entries("/proc/self/fd"), fds);
   EXPECT_EQ(count_lines("/proc/self/maps", path), maps);
-  EXPECT_EQ(count_entries("/proc/self/task"), threads);
+  // A leak leaves more threads; a thread of the baseline may have ended since (a clean-clone run saw 3 of 4).
+  EXPECT_LE(count_entries("/proc/self/task"), threads);
 }
 
 // A moved mapping (as after a lease break) keeps its address and bytes and
