@@ -91,6 +91,12 @@ class Env {
   virtual int lock(void* address, std::size_t bytes) = 0;
   virtual int unlock(void* address, std::size_t bytes) = 0;  // munlock(2)
   virtual int advise(void* address, std::size_t bytes, int advice) = 0;  // madvise(2)
+  // Whether the page holding `address` is in memory (mincore(2)): 1 or 0,
+  // or -errno where that cannot be told.
+  virtual int page_resident(const void* address) {
+    (void)address;
+    return -ENOSYS;
+  }
 
   // NUMA placement (numa.h). An Env that cannot place says -ENOSYS, and the
   // caller leaves placement to the OS.
@@ -159,6 +165,7 @@ class EnvWrapper : public Env {
   int advise(void* address, std::size_t bytes, int advice) override {
     return target_->advise(address, bytes, advice);
   }
+  int page_resident(const void* address) override { return target_->page_resident(address); }
   int bind_memory(void* address, std::size_t bytes, int node) override {
     return target_->bind_memory(address, bytes, node);
   }

@@ -27,6 +27,7 @@
 // held across a backend call.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -64,6 +65,7 @@ class Pool;
 
 namespace detail {
 class LeasedMapping;  // a file mapping handed out as a block (Note [Leased mappings])
+class FirstTouch;     // faults fresh blocks in (Note [Page size of fresh memory])
 }
 
 // A contiguous piece of pool memory. Shared through std::shared_ptr<Block>;
@@ -80,6 +82,7 @@ class Block {
  private:
   friend class Pool;
   friend class detail::LeasedMapping;
+  friend class detail::FirstTouch;
   Block(std::byte* data, std::size_t size, std::size_t capacity, bool locked, void* slab)
       : data_(data), size_(size), capacity_(capacity), locked_(locked), slab_(slab) {}
   std::byte* data_;
@@ -87,6 +90,7 @@ class Block {
   std::size_t capacity_;
   bool locked_;
   void* slab_;
+  mutable std::atomic<bool> small_pages_{false};  // advised MADV_NOHUGEPAGE by FirstTouch
 };
 
 class Pool {

@@ -200,6 +200,13 @@ class PosixEnv final : public Env {
   int advise(void* address, std::size_t bytes, int advice) override {
     return ::madvise(address, bytes, advice) == 0 ? 0 : -errno;
   }
+  int page_resident(const void* address) override {
+    static const auto page = static_cast<std::uintptr_t>(::sysconf(_SC_PAGESIZE));
+    unsigned char in_memory = 0;
+    void* start = reinterpret_cast<void*>(reinterpret_cast<std::uintptr_t>(address) & ~(page - 1));
+    if (::mincore(start, 1, &in_memory) != 0) return -errno;
+    return in_memory & 1;
+  }
 
   // Raw system calls, so that pinload does not need libnuma.
   int bind_memory(void* address, std::size_t bytes, int node) override {

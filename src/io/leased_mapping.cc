@@ -230,7 +230,9 @@ std::shared_ptr<LeasedMapping> LeasedMapping::open(const std::string& path, cons
   m->base_ = static_cast<std::byte*>(p);
   m->size_ = size;
   m->mapped_ = mapped;
-  m->block_ = Block(m->base_, size, mapped, false, nullptr);
+  m->block_.data_ = m->base_;
+  m->block_.size_ = size;
+  m->block_.capacity_ = mapped;
   watcher.add(m.get());
   // A break that began before F_SETOWN_EX signalled nobody: look now.
   if (::fcntl(fd, F_GETLEASE) != F_RDLCK) watcher.on_break(fd);

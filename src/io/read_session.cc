@@ -13,6 +13,7 @@
 
 #include "base/log.h"
 #include "io/mapped_copy.h"
+#include "memory/first_touch.h"
 #include "pinload/error.h"
 #include "pinload/file_identity.h"
 #include "pinload/memory_limit.h"
@@ -625,6 +626,8 @@ void ReadSession::execute(const std::vector<std::size_t>& todo, unsigned threads
         // the network takes no slot; a copy out of the page cache does.
         std::optional<CpuSlot> slot;
         if (!f.direct.load(std::memory_order_relaxed) && !f.remote && !f.network_fs) slot.emplace(cpu_slots);
+        // Note [Page size of fresh memory]
+        FirstTouch::process().fault_in(s.env_, *dest, dest->data() + dest_offset, c.valid);
         read_chunk(s.env_, f, r, c, s.direct_mode_, s.cached_read_ == CachedRead::kAuto ? &s.chooser_ : nullptr,
                    counters, dest->data() + dest_offset);
         counters->bytes_done.fetch_add(c.valid, std::memory_order_relaxed);

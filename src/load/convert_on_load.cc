@@ -10,6 +10,7 @@
 #include <unordered_map>
 
 #include "format/dtype_convert.h"
+#include "memory/first_touch.h"
 #include "pinload/error.h"
 
 namespace pinload::detail {
@@ -206,7 +207,7 @@ ConversionPlan plan_conversions(Env* env, const Checkpoint& checkpoint, const DT
   return plan;
 }
 
-void convert_chunk(const ConversionPlan& plan, const ReadChunk& c, const std::byte* chunk_data,
+void convert_chunk(Env* env, const ConversionPlan& plan, const ReadChunk& c, const std::byte* chunk_data,
                    const std::vector<std::shared_ptr<Block>>& out_blocks) {
   const std::vector<std::size_t>& list = plan.by_file[c.file];
   if (list.empty()) return;
@@ -227,6 +228,7 @@ void convert_chunk(const ConversionPlan& plan, const ReadChunk& c, const std::by
     const std::uint64_t last = (hi - t.in_begin) / in_size;
     if (last <= first) continue;
     std::byte* out = out_blocks[c.file]->data() + t.out_offset + first * out_size;
+    FirstTouch::process().fault_in(env, *out_blocks[c.file], out, (last - first) * out_size);
     convert_elements(t.conversion(first, last - first), chunk_data + (t.in_begin + first * in_size - c.offset), out);
   }
 }

@@ -63,8 +63,9 @@ ConversionPlan plan_conversions(Env* env, const Checkpoint& checkpoint, const DT
 
 // Host loads: converts the elements of planned tensors that lie wholly
 // inside the chunk [c.offset, c.offset + c.valid) of its file, whose bytes
-// are at `chunk_data`, into out_blocks[c.file].
-void convert_chunk(const ConversionPlan& plan, const ReadChunk& c, const std::byte* chunk_data,
+// are at `chunk_data`, into out_blocks[c.file], faulting fresh output memory
+// in through `env` first (Note [Page size of fresh memory]).
+void convert_chunk(Env* env, const ConversionPlan& plan, const ReadChunk& c, const std::byte* chunk_data,
                    const std::vector<std::shared_ptr<Block>>& out_blocks);
 
 // Host loads, after every chunk: the few elements that straddle two chunks,

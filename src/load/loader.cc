@@ -530,7 +530,7 @@ StateDict Loader::run(const Checkpoint& checkpoint, const LoadRequest& request, 
   auto on_read = [&](std::size_t i, std::shared_ptr<Block> block, std::size_t block_offset) {
     const ReadChunk& c = s.plan().chunks[i];
     if (device == nullptr && !conversions.empty()) {
-      detail::convert_chunk(conversions, c, block->data() + block_offset, converted.blocks);
+      detail::convert_chunk(env_, conversions, c, block->data() + block_offset, converted.blocks);
     }
     // HandOut::kStream: the file's tensors are all out and no reader
     // touches its block again, so the callers' tensors alone hold it.
