@@ -25,6 +25,9 @@ call, every byte made resident and checked against an independent pread):
   fastsafetensors            fastsafe_open(nogds=True) (pip-installed when missing)
   runai-model-streamer       SafetensorsStreamer.stream_files
 
+--fresh-pages huge,small adds each pinload row again with PINLOAD_FRESH_PAGES fixed (the page size
+of a fresh pool's memory, docs/tuning.md), beside the default that measures it.
+
 Cases: cold (sync, `echo 3 > /proc/sys/vm/drop_caches` before each worker: run as root) and warm
 (the files read once before). --rounds (3) rounds; each round rotates the order of the systems and
 first measures the machine's limits on the set's files with pinload-bench --phases fio,pool: fio's
@@ -223,7 +226,7 @@ def same_round_ratios(systems: dict, best: str) -> dict:
     (the disk's speed drifts between rounds more than the systems differ), with the per-round ratios."""
     peer = {r["round"]: r["gbps"] for r in systems.get(best, [])}
     out = {}
-    for name in PINLOAD_ROWS:
+    for name in [n for n in systems if n.startswith("pinload")]:
         ratios = [r["gbps"] / peer[r["round"]] for r in systems.get(name, []) if r["round"] in peer]
         if ratios:
             out[name] = {"median": median(ratios), "rounds": ratios}
@@ -243,7 +246,7 @@ def summarize(runs: list[dict], lims: list[dict]) -> dict:
         for name, rs in systems.items():
             row[name] = {"gbps": median([x["gbps"] for x in rs]), "ms_per_call": median([x["ms_per_call"] for x in rs]),
                          "rounds": len(rs)}
-        peers = {k: v for k, v in row.items() if k not in PINLOAD_ROWS}
+        peers = {k: v for k, v in row.items() if k not in PINLOAD_ROWS and not k.startswith("pinload")}
         best = max(peers, key=lambda k: peers[k]["gbps"]) if peers else None
         out[f"{w}/{case}"] = {"systems": row, "best_peer": best,
                               "same_round": same_round_ratios(systems, best) if best else {}}
@@ -312,6 +315,9 @@ def main(argv=None) -> int:
     ap.add_argument("--fio-runtime", type=int, default=15)
     ap.add_argument("--device", default="cpu", help="the load's target: cpu (the issue's table) or cuda:N "
                     "(a fresh process's device load: pinload streams through pinned staging; scripts/gpu-check.sh)")
+    ap.add_argument("--fresh-pages", default="",
+                    help="comma list of PINLOAD_FRESH_PAGES values (huge, small): each adds the pinload rows "
+                    "again as 'ROW [pages=V]', beside the measured default (docs/tuning.md)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     if os.geteuid() != 0:
@@ -339,6 +345,7 @@ def main(argv=None) -> int:
             + (f" ({lim['error']})" if "error" in lim else ""))
         for w in workloads:
             names = [n for n in SYSTEMS[w] if not a.systems or any(x in n for x in a.systems.split(","))]
+            names += [f"{n} [pages={v}]" for v in a.fresh_pages.split(",") if v for n in names if n in PINLOAD_ROWS]
             k = rnd % len(names)
             order = names[k:] + names[:k]  # rotated every round
             for case in ("cold", "warm"):
@@ -348,7 +355,11 @@ def main(argv=None) -> int:
                                      "skipped": f"{ST09} did not install"})
                         continue
                     env = st09_env if name.startswith("safetensors 0.9") else base_env
-                    r = run_one(name, w, sets[w], digests[w], case == "cold", env, a.device)
+                    system, _, pages = name.partition(" [pages=")
+                    if pages:
+                        env = dict(env, PINLOAD_FRESH_PAGES=pages.rstrip("]"))
+                    r = run_one(system, w, sets[w], digests[w], case == "cold", env, a.device)
+                    r["system"] = name
                     r["round"] = rnd
                     runs.append(r)
                     shown = (f"{r['ms_per_call']:.3f} ms/call" if w == "percall" else f"{r['gbps']:.2f} GB/s") \

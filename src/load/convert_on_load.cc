@@ -1,6 +1,7 @@
 #include "load/convert_on_load.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <cerrno>
 #include <map>
 #include <optional>
@@ -213,24 +214,38 @@ void convert_chunk(Env* env, const ConversionPlan& plan, const ReadChunk& c, con
   if (list.empty()) return;
   const std::uint64_t chunk_end = c.offset + c.valid;
   // The first tensor ending after the chunk's start (tensors do not overlap).
-  auto it = std::partition_point(list.begin(), list.end(), [&](std::size_t k) {
+  const auto begin = std::partition_point(list.begin(), list.end(), [&](std::size_t k) {
     const TensorConversion& t = plan.tensors[k];
     return t.in_begin + t.in_bytes() <= c.offset;
   });
-  for (; it != list.end(); ++it) {
-    const TensorConversion& t = plan.tensors[*it];
-    if (t.in_begin >= chunk_end) break;
+  // Calls piece(t, first, last) for each planned tensor's whole elements in the chunk.
+  auto for_each_piece = [&](auto&& piece) {
+    for (auto it = begin; it != list.end(); ++it) {
+      const TensorConversion& t = plan.tensors[*it];
+      if (t.in_begin >= chunk_end) break;
+      const unsigned in_size = dtype_bits(t.from) / 8;
+      const std::uint64_t lo = std::max(t.in_begin, c.offset);
+      const std::uint64_t hi = std::min(t.in_begin + t.in_bytes(), chunk_end);
+      const std::uint64_t first = (lo - t.in_begin + in_size - 1) / in_size;
+      const std::uint64_t last = (hi - t.in_begin) / in_size;
+      if (last > first) piece(t, first, last);
+    }
+  };
+  Block& out_block = *out_blocks[c.file];
+  // The chunk's output bytes, faulted in at once where they are fresh.
+  std::uint64_t out_lo = UINT64_MAX, out_hi = 0;
+  for_each_piece([&](const TensorConversion& t, std::uint64_t first, std::uint64_t last) {
+    const unsigned out_size = dtype_bits(t.to) / 8;
+    out_lo = std::min(out_lo, t.out_offset + first * out_size);
+    out_hi = std::max(out_hi, t.out_offset + last * out_size);
+  });
+  if (out_hi > out_lo) FirstTouch::process().fault_in(env, out_block, out_block.data() + out_lo, out_hi - out_lo);
+  for_each_piece([&](const TensorConversion& t, std::uint64_t first, std::uint64_t last) {
     const unsigned in_size = dtype_bits(t.from) / 8;
     const unsigned out_size = dtype_bits(t.to) / 8;
-    const std::uint64_t lo = std::max(t.in_begin, c.offset);
-    const std::uint64_t hi = std::min(t.in_begin + t.in_bytes(), chunk_end);
-    const std::uint64_t first = (lo - t.in_begin + in_size - 1) / in_size;  // whole elements only
-    const std::uint64_t last = (hi - t.in_begin) / in_size;
-    if (last <= first) continue;
-    std::byte* out = out_blocks[c.file]->data() + t.out_offset + first * out_size;
-    FirstTouch::process().fault_in(env, *out_blocks[c.file], out, (last - first) * out_size);
-    convert_elements(t.conversion(first, last - first), chunk_data + (t.in_begin + first * in_size - c.offset), out);
-  }
+    convert_elements(t.conversion(first, last - first), chunk_data + (t.in_begin + first * in_size - c.offset),
+                     out_block.data() + t.out_offset + first * out_size);
+  });
 }
 
 void convert_straddlers(const ConversionPlan& plan, const ReadPlan& read_plan,
