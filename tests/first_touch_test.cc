@@ -143,6 +143,16 @@ class FirstTouchTest : public ::testing::Test {
   void SetUp() override { ::unsetenv(FirstTouch::kPagesVariable); }
   void TearDown() override { ::unsetenv(FirstTouch::kPagesVariable); }
   std::shared_ptr<Pool> host_pool() { return Pool::create(make_locked_memory_backend(default_env(), kHostPoolMemory)); }
+  // Two readers, 1 MiB chunks, every chunk pread into pool memory.
+  static LoadOptions pread_options() {
+    LoadOptions options;
+    options.threads = 2;
+    options.block_size = 1 * MiB;
+    options.direct = DirectIo::kOff;
+    options.cached_read = CachedRead::kPread;
+    options.zero_copy = ZeroCopy::kOff;
+    return options;
+  }
 };
 
 TEST_F(FirstTouchTest, HugePagesStayWhileTheyArriveFast) {
@@ -280,12 +290,7 @@ TEST_F(FirstTouchTest, ALoadFaultsEachFreshChunkInBeforeReadingIt) {
       {{"a.weight", "F16", {1024, 1536}}, {"b.weight", "F32", {512, 1024}}, {"c.bias", "BF16", {1000}}}, rng);
   testing::write_file(path, image.bytes());
   RecordingEnv env(default_env());
-  LoadOptions options;
-  options.threads = 2;
-  options.block_size = 1 * MiB;
-  options.direct = DirectIo::kOff;
-  options.cached_read = CachedRead::kPread;
-  options.zero_copy = ZeroCopy::kOff;
+  const LoadOptions options = pread_options();
   const Loader loader(options, host_pool(), &env);
   const StateDict sd = loader.load({path});
   testing::expect_matches_file(sd, path, image);
@@ -314,12 +319,7 @@ TEST_F(FirstTouchTest, AConversionFaultsItsFreshOutputInFirst) {
                                                   "],\"data_offsets\":[0," + std::to_string(elements * 4) + "]}}",
                                               data));
   RecordingEnv env(default_env());
-  LoadOptions options;
-  options.threads = 2;
-  options.block_size = 1 * MiB;
-  options.direct = DirectIo::kOff;
-  options.cached_read = CachedRead::kPread;
-  options.zero_copy = ZeroCopy::kOff;
+  LoadOptions options = pread_options();
   options.dtype.to = DType::kBF16;
   const Loader loader(options, host_pool(), &env);
   const StateDict sd = loader.load({path});
