@@ -1,8 +1,8 @@
 #include "load/convert_on_load.h"
 
 #include <algorithm>
-#include <cstdint>
 #include <cerrno>
+#include <cstdint>
 #include <map>
 #include <optional>
 #include <nlohmann/json.hpp>

@@ -47,31 +47,37 @@ FirstTouch::FirstTouch() {
   else if (!mode.empty() && mode != "auto") log::warn("{}={}: not auto, huge or small; using auto", kPagesVariable, mode);
 }
 
+double FirstTouch::rate_locked(PageSize size) const {
+  const int i = index(size);
+  return seconds_[i] > 0 ? bytes_[i] / seconds_[i] : 0;
+}
+
+FirstTouch::PageSize FirstTouch::choice_locked() const {
+  return decide(rate_locked(PageSize::kHuge), rate_locked(PageSize::kSmall));
+}
+
 FirstTouch::PageSize FirstTouch::choice() const {
   if (forced_) return *forced_;
   std::lock_guard lock(mu_);
-  return decide(seconds_[0] > 0 ? bytes_[0] / seconds_[0] : 0, seconds_[1] > 0 ? bytes_[1] / seconds_[1] : 0);
+  return choice_locked();
 }
 
 double FirstTouch::rate(PageSize size) const {
   std::lock_guard lock(mu_);
-  const int i = index(size);
-  return seconds_[i] > 0 ? bytes_[i] / seconds_[i] : 0;
+  return rate_locked(size);
 }
 
 void FirstTouch::record(PageSize size, std::size_t bytes, double seconds) {
   if (seconds <= 0) seconds = 1e-9;
   const int i = index(size);
   std::lock_guard lock(mu_);
-  const PageSize before = decide(seconds_[0] > 0 ? bytes_[0] / seconds_[0] : 0,
-                                 seconds_[1] > 0 ? bytes_[1] / seconds_[1] : 0);
+  const PageSize before = choice_locked();
   bytes_[i] = bytes_[i] * kDecay + static_cast<double>(bytes);
   seconds_[i] = seconds_[i] * kDecay + seconds;
-  const double huge = seconds_[0] > 0 ? bytes_[0] / seconds_[0] : 0;
-  const double small = seconds_[1] > 0 ? bytes_[1] / seconds_[1] : 0;
-  if (decide(huge, small) != before) {
-    log::debug("first touch of fresh memory: huge pages {:.2f} GB/s, 4 KiB pages {:.2f} GB/s; now {}", huge / 1e9,
-               small / 1e9, decide(huge, small) == PageSize::kHuge ? "huge pages" : "4 KiB pages");
+  if (const PageSize now = choice_locked(); now != before) {
+    log::debug("first touch of fresh memory: huge pages {:.2f} GB/s, 4 KiB pages {:.2f} GB/s; now {}",
+               rate_locked(PageSize::kHuge) / 1e9, rate_locked(PageSize::kSmall) / 1e9,
+               now == PageSize::kHuge ? "huge pages" : "4 KiB pages");
   }
 }
 

@@ -74,6 +74,8 @@ class FirstTouch {
 
  private:
   static PageSize decide(double huge, double small);
+  double rate_locked(PageSize size) const;  // mu_ held
+  PageSize choice_locked() const;           // mu_ held; ignores forced_
 
   std::optional<PageSize> forced_;  // by PINLOAD_FRESH_PAGES
   mutable std::mutex mu_;
