@@ -333,12 +333,15 @@ TEST_F(FirstTouchTest, AConversionFaultsItsFreshOutputInFirst) {
     std::memcpy(&stored, data.data() + i * 4, 4);
     ASSERT_EQ(got, stored >> 16) << "element " << i;
   }
+  // Some populate reached the output. Not necessarily one at its first byte:
+  // a later chunk's populate, converted first, may fault in a huge page that
+  // covers it.
   bool output_populated = false;
   for (const RecordingEnv::Advice& a : env.advices(kPopulateWrite)) {
     auto* lo = static_cast<const std::byte*>(a.address);
-    output_populated |= w.data() >= lo && w.data() < lo + a.bytes;
+    output_populated |= lo < w.data() + w.nbytes() && w.data() < lo + a.bytes;
   }
-  EXPECT_TRUE(output_populated) << "the output's first bytes were written without a populate";
+  EXPECT_TRUE(output_populated) << "the output was written without a populate";
   std::filesystem::remove_all(dir);
 }
 
