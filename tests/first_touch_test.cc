@@ -3,9 +3,11 @@
 // readers ask of the kernel, and that loads fault their fresh blocks in
 // before writing them.
 #include "memory/first_touch.h"
+#include "memory/huge_page_collapse.h"
 
 #include <gtest/gtest.h>
 #include <sys/mman.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -119,11 +121,13 @@ class RecordingEnv : public EnvWrapper {
   std::vector<Read> reads_;
 };
 
-// Whether the kernel may back the mapping holding `address` with huge pages
-// (/proc/self/smaps "THPeligible"); -1 where smaps does not say.
-int thp_eligible(const void* address) {
+// A field of /proc/self/smaps for the mapping holding `address` (the number
+// after `field`, e.g. "THPeligible:" or "AnonHugePages:" in kB); -1 where
+// smaps does not say.
+long smaps_value(const void* address, const char* field) {
   std::ifstream smaps("/proc/self/smaps");
   const auto at = reinterpret_cast<std::uintptr_t>(address);
+  const std::string name = field;
   std::string line;
   bool inside = false;
   while (std::getline(smaps, line)) {
@@ -133,9 +137,24 @@ int thp_eligible(const void* address) {
       inside = at >= lo && at < hi;
       continue;
     }
-    if (inside && line.rfind("THPeligible:", 0) == 0) return std::atoi(line.c_str() + 12);
+    if (inside && line.rfind(name, 0) == 0) return std::atol(line.c_str() + name.size());
   }
   return -1;
+}
+
+// Whether the kernel may back the mapping holding `address` with huge pages.
+int thp_eligible(const void* address) { return static_cast<int>(smaps_value(address, "THPeligible:")); }
+
+// Whether this kernel collapses memory into huge pages (MADV_COLLAPSE, 6.1).
+bool kernel_collapses() {
+  const std::size_t bytes = 4 * MiB;
+  void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) return false;
+  auto* aligned = reinterpret_cast<std::byte*>((reinterpret_cast<std::uintptr_t>(p) + 2 * MiB - 1) & ~(2 * MiB - 1));
+  std::memset(aligned, 1, 2 * MiB);
+  const bool ok = ::madvise(aligned, 2 * MiB, 25 /* MADV_COLLAPSE */) == 0;
+  ::munmap(p, bytes);
+  return ok;
 }
 
 class FirstTouchTest : public ::testing::Test {
@@ -343,6 +362,130 @@ TEST_F(FirstTouchTest, AConversionFaultsItsFreshOutputInFirst) {
   }
   EXPECT_TRUE(output_populated) << "the output was written without a populate";
   std::filesystem::remove_all(dir);
+}
+
+// A block first touched in 4 KiB pages: its memory while it is idle.
+class IdleCollapseTest : public FirstTouchTest {
+ protected:
+  void SetUp() override {
+    FirstTouchTest::SetUp();
+    if (!kernel_collapses()) GTEST_SKIP() << "no MADV_COLLAPSE here (Linux 6.1)";
+    record_at(policy_, PageSize::kHuge, 0.2);  // huge pages measured slow: 4 KiB chosen
+    ASSERT_EQ(policy_.choice(), PageSize::kSmall);
+  }
+  // A block of `bytes` faulted in by the policy and filled with `seed`'s bytes.
+  std::shared_ptr<Block> small_block(Pool& pool, std::size_t bytes, unsigned seed) {
+    auto block = pool.allocate(bytes);
+    policy_.fault_in(default_env(), *block, block->data(), bytes);
+    EXPECT_EQ(thp_eligible(block->data()), 0);
+    fill(*block, seed);
+    return block;
+  }
+  static void fill(const Block& block, unsigned seed) {
+    std::mt19937 rng(seed);
+    for (std::size_t i = 0; i < block.size(); i += 4) {
+      const std::uint32_t v = rng();
+      std::memcpy(block.data() + i, &v, 4);
+    }
+  }
+  static bool holds(const Block& block, unsigned seed) {
+    std::mt19937 rng(seed);
+    for (std::size_t i = 0; i < block.size(); i += 4) {
+      const std::uint32_t v = rng();
+      if (std::memcmp(block.data() + i, &v, 4) != 0) return false;
+    }
+    return true;
+  }
+  FirstTouch policy_;
+};
+
+// Released to its pool, the block collapses into huge pages in the
+// background, and its bytes stay as they were.
+TEST_F(IdleCollapseTest, AnIdleBlockInSmallPagesIsCollapsedIntoHugePages) {
+  const auto pool = host_pool();
+  auto block = small_block(*pool, 16 * MiB, 1);
+  std::byte* const data = block->data();
+  EXPECT_EQ(smaps_value(data, "AnonHugePages:"), 0);
+  block.reset();
+  detail::IdleBlocks::wait_idle();
+  EXPECT_GE(pool->stats().collapsed_bytes, 16 * MiB);
+  block = pool->allocate(16 * MiB);
+  ASSERT_EQ(block->data(), data);  // the free list's block
+  EXPECT_TRUE(holds(*block, 1));
+  EXPECT_EQ(thp_eligible(data), 1);
+  EXPECT_GE(smaps_value(data, "AnonHugePages:"), 16 * 1024);
+}
+
+// A block handed out again before its collapse is done stops it, and
+// resumes at its next release; trim and a pool's end wait for a step in
+// progress, and a pool that trims or goes never collapses freed memory.
+TEST_F(IdleCollapseTest, ReuseStopsTheCollapseAndTheNextReleaseResumesIt) {
+  auto pool = host_pool();
+  auto block = small_block(*pool, 64 * MiB, 2);
+  std::byte* const data = block->data();
+  block.reset();
+  block = pool->allocate(64 * MiB);  // at once: likely before the collapse ends
+  ASSERT_EQ(block->data(), data);
+  EXPECT_TRUE(holds(*block, 2));
+  fill(*block, 3);
+  block.reset();
+  detail::IdleBlocks::wait_idle();
+  EXPECT_GE(smaps_value(data, "AnonHugePages:"), 64 * 1024);
+  block = pool->allocate(64 * MiB);
+  ASSERT_EQ(block->data(), data);
+  EXPECT_TRUE(holds(*block, 3));
+  block.reset();
+  // Released, then at once trimmed; another released as its pool goes.
+  block = small_block(*pool, 32 * MiB, 4);
+  block.reset();
+  pool->trim();
+  EXPECT_EQ(pool->stats().reserved_bytes, 0u);
+  block = small_block(*pool, 32 * MiB, 5);
+  block.reset();
+  pool.reset();
+  detail::IdleBlocks::wait_idle();
+}
+
+// A fork while a collapse is queued: the child's pools end without waiting
+// on the parent's thread, and the child collapses its own idle blocks.
+TEST_F(IdleCollapseTest, AForkedChildCollapsesOnItsOwn) {
+#if defined(__SANITIZE_THREAD__)
+  GTEST_SKIP() << "TSan does not start threads after a multi-threaded fork";
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+  GTEST_SKIP() << "TSan does not start threads after a multi-threaded fork";
+#endif
+#endif
+  auto pool = host_pool();
+  auto block = small_block(*pool, 64 * MiB, 6);
+  block.reset();
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    ::alarm(60);  // a deadlock fails the test, not the run
+    pool.reset();
+    auto own = host_pool();
+    auto b = small_block(*own, 16 * MiB, 7);
+    b.reset();
+    detail::IdleBlocks::wait_idle();
+    ::_exit(own->stats().collapsed_bytes >= 16 * MiB ? 0 : 3);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "child status " << status;
+  // The parent's steps on pages it shared with the child failed (EAGAIN);
+  // its block is as it was.
+  detail::IdleBlocks::wait_idle();
+  block = pool->allocate(64 * MiB);
+  EXPECT_TRUE(holds(*block, 6));
+}
+
+TEST_F(FirstTouchTest, ForcedSmallPagesAreNotCollapsed) {
+  EXPECT_TRUE(FirstTouch().collapses_idle_memory());
+  ::setenv(FirstTouch::kPagesVariable, "small", 1);
+  EXPECT_FALSE(FirstTouch().collapses_idle_memory());
+  ::setenv(FirstTouch::kPagesVariable, "huge", 1);
+  EXPECT_TRUE(FirstTouch().collapses_idle_memory());
 }
 
 }  // namespace

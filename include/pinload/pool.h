@@ -59,6 +59,9 @@ struct PoolStats {
   std::uint64_t os_releases = 0;        // backend release() calls
   std::uint64_t budget_waits = 0;       // allocations that had to wait
   std::uint64_t live_blocks = 0;
+  // Idle memory first touched in 4 KiB pages, since collapsed into huge pages
+  // (Note [Huge pages for a kept pool] in src/memory/huge_page_collapse.h).
+  std::uint64_t collapsed_bytes = 0;
 };
 
 class Pool;
@@ -90,7 +93,9 @@ class Block {
   std::size_t capacity_;
   bool locked_;
   void* slab_;
-  mutable std::atomic<bool> small_pages_{false};  // advised MADV_NOHUGEPAGE by FirstTouch
+  // In 4 KiB pages: advised MADV_NOHUGEPAGE by FirstTouch, or its collapse
+  // not finished (Note [Huge pages for a kept pool]).
+  mutable std::atomic<bool> small_pages_{false};
 };
 
 class Pool {

@@ -128,7 +128,8 @@ def pool_stats(device="cpu", pool_bytes=None, staging_bytes=None) -> dict:
     budget share (``DEFAULT_STAGING_BYTES`` for loads given none).
 
     Keys (bytes unless noted): ``reserved`` (held from the OS), ``in_use`` (in live blocks),
-    ``peak``, ``peak_reserved``, ``capacity`` (0: unlimited), and counts ``allocations``,
+    ``peak``, ``peak_reserved``, ``capacity`` (0: unlimited), ``collapsed`` (idle memory first
+    touched in 4 KiB pages, since collapsed into huge pages: docs/tuning.md), and counts ``allocations``,
     ``free_list_hits`` (allocations that reused a block), ``os_reservations``, ``os_releases``,
     ``budget_waits``, ``live_blocks``; ``backend`` names the memory backend.
     """

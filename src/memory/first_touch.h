@@ -69,6 +69,10 @@ class FirstTouch {
   // writes.
   void fault_in(Env* env, const Block& block, std::byte* data, std::size_t bytes) noexcept;
 
+  // Whether idle blocks faulted in 4 KiB pages are collapsed into huge pages
+  // (Note [Huge pages for a kept pool]): not where PINLOAD_FRESH_PAGES=small.
+  bool collapses_idle_memory() const noexcept { return forced_ != PageSize::kSmall; }
+
   // The process's policy, shared by every load.
   static FirstTouch& process();
 

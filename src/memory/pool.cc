@@ -10,6 +10,8 @@
 #include <mutex>
 #include <vector>
 
+#include "memory/first_touch.h"
+#include "memory/huge_page_collapse.h"
 #include "pinload/error.h"
 
 namespace pinload {
@@ -58,9 +60,23 @@ struct Pool::State {
   std::list<Slab> slabs;  // stable addresses
   std::map<std::size_t, std::vector<std::pair<std::byte*, Slab*>>> free_lists;  // by class
   PoolStats stats;
+  // Idle blocks first touched in 4 KiB pages, to collapse into huge pages
+  // (Note [Huge pages for a kept pool] in memory/huge_page_collapse.h).
+  const std::shared_ptr<detail::IdleBlocks> idle = std::make_shared<detail::IdleBlocks>();
 
   ~State() {
+    idle->close();
     for (Slab& slab : slabs) backend->release(slab.range);
+  }
+
+  // Returns evicted reservations to the OS (unlocked), once no collapse
+  // step is on them.
+  void release(const std::vector<HostRange>& evicted) {
+    for (const HostRange& r : evicted) {
+      auto* begin = static_cast<const std::byte*>(r.data);
+      idle->forget(begin, begin + r.bytes);
+      backend->release(r);
+    }
   }
 
   // A reservation of its own for class `cls`: whole backend alignment units,
@@ -158,7 +174,9 @@ std::string_view Pool::backend_name() const noexcept { return state_->backend->n
 
 PoolStats Pool::stats() const {
   std::lock_guard lock(state_->mu);
-  return state_->stats;
+  PoolStats stats = state_->stats;
+  stats.collapsed_bytes = state_->idle->collapsed_bytes();
+  return stats;
 }
 
 void Pool::trim() {
@@ -167,7 +185,7 @@ void Pool::trim() {
     std::lock_guard lock(state_->mu);
     evicted = state_->evict_idle(UINT64_MAX);
   }
-  for (const HostRange& r : evicted) state_->backend->release(r);
+  state_->release(evicted);
   if (!evicted.empty()) state_->returned.notify_all();
 }
 
@@ -199,7 +217,7 @@ std::shared_ptr<Block> Pool::allocate(std::size_t bytes, std::stop_token stop) {
       std::vector<HostRange> evicted = s.evict_idle(own);
       if (!evicted.empty()) {
         lock.unlock();
-        for (const HostRange& r : evicted) s.backend->release(r);
+        s.release(evicted);
         s.returned.notify_all();  // what this request leaves may fit a waiter
         lock.lock();
         continue;  // a block may have come back meanwhile
@@ -264,11 +282,17 @@ std::shared_ptr<Block> Pool::allocate(std::size_t bytes, std::stop_token stop) {
   s.stats.in_use_bytes += block_class;
   s.stats.peak_in_use_bytes = std::max(s.stats.peak_in_use_bytes, s.stats.in_use_bytes);
   const bool locked = slab->range.locked;
+  // Memory still in 4 KiB pages, its collapse not finished: marked again.
+  const bool small_pages = s.idle->take(data);
   lock.unlock();
 
   std::shared_ptr<State> keep = state_;
   Block* block = new Block(data, bytes, block_class, locked, slab);
+  block->small_pages_.store(small_pages, std::memory_order_relaxed);
   return std::shared_ptr<Block>(block, [keep = std::move(keep)](Block* b) {
+    if (b->small_pages_.load(std::memory_order_relaxed) && detail::FirstTouch::process().collapses_idle_memory()) {
+      detail::IdleBlocks::collapse_later(keep->idle, b->data(), b->capacity());
+    }
     keep->release_block(b->data(), b->capacity(), static_cast<Slab*>(b->slab_));
     delete b;
   });

@@ -45,6 +45,7 @@ py::dict stats_dict(const PoolStats& s, std::string_view backend) {
   d["os_releases"] = s.os_releases;
   d["budget_waits"] = s.budget_waits;
   d["live_blocks"] = s.live_blocks;
+  d["collapsed"] = s.collapsed_bytes;
   return d;
 }
 
