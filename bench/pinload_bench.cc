@@ -1095,10 +1095,13 @@ void print_table(const BenchRun& run, const Measured& m, const LoadPool& loads, 
                 static_cast<unsigned long long>(loads.first->extra["new_os_reservations"].get<std::uint64_t>()));
   }
   if (results.contains("pool_memory")) {
-    std::printf("pool memory: huge pages %s, %.2f GB reserved, THP-backed delta %.2f GB, explicit huge pages %lld\n",
-                huge_pages_name(args.huge_pages), results["pool_memory"]["reserved_bytes"].get<double>() / 1e9,
-                results["pool_memory"]["anon_huge_pages_delta_bytes"].get<double>() / 1e9,
-                static_cast<long long>(results["pool_memory"]["explicit_huge_pages_used"].get<std::int64_t>()));
+    const json& pm = results["pool_memory"];
+    std::printf("pool memory: huge pages %s, %.2f GB reserved, THP-backed delta %.2f GB after the first load, "
+                "%.2f GB at the end (%.2f GB collapsed while idle), explicit huge pages %lld\n",
+                huge_pages_name(args.huge_pages), pm["reserved_bytes"].get<double>() / 1e9,
+                pm["anon_huge_pages_delta_bytes"].get<double>() / 1e9,
+                pm.value("anon_huge_pages_delta_bytes_at_end", 0.0) / 1e9, pm.value("collapsed_bytes_at_end", 0.0) / 1e9,
+                static_cast<long long>(pm["explicit_huge_pages_used"].get<std::int64_t>()));
   }
   if (!targets.empty()) {
     std::printf("targets:\n");
@@ -1154,6 +1157,10 @@ int run(const Args& args) {
     run.results["device"] = m.device->results;
   }
 
+  if (run.results.contains("pool_memory")) {  // Note [Huge pages for a kept pool]: what the idle pool became
+    run.results["pool_memory"]["collapsed_bytes_at_end"] = loads.pool->stats().collapsed_bytes;
+    run.results["pool_memory"]["anon_huge_pages_delta_bytes_at_end"] = meminfo("AnonHugePages") - loads.anon_huge_before;
+  }
   out["drop_cache_method"] = run.drop_method.empty() ? "none" : run.drop_method;
   out["host"]["loadavg_at_end"] = read_first_line("/proc/loadavg");
   out["results"] = run.results;
