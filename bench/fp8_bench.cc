@@ -4,7 +4,7 @@
 // Note [Conversion on load]).
 //
 //   fp8-bench [--dir DIR] [--size-mib N] [--rounds R] [--threads T] [--block-size-kib K] [--json FILE]
-//             [--device cuda:0|sim]
+//             [--device cuda:0|sim] [--cases NAME,...]
 //
 // DIR (default /tmp/pinload-fp8-bench) receives bf16.safetensors (N MiB of
 // transformer-shaped bf16 weights, random), fp8.safetensors (its `pinload
@@ -27,6 +27,9 @@
 // device at half the bytes and the kernel converts it there), and
 // "pinned copy" is the bf16 bytes copied from a pinned pool block with one
 // copy_to_device_async: the link's limit in the same run.
+// --cases runs only the named load cases (e.g. fp32,fp32->bf16: more rounds
+// of one comparison in the same time); ratios needing another case are left
+// out.
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -169,6 +172,7 @@ int main(int argc, char** argv) {
   std::uint64_t block_kib = kDefaultBlockSize >> 10;
   std::string json_path;
   std::string device_spec;
+  std::string only_cases;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto value = [&] { return i + 1 < argc ? std::string(argv[++i]) : std::string(); };
@@ -179,8 +183,9 @@ int main(int argc, char** argv) {
     else if (a == "--block-size-kib") block_kib = std::stoull(value());
     else if (a == "--json") json_path = value();
     else if (a == "--device") device_spec = value();
+    else if (a == "--cases") only_cases = "," + value() + ",";
     else {
-      std::fprintf(stderr, "usage: fp8-bench [--dir DIR] [--size-mib N] [--rounds R] [--threads T] [--block-size-kib K] [--json FILE]\n");
+      std::fprintf(stderr, "usage: fp8-bench [--dir DIR] [--size-mib N] [--rounds R] [--threads T] [--block-size-kib K] [--json FILE] [--device D] [--cases A,B]\n");
       return 2;
     }
   }
@@ -216,13 +221,17 @@ int main(int argc, char** argv) {
       LoadOptions fresh;
       std::string file;
     };
-    const std::vector<Case> cases = {{"bf16", &bf16_loader, {}, bf16},
-                                     {"fp8->bf16", &fp8_loader, {}, fp8},
-                                     {"fp8", &fp8_plain_loader, {}, fp8},
-                                     {"fp32", &fp32_loader, {}, fp32},
-                                     {"fp32->bf16", &fp32_bf16_loader, {}, fp32},
-                                     {"fresh bf16", nullptr, plain, bf16},
-                                     {"fresh fp8->bf16", nullptr, to_bf16, fp8}};
+    std::vector<Case> cases = {{"bf16", &bf16_loader, {}, bf16},
+                               {"fp8->bf16", &fp8_loader, {}, fp8},
+                               {"fp8", &fp8_plain_loader, {}, fp8},
+                               {"fp32", &fp32_loader, {}, fp32},
+                               {"fp32->bf16", &fp32_bf16_loader, {}, fp32},
+                               {"fresh bf16", nullptr, plain, bf16},
+                               {"fresh fp8->bf16", nullptr, to_bf16, fp8}};
+    if (!only_cases.empty()) {
+      std::erase_if(cases, [&](const Case& c) { return only_cases.find("," + c.name + ",") == std::string::npos; });
+      if (cases.empty()) throw std::invalid_argument("--cases names none of the cases");
+    }
     // Pool kept: one untimed load per kept loader fills its pool.
     for (const Case& c : cases) {
       if (c.loader != nullptr) (void)c.loader->load({c.file});
@@ -244,6 +253,7 @@ int main(int argc, char** argv) {
         series[c.name].seconds.push_back(seconds_since(t));
         if (c.name == "bf16") bf16_bytes = total;
       }
+      if (!only_cases.empty()) continue;
       // The fresh-memory limit: mmap and first touch of the bf16 bytes.
       const auto t = Clock::now();
       void* p = ::mmap(nullptr, bf16_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
@@ -270,11 +280,12 @@ int main(int argc, char** argv) {
     }
 
     // Host conversion throughput against memcpy, in memory, same threads.
+    const int memory_rounds = only_cases.empty() ? rounds : 0;
     const std::size_t elements = std::min<std::uint64_t>(bf16_bytes / 2, 256u << 20);
     std::vector<std::uint8_t> src(elements);
     for (std::size_t i = 0; i < elements; ++i) src[i] = static_cast<std::uint8_t>((i * 2654435761u) >> 24) & 0x7E;
     std::vector<std::uint16_t> out(elements), copy_src(elements, 1), copy_dst(elements);
-    for (int r = 0; r < rounds; ++r) {
+    for (int r = 0; r < memory_rounds; ++r) {
       auto t = Clock::now();
       on_threads(threads, [&](unsigned i) {
         const std::size_t part = elements / threads;
@@ -299,25 +310,43 @@ int main(int argc, char** argv) {
                 convert_seconds > 0 ? (", converted in " + std::to_string(convert_seconds) + " s").c_str() : "");
     std::printf("%-28s %10s %10s\n", "case", "best s", "median s");
     for (const auto& [name, s] : series) std::printf("%-28s %10.3f %10.3f\n", name.c_str(), s.best(), s.median());
-    const double load_ratio = series["fp8->bf16"].median() / series["bf16"].median();
-    const double fresh_ratio = series["fresh fp8->bf16"].median() / series["fresh bf16"].median();
-    const double convert_vs_memcpy = series["memcpy (memory)"].best() / series["convert fp8->bf16 (memory)"].best();
-    const double fp32_ratio = series["fp32->bf16"].median() / series["fp32"].median();
-    const double load_ratio_round = same_round_ratio(series["fp8->bf16"], series["bf16"]);
-    const double fp32_ratio_round = same_round_ratio(series["fp32->bf16"], series["fp32"]);
+    // A ratio of two series' medians (and the median of their same-round
+    // ratios), where both ran.
+    auto have = [&](const char* name) { return series.contains(name); };
+    auto median_ratio = [&](const char* a, const char* b) { return series[a].median() / series[b].median(); };
+    nlohmann::ordered_json ratios;
+    ratios["file_fp8_over_bf16"] = size_ratio;
     std::printf("file fp8/bf16 bytes            %.3f  (target <= 0.52)\n", size_ratio);
-    std::printf("cold load fp8->bf16 / bf16     %.3f  (target <= 0.55, pool kept, medians; same round %.3f)\n",
-                load_ratio, load_ratio_round);
-    std::printf("cold load fp8 as stored / bf16 %.3f  (the read alone, same round %.3f)\n",
-                series["fp8"].median() / series["bf16"].median(), same_round_ratio(series["fp8"], series["bf16"]));
-    std::printf("fresh load fp8->bf16 / bf16    %.3f  (first-touch of the bf16 bytes: %.3f s)\n", fresh_ratio,
-                series["first-touch"].median());
-    std::printf("conversion / memcpy throughput %.3f  (target >= 0.8; %.2f vs %.2f GB/s of output)\n",
-                convert_vs_memcpy, out_gb / series["convert fp8->bf16 (memory)"].best(),
-                out_gb / series["memcpy (memory)"].best());
-    std::printf("cold load fp32->bf16 / fp32    %.3f  (target <= 1.0, medians; same round %.3f)\n", fp32_ratio,
-                fp32_ratio_round);
-    if (device) {
+    if (have("fp8->bf16") && have("bf16")) {
+      ratios["load_fp8_over_bf16"] = median_ratio("fp8->bf16", "bf16");
+      ratios["load_fp8_over_bf16_same_round"] = same_round_ratio(series["fp8->bf16"], series["bf16"]);
+      std::printf("cold load fp8->bf16 / bf16     %.3f  (target <= 0.55, pool kept, medians; same round %.3f)\n",
+                  ratios["load_fp8_over_bf16"].get<double>(), ratios["load_fp8_over_bf16_same_round"].get<double>());
+    }
+    if (have("fp8") && have("bf16")) {
+      std::printf("cold load fp8 as stored / bf16 %.3f  (the read alone, same round %.3f)\n",
+                  median_ratio("fp8", "bf16"), same_round_ratio(series["fp8"], series["bf16"]));
+    }
+    if (have("fresh fp8->bf16") && have("fresh bf16") && have("first-touch")) {
+      ratios["fresh_fp8_over_bf16"] = median_ratio("fresh fp8->bf16", "fresh bf16");
+      std::printf("fresh load fp8->bf16 / bf16    %.3f  (first-touch of the bf16 bytes: %.3f s)\n",
+                  ratios["fresh_fp8_over_bf16"].get<double>(), series["first-touch"].median());
+    }
+    if (memory_rounds > 0) {
+      const double convert_vs_memcpy = series["memcpy (memory)"].best() / series["convert fp8->bf16 (memory)"].best();
+      ratios["convert_over_memcpy"] = convert_vs_memcpy;
+      std::printf("conversion / memcpy throughput %.3f  (target >= 0.8; %.2f vs %.2f GB/s of output)\n",
+                  convert_vs_memcpy, out_gb / series["convert fp8->bf16 (memory)"].best(),
+                  out_gb / series["memcpy (memory)"].best());
+    }
+    if (have("fp32->bf16") && have("fp32")) {
+      ratios["load_fp32_bf16_over_fp32"] = median_ratio("fp32->bf16", "fp32");
+      ratios["load_fp32_bf16_over_fp32_same_round"] = same_round_ratio(series["fp32->bf16"], series["fp32"]);
+      std::printf("cold load fp32->bf16 / fp32    %.3f  (target <= 1.0, medians; same round %.3f)\n",
+                  ratios["load_fp32_bf16_over_fp32"].get<double>(),
+                  ratios["load_fp32_bf16_over_fp32_same_round"].get<double>());
+    }
+    if (device && have("bf16") && have("fp8->bf16") && have("pinned copy")) {
       std::printf("pinned copy of the bf16 bytes  %.2f GB/s; bf16 load %.2f GB/s, fp8->bf16 load %.2f GB/s of bf16\n",
                   bf16_bytes / 1e9 / series["pinned copy"].best(), bf16_bytes / 1e9 / series["bf16"].best(),
                   bf16_bytes / 1e9 / series["fp8->bf16"].best());
@@ -330,13 +359,8 @@ int main(int argc, char** argv) {
       j["cold_method"] = drop_method;
       j["device"] = device ? device->description() : "host";
       for (const auto& [name, s] : series) j["series"][name] = s.seconds;
-      j["ratios"] = {{"file_fp8_over_bf16", size_ratio},
-                     {"load_fp8_over_bf16", load_ratio},
-                     {"fresh_fp8_over_bf16", fresh_ratio},
-                     {"convert_over_memcpy", convert_vs_memcpy},
-                     {"load_fp32_bf16_over_fp32", fp32_ratio},
-                     {"load_fp8_over_bf16_same_round", load_ratio_round},
-                     {"load_fp32_bf16_over_fp32_same_round", fp32_ratio_round}};
+      if (!only_cases.empty()) j["cases"] = only_cases.substr(1, only_cases.size() - 2);
+      j["ratios"] = ratios;
       std::ofstream(json_path) << j.dump(2) << "\n";
     }
     return 0;
