@@ -11,6 +11,8 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
+#include <thread>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -444,6 +446,20 @@ TEST_F(IdleCollapseTest, ReuseStopsTheCollapseAndTheNextReleaseResumesIt) {
   block.reset();
   pool.reset();
   detail::IdleBlocks::wait_idle();
+}
+
+// While a load reads, no step starts; the collapse goes on once it ends.
+TEST_F(IdleCollapseTest, NoStepWhileALoadReads) {
+  const auto pool = host_pool();
+  auto block = small_block(*pool, 16 * MiB, 8);
+  {
+    const detail::ReadsInFlight reading;
+    block.reset();
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));  // 16 MiB collapse in well under this
+    EXPECT_EQ(pool->stats().collapsed_bytes, 0u);
+  }
+  detail::IdleBlocks::wait_idle();
+  EXPECT_GE(pool->stats().collapsed_bytes, 16 * MiB);
 }
 
 // A fork while a collapse is queued: the child's pools end without waiting

@@ -14,6 +14,7 @@
 #include "base/log.h"
 #include "io/mapped_copy.h"
 #include "memory/first_touch.h"
+#include "memory/huge_page_collapse.h"
 #include "pinload/error.h"
 #include "pinload/file_identity.h"
 #include "pinload/memory_limit.h"
@@ -591,6 +592,7 @@ void ReadSession::execute(const std::vector<std::size_t>& todo, unsigned threads
     std::atomic<bool>& executing;
     ~Idle() { executing.store(false, std::memory_order_release); }
   } idle{executing_};
+  const detail::ReadsInFlight reading;  // Note [Huge pages for a kept pool]
   threads = remote_threads_ != 0 ? remote_threads_ : std::max(threads, min_threads_);  // Note [Remote reads]
   threads = std::max(threads, 1u);
   std::counting_semaphore<kMaxThreads> cpu_slots(threads);

@@ -66,15 +66,33 @@ class Collapser {
     idle_.wait(lock, [&] { return jobs_.empty() && !running_; });
   }
 
+  void reads_began() {
+    std::lock_guard lock(mu_);
+    ++reads_;
+  }
+  void reads_ended() {
+    {
+      std::lock_guard lock(mu_);
+      --reads_;
+    }
+    wake_.notify_all();
+  }
+  // Before each step: waits until no load reads.
+  void wait_for_no_reads() {
+    std::unique_lock lock(mu_);
+    wake_.wait(lock, [&] { return reads_ == 0; });
+  }
+
  private:
   void before_fork() {
     mu_.lock();
     step_mu_.lock();
   }
   void after_fork(bool child) {
-    if (child) {  // the thread is not here
+    if (child) {  // the thread is not here, nor the parent's readers
       jobs_.clear();
       started_ = running_ = false;
+      reads_ = 0;
     }
     step_mu_.unlock();
     mu_.unlock();
@@ -103,18 +121,20 @@ class Collapser {
     const auto begin = (reinterpret_cast<std::uintptr_t>(job.data) + kHugePage - 1) & ~(kHugePage - 1);
     const auto end = (reinterpret_cast<std::uintptr_t>(job.data) + job.bytes) & ~(kHugePage - 1);
     for (std::uintptr_t at = begin; at < end; at += kHugePage) {
+      process().wait_for_no_reads();
       if (!blocks.step(job.data, job.bytes, reinterpret_cast<std::byte*>(at), at == begin)) return;
     }
     std::lock_guard lock(blocks.mu_);
     blocks.pending_.erase(job.data);  // collapsed: its next block starts as THP
   }
 
-  std::mutex mu_;       // guards jobs_, started_, running_
+  std::mutex mu_;       // guards jobs_, started_, running_, reads_
   std::mutex step_mu_;  // held across each step
   std::condition_variable wake_, idle_;
   std::deque<Job> jobs_;
   bool started_ = false;
   bool running_ = false;
+  unsigned reads_ = 0;  // ReadsInFlight held
 };
 
 void IdleBlocks::collapse_later(const std::shared_ptr<IdleBlocks>& blocks, std::byte* data, std::size_t bytes) {
@@ -154,6 +174,9 @@ std::uint64_t IdleBlocks::collapsed_bytes() const {
 }
 
 void IdleBlocks::wait_idle() { Collapser::process().wait_idle(); }
+
+ReadsInFlight::ReadsInFlight() { Collapser::process().reads_began(); }
+ReadsInFlight::~ReadsInFlight() { Collapser::process().reads_ended(); }
 
 bool IdleBlocks::step(std::byte* data, std::size_t bytes, std::byte* at, bool first) {
   std::lock_guard step_lock(Collapser::process().step_mutex());

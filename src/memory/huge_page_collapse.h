@@ -15,7 +15,9 @@
 // Linux 6.1). The kernel keeps the contents; a page a read has pinned is
 // skipped (EAGAIN). The pool stops a block's collapse when it hands the
 // block out again (the rest waits for its next release) and waits for the
-// step in progress before it returns memory to the OS. The first load of a
+// step in progress before it returns memory to the OS. No step starts while
+// a load or prefetch of the process reads (ReadsInFlight), so the collapse
+// takes only time that no load wants. The first load of a
 // fresh process keeps its fast 4 KiB first touch; the pool's later loads
 // read into huge pages. PINLOAD_FRESH_PAGES=small keeps 4 KiB pages.
 #pragma once
@@ -61,6 +63,16 @@ class IdleBlocks {
   std::set<std::byte*> pending_;
   bool closed_ = false;
   std::uint64_t collapsed_ = 0;
+};
+
+// Held by a load's or prefetch's reads (ReadSession::execute): while any is
+// held, no collapse step starts.
+class ReadsInFlight {
+ public:
+  ReadsInFlight();
+  ~ReadsInFlight();
+  ReadsInFlight(const ReadsInFlight&) = delete;
+  ReadsInFlight& operator=(const ReadsInFlight&) = delete;
 };
 
 }  // namespace pinload::detail
