@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <cerrno>
 #include <condition_variable>
 #include <cstring>
 #include <mutex>
@@ -109,6 +110,90 @@ TEST(HostConvertTest, ReloadWithThePoolKeptReservesNothingNew) {
   EXPECT_EQ(after.os_reservations, first.os_reservations);
   EXPECT_EQ(after.reserved_bytes, first.reserved_bytes);
   EXPECT_EQ(after.free_list_hits - first.free_list_hits, after.allocations - first.allocations);
+}
+
+// An fp32 checkpoint of odd-sized tensors (so that elements straddle chunks)
+// with finite random values; returns the file's data section.
+std::vector<std::uint8_t> fp32_checkpoint(const std::string& path, int tensors) {
+  std::mt19937_64 rng(11);
+  std::vector<testing::TensorSpec> specs;
+  specs.push_back({"head.bias", "BF16", {3}});  // the fp32 tensors start at an offset of 6
+  for (int i = 0; i < tensors; ++i) specs.push_back({"t." + std::to_string(i) + ".weight", "F32", {257, static_cast<std::uint64_t>(129 + i)}});
+  testing::FileImage image = testing::make_image(specs, rng);
+  for (std::size_t i = 6 + 3; i < image.data.size(); i += 4) image.data[i] &= 0x3F;  // finite, |x| < 2
+  testing::write_file(path, image.bytes());
+  return image.data;
+}
+
+// Host conversions run on threads of their own, fed by the readers (Note
+// [Converting beside the reads]): every element of a many-chunk load equals
+// its own conversion, across chunk edges too.
+TEST(HostConvertTest, ConversionsBesideTheReadsEqualElementwise) {
+  TempDir dir;
+  const std::string path = dir.file("f32.safetensors");
+  const std::vector<std::uint8_t> data = fp32_checkpoint(path, 24);
+  LoadOptions options;
+  options.dtype.to = DType::kBF16;
+  options.block_size = 64 * 1024;  // many chunks; tensors straddle them
+  options.threads = 4;
+  const Loader loader(options);
+  const StateDict sd = loader.load({path});
+  ASSERT_EQ(sd.size(), 25u);
+  std::size_t at = 6;
+  for (int i = 0; i < 24; ++i) {
+    const Tensor& t = sd.at("t." + std::to_string(i) + ".weight");
+    ASSERT_EQ(t.dtype(), DType::kBF16);
+    const std::size_t n = 257u * static_cast<std::size_t>(129 + i);
+    for (std::size_t k = 0; k < n; ++k) {
+      float f = 0;
+      std::memcpy(&f, data.data() + at + k * 4, 4);
+      std::uint16_t got = 0;
+      std::memcpy(&got, t.data() + k * 2, 2);
+      ASSERT_EQ(got, bits::f32_to_bf16(f)) << t.name() << " element " << k;
+    }
+    at += n * 4;
+  }
+}
+
+// Reads fail once the load is under way: a typed error naming the file,
+// after the conversions queued have drained; the pool is intact for the
+// next load, whose values are right.
+TEST(HostConvertTest, AFailedReadEndsTheLoadAfterItsConversionsDrain) {
+  class FailingEnv : public EnvWrapper {
+   public:
+    using EnvWrapper::EnvWrapper;
+    std::int64_t pread(int fd, void* buffer, std::size_t bytes, std::uint64_t offset) override {
+      if (offset >= (256u << 10) && bytes >= 4096) return -EIO;
+      return EnvWrapper::pread(fd, buffer, bytes, offset);
+    }
+  } failing(default_env());
+  TempDir dir;
+  const std::string path = dir.file("f32.safetensors");
+  const std::vector<std::uint8_t> data = fp32_checkpoint(path, 24);
+  LoadOptions options;
+  options.dtype.to = DType::kBF16;
+  options.block_size = 64 * 1024;
+  options.direct = DirectIo::kOff;
+  options.cached_read = CachedRead::kPread;
+  options.zero_copy = ZeroCopy::kOff;
+  const std::shared_ptr<Pool> pool = Pool::create_default();
+  try {
+    (void)Loader(options, pool, &failing).load({path});
+    FAIL() << "the load succeeded";
+  } catch (const IoError& e) {
+    EXPECT_NE(std::string(e.what()).find(path), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(pool->stats().live_blocks, 0u);
+  const StateDict sd = Loader(options, pool).load({path});
+  const Tensor& t = sd.at("t.23.weight");
+  const std::size_t n = 257u * 152u, at = data.size() - n * 4;
+  for (std::size_t k = 0; k < n; k += 97) {
+    float f = 0;
+    std::memcpy(&f, data.data() + at + k * 4, 4);
+    std::uint16_t got = 0;
+    std::memcpy(&got, t.data() + k * 2, 2);
+    ASSERT_EQ(got, bits::f32_to_bf16(f)) << "element " << k;
+  }
 }
 
 // Long runs are written with non-temporal stores (Note [Streaming stores] in

@@ -48,7 +48,9 @@
 // `.comfy_quant` tensors it used are not handed out. Kept tensors stay as
 // stored, or become keep_to when set; a kept FP8 tensor is dequantised to
 // keep_to (F32 unless set): a conversion load never hands out FP8. Host
-// loads convert while copying out of the read block, on the reader threads, chunk by chunk as each arrives;
+// loads convert each chunk out of the read block as it arrives, on
+// converting threads beside the readers (Note [Converting beside the reads]
+// in src/load/convert_on_load.cc: one per CPU, at most `threads`);
 // device loads copy the stored (smaller) bytes to the device and convert
 // there (Device::convert_async: a CUDA kernel on a copy stream, or the CPU
 // for "sim"), so FP8 crosses PCIe at half the bytes. Rounding is torch's

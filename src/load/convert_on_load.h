@@ -1,16 +1,22 @@
 // Internal: the conversions of one load with LoadOptions::dtype set (Note
 // [Conversion on load] in convert.h), as plain data planned before any read,
-// then executed by the reader threads (host) or the device (device loads).
+// then executed by converting threads fed by the readers (host) or the
+// device (device loads).
 //
 // Thread safety: plan_conversions and the finish_* calls run on the load's
-// thread; convert_chunk may run on many reader threads at once (each writes
+// thread; convert_chunk may run on many threads at once (each writes
 // only the output bytes of the elements inside its own chunk).
 #pragma once
 
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <deque>
+#include <exception>
 #include <memory>
 #include <mutex>
+#include <stop_token>
+#include <thread>
 #include <vector>
 
 #include "pinload/checkpoint.h"
@@ -67,6 +73,48 @@ ConversionPlan plan_conversions(Env* env, const Checkpoint& checkpoint, const DT
 // in through `env` first (Note [Page size of fresh memory]).
 void convert_chunk(Env* env, const ConversionPlan& plan, const ReadChunk& c, const std::byte* chunk_data,
                    const std::vector<std::shared_ptr<Block>>& out_blocks);
+
+// Host loads (Note [Converting beside the reads] in convert_on_load.cc):
+// chunks handed over by the reader threads are converted by threads of
+// their own, so that a reader issues its next read at once.
+//
+// Thread safety: submit() may be called from many reader threads at once;
+// finish() and the destructor on the load's thread.
+class HostConversions {
+ public:
+  // `plan` and `out_blocks` must outlive this object; `threads` >= 1.
+  HostConversions(Env* env, const ConversionPlan& plan, const std::vector<std::shared_ptr<Block>>& out_blocks,
+                  unsigned threads);
+  // Waits for the conversions queued (also after a failed load).
+  ~HostConversions();
+  HostConversions(const HostConversions&) = delete;
+  HostConversions& operator=(const HostConversions&) = delete;
+
+  // Queues chunk `c`, whose bytes are at `block->data() + offset`.
+  void submit(const ReadChunk& c, std::shared_ptr<Block> block, std::size_t offset);
+  // Waits until every chunk submitted is converted; rethrows the first
+  // error of a conversion.
+  void finish();
+
+ private:
+  struct Job {
+    const ReadChunk* chunk;
+    std::shared_ptr<Block> block;
+    std::size_t offset;
+  };
+  void run(std::stop_token stop);
+  void wait();
+
+  Env* env_;
+  const ConversionPlan& plan_;
+  const std::vector<std::shared_ptr<Block>>& out_blocks_;
+  std::mutex mu_;
+  std::condition_variable_any ready_, drained_;
+  std::deque<Job> jobs_;
+  std::size_t busy_ = 0;
+  std::exception_ptr error_;
+  std::vector<std::jthread> threads_;
+};
 
 // Host loads, after every chunk: the few elements that straddle two chunks,
 // from each file's whole block (`file_blocks[i]` holds file bytes from

@@ -10,6 +10,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 #include <utility>
 #include <unordered_map>
 
@@ -524,14 +525,19 @@ StateDict Loader::run(const Checkpoint& checkpoint, const LoadRequest& request, 
     pipeline->convert_as_copied(&*device_conversions);
   }
 
-  // Wiring reads to copies: after each chunk, its host conversions (out of
-  // the read block while it is fresh, on this reader), its tensors that
-  // became ready and its copy to the device.
+  // Host conversions run beside the reads (Note [Converting beside the reads]
+  // in convert_on_load.cc), one thread per CPU.
+  std::optional<detail::HostConversions> host_conversions;
+  if (device == nullptr && !conversions.empty()) {
+    const unsigned cpus = std::max(1u, std::thread::hardware_concurrency());
+    host_conversions.emplace(env_, conversions, converted.blocks, std::min(options_.threads, cpus));
+  }
+
+  // Wiring reads to copies: after each chunk, its host conversions (queued),
+  // its tensors that became ready and its copy to the device.
   auto on_read = [&](std::size_t i, std::shared_ptr<Block> block, std::size_t block_offset) {
     const ReadChunk& c = s.plan().chunks[i];
-    if (device == nullptr && !conversions.empty()) {
-      detail::convert_chunk(env_, conversions, c, block->data() + block_offset, converted.blocks);
-    }
+    if (host_conversions) host_conversions->submit(c, block, block_offset);
     // HandOut::kStream: the file's tensors are all out and no reader
     // touches its block again, so the callers' tensors alone hold it.
     if (hand_out.arrived(c, block) && counters->stream) s.release_block(c.file);
@@ -551,6 +557,7 @@ StateDict Loader::run(const Checkpoint& checkpoint, const LoadRequest& request, 
       }
     }
     s.execute(s.pending(), options_.threads, stop, counters, numa_.cpus, on_read);
+    if (host_conversions) host_conversions->finish();
   } catch (...) {
     error = std::current_exception();
   }
