@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -21,6 +22,11 @@ constexpr int kMadvCollapse = MADV_COLLAPSE;
 constexpr int kMadvCollapse = 25;  // Linux 6.1
 #endif
 constexpr std::uintptr_t kHugePage = 2u << 20;
+// No step starts until the process's reads have been quiet this long: loads
+// in quick succession (a library of small files, one call each) are not
+// slowed by collapses between them.
+constexpr std::chrono::milliseconds kQuiet{1000};
+using Clock = std::chrono::steady_clock;
 
 }  // namespace
 
@@ -74,13 +80,22 @@ class Collapser {
     {
       std::lock_guard lock(mu_);
       --reads_;
+      last_read_ = Clock::now();
     }
     wake_.notify_all();
   }
-  // Before each step: waits until no load reads.
-  void wait_for_no_reads() {
+  // Before each step: waits until no load has read for kQuiet.
+  void wait_for_quiet() {
     std::unique_lock lock(mu_);
-    wake_.wait(lock, [&] { return reads_ == 0; });
+    for (;;) {
+      if (reads_ > 0) {
+        wake_.wait(lock, [&] { return reads_ == 0; });
+        continue;
+      }
+      const Clock::time_point quiet = last_read_ + kQuiet;
+      if (Clock::now() >= quiet) return;
+      wake_.wait_until(lock, quiet);
+    }
   }
 
  private:
@@ -121,7 +136,7 @@ class Collapser {
     const auto begin = (reinterpret_cast<std::uintptr_t>(job.data) + kHugePage - 1) & ~(kHugePage - 1);
     const auto end = (reinterpret_cast<std::uintptr_t>(job.data) + job.bytes) & ~(kHugePage - 1);
     for (std::uintptr_t at = begin; at < end; at += kHugePage) {
-      process().wait_for_no_reads();
+      process().wait_for_quiet();
       if (!blocks.step(job.data, job.bytes, reinterpret_cast<std::byte*>(at), at == begin)) return;
     }
     std::lock_guard lock(blocks.mu_);
@@ -135,6 +150,7 @@ class Collapser {
   bool started_ = false;
   bool running_ = false;
   unsigned reads_ = 0;  // ReadsInFlight held
+  Clock::time_point last_read_{};  // when the last ReadsInFlight ended
 };
 
 void IdleBlocks::collapse_later(const std::shared_ptr<IdleBlocks>& blocks, std::byte* data, std::size_t bytes) {

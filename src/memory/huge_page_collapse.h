@@ -16,8 +16,11 @@
 // skipped (EAGAIN). The pool stops a block's collapse when it hands the
 // block out again (the rest waits for its next release) and waits for the
 // step in progress before it returns memory to the OS. No step starts while
-// a load or prefetch of the process reads (ReadsInFlight), so the collapse
-// takes only time that no load wants. The first load of a
+// a load or prefetch of the process reads (ReadsInFlight), nor within a
+// second of its end, so the collapse takes only time that no load wants: a
+// library of small files loaded one call after another (fresh_bench's LoRA
+// cell) gets no step between its calls (a step waits for a fresh huge page
+// from the host and takes the address space's lock). The first load of a
 // fresh process keeps its fast 4 KiB first touch; the pool's later loads
 // read into huge pages. PINLOAD_FRESH_PAGES=small keeps 4 KiB pages.
 #pragma once
@@ -66,7 +69,7 @@ class IdleBlocks {
 };
 
 // Held by a load's or prefetch's reads (ReadSession::execute): while any is
-// held, no collapse step starts.
+// held, and for a second after the last, no collapse step starts.
 class ReadsInFlight {
  public:
   ReadsInFlight();
