@@ -40,6 +40,13 @@ def main() -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     rules = pd.LLAMA_TP_RULES if a.rules == "llama" else []
     report = {"rank": rank, "world": world, "mismatches": []}
+    # The counted window holds the load alone: a process's first collective and
+    # tensor ops fault in library code, which a cold page cache reads from disk
+    # and /proc/self/io would count against whichever rank ran them first.
+    warm = torch.arange(1024, dtype=torch.float32)
+    dist.broadcast(warm, src=0)
+    warm.clone()
+    dist.barrier()
     before = read_bytes()
     t0 = time.perf_counter()
     try:
