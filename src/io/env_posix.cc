@@ -11,18 +11,12 @@
 #include <cerrno>
 #include <vector>
 
+#include "base/madvise.h"
 #include "pinload/env.h"
 #include "pinload/error.h"
 
 namespace pinload {
 namespace {
-
-// Linux 5.14; older headers lack the name, older kernels answer EINVAL.
-#ifdef MADV_POPULATE_READ
-constexpr int kMadvPopulateRead = MADV_POPULATE_READ;
-#else
-constexpr int kMadvPopulateRead = 22;
-#endif
 
 // Far above any real machine's node or CPU ids; bounds the masks built here.
 constexpr int kMaxNumaNode = 4095;
@@ -177,7 +171,7 @@ class PosixEnv final : public Env {
 
   int populate_read(const void* address, std::size_t bytes) override {
     // The start must be page-aligned; the kernel rounds the length up.
-    return ::madvise(const_cast<void*>(address), bytes, kMadvPopulateRead) == 0 ? 0 : -errno;
+    return ::madvise(const_cast<void*>(address), bytes, detail::kMadvPopulateRead) == 0 ? 0 : -errno;
   }
 
   void* map_anonymous(std::size_t bytes, int extra_flags, int* err) override {

@@ -266,11 +266,9 @@ HostConversions::HostConversions(Env* env, const ConversionPlan& plan,
   for (unsigned i = 0; i < threads; ++i) threads_.emplace_back([this](std::stop_token stop) { run(stop); });
 }
 
-HostConversions::~HostConversions() {
-  wait();
-  for (std::jthread& t : threads_) t.request_stop();
-  ready_.notify_all();
-}
+// The threads, destroyed first, are stopped and joined by std::jthread; their
+// wait on `ready_` ends at the stop request.
+HostConversions::~HostConversions() { wait(); }
 
 void HostConversions::submit(const ReadChunk& c, std::shared_ptr<Block> block, std::size_t offset) {
   {

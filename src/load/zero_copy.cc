@@ -12,14 +12,11 @@
 #include <thread>
 
 #include "base/log.h"
+#include "base/madvise.h"
 #include "io/read_session.h"
 #include "load/load_counters.h"
 #include "pinload/error.h"
 #include "pinload/memory_limit.h"
-
-#ifndef MADV_POPULATE_READ
-#define MADV_POPULATE_READ 22
-#endif
 
 namespace pinload::detail {
 
@@ -132,7 +129,7 @@ void populate_mappings(const std::vector<std::shared_ptr<LeasedMapping>>& mappin
       const Range& r = ranges[k];
       int rc;
       do {
-        rc = ::madvise(const_cast<std::byte*>(r.begin), r.bytes, MADV_POPULATE_READ);
+        rc = ::madvise(const_cast<std::byte*>(r.begin), r.bytes, kMadvPopulateRead);
       } while (rc != 0 && (errno == EINTR || errno == EAGAIN));
       // EINVAL: a kernel without it; the pages then fault in when touched.
       if (rc != 0 && errno != EINVAL) {

@@ -11,15 +11,10 @@
 #include <string_view>
 
 #include "base/log.h"
+#include "base/madvise.h"
 
 namespace pinload::detail {
 namespace {
-
-#ifdef MADV_POPULATE_WRITE
-constexpr int kMadvPopulateWrite = MADV_POPULATE_WRITE;
-#else
-constexpr int kMadvPopulateWrite = 23;  // Linux 5.14
-#endif
 
 // Each record weighs the older ones by this: a rate follows the last few chunks.
 constexpr double kDecay = 0.75;

@@ -13,14 +13,11 @@
 #include <deque>
 #include <thread>
 
+#include "base/madvise.h"
+
 namespace pinload::detail {
 namespace {
 
-#ifdef MADV_COLLAPSE
-constexpr int kMadvCollapse = MADV_COLLAPSE;
-#else
-constexpr int kMadvCollapse = 25;  // Linux 6.1
-#endif
 constexpr std::uintptr_t kHugePage = 2u << 20;
 // No step starts until the process's reads have been quiet this long: loads
 // in quick succession (a library of small files, one call each) are not
