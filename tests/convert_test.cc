@@ -19,6 +19,7 @@
 #include "pinload/device.h"
 #include "pinload/error.h"
 #include "pinload/loader.h"
+#include "pinload/prefetch.h"
 #include "test_files.h"
 
 namespace pinload {
@@ -151,6 +152,99 @@ TEST(HostConvertTest, ConversionsBesideTheReadsEqualElementwise) {
       std::memcpy(&got, t.data() + k * 2, 2);
       ASSERT_EQ(got, bits::f32_to_bf16(f)) << t.name() << " element " << k;
     }
+    at += n * 4;
+  }
+}
+
+// Each of the n fp32 values at `src` converts to `t`'s bf16 element.
+void expect_bf16_of(const Tensor& t, const std::uint8_t* src, std::size_t n) {
+  ASSERT_EQ(t.dtype(), DType::kBF16) << t.name();
+  ASSERT_EQ(t.nbytes(), n * 2) << t.name();
+  for (std::size_t k = 0; k < n; ++k) {
+    float f = 0;
+    std::memcpy(&f, src + k * 4, 4);
+    std::uint16_t got = 0;
+    std::memcpy(&got, t.data() + k * 2, 2);
+    ASSERT_EQ(got, bits::f32_to_bf16(f)) << t.name() << " element " << k;
+  }
+}
+
+// A load whose conversions are most of its bytes streams its chunks through
+// staging blocks (Note [Staged conversion]): the pool never holds the
+// stored bytes whole, the kept tensor is copied, every element is right.
+TEST(HostConvertTest, AStagedLoadHoldsItsOutputAndAFewChunks) {
+  TempDir dir;
+  const std::string path = dir.file("f32.safetensors");
+  constexpr int kTensors = 96;
+  const std::vector<std::uint8_t> data = fp32_checkpoint(path, kTensors);
+  LoadOptions options;
+  options.dtype.to = DType::kBF16;
+  options.block_size = 64 * 1024;
+  options.threads = 2;
+  const Loader loader(options);
+  for (int round = 0; round < 2; ++round) {
+    const StateDict sd = loader.load({path});
+    ASSERT_EQ(sd.size(), kTensors + 1u);
+    const Tensor& bias = sd.at("head.bias");
+    ASSERT_EQ(bias.dtype(), DType::kBF16);
+    ASSERT_EQ(0, std::memcmp(bias.data(), data.data(), 6));
+    std::size_t at = 6;
+    for (int i = 0; i < kTensors; ++i) {
+      const std::size_t n = 257u * static_cast<std::size_t>(129 + i);
+      expect_bf16_of(sd.at("t." + std::to_string(i) + ".weight"), data.data() + at, n);
+      at += n * 4;
+    }
+  }
+  // At most: the bf16 output block, and a staging block per direct read in
+  // flight, per chunk queued (2 x threads) and per converting thread.
+  const std::size_t output = Pool::size_class(data.size() / 2 + 64 * (kTensors + 1));
+  const std::size_t chunks = kDirectReadsInFlight + 3 * options.threads;
+  const PoolStats stats = loader.pool()->stats();
+  EXPECT_LE(stats.peak_in_use_bytes, output + chunks * Pool::size_class(options.block_size));
+  EXPECT_LT(stats.peak_in_use_bytes, data.size());
+  EXPECT_EQ(stats.live_blocks, 0u);
+}
+
+// Conversions of a few bytes among many kept ones, and a load adopting a
+// prefetch, read whole files and convert out of them, across chunk edges too.
+TEST(HostConvertTest, MostlyKeptAndAdoptedLoadsConvertOutOfWholeFiles) {
+  TempDir dir;
+  std::mt19937_64 rng(12);
+  std::vector<testing::TensorSpec> specs;
+  specs.push_back({"kept.weight", "BF16", {1024, 1023}});  // ~2 MiB, as stored
+  for (int i = 0; i < 6; ++i) specs.push_back({"t." + std::to_string(i) + ".weight", "F32", {61, static_cast<std::uint64_t>(67 + i)}});
+  testing::FileImage image = testing::make_image(specs, rng);
+  const std::size_t kept_bytes = 1024u * 1023u * 2;
+  for (std::size_t i = kept_bytes + 3; i < image.data.size(); i += 4) image.data[i] &= 0x3F;
+  const std::string path = dir.file("mixed.safetensors");
+  testing::write_file(path, image.bytes());
+  LoadOptions options;
+  options.dtype.to = DType::kBF16;
+  options.block_size = 4096;  // the fp32 tensors straddle chunks
+  const Loader loader(options);
+  auto check = [&](const StateDict& sd) {
+    ASSERT_EQ(sd.size(), 7u);
+    ASSERT_EQ(0, std::memcmp(sd.at("kept.weight").data(), image.data.data(), kept_bytes));
+    std::size_t at = kept_bytes;
+    for (int i = 0; i < 6; ++i) {
+      const std::size_t n = 61u * static_cast<std::size_t>(67 + i);
+      expect_bf16_of(sd.at("t." + std::to_string(i) + ".weight"), image.data.data() + at, n);
+      at += n * 4;
+    }
+  };
+  check(loader.load({path}));
+  EXPECT_GE(loader.pool()->stats().peak_in_use_bytes, image.data.size());  // the whole file, in one block
+  // A prefetch read whole files: the load adopting it converts out of them.
+  const std::string f32 = dir.file("f32.safetensors");
+  const std::vector<std::uint8_t> data = fp32_checkpoint(f32, 8);
+  Prefetch p = prefetch(loader, {f32});
+  p.wait();
+  const StateDict sd = loader.load(p);
+  ASSERT_EQ(sd.size(), 9u);
+  std::size_t at = 6;
+  for (int i = 0; i < 8; ++i) {
+    const std::size_t n = 257u * static_cast<std::size_t>(129 + i);
+    expect_bf16_of(sd.at("t." + std::to_string(i) + ".weight"), data.data() + at, n);
     at += n * 4;
   }
 }

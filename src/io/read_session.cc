@@ -449,10 +449,11 @@ std::unique_ptr<ReadSession> ReadSession::open(Env* env, const LoadOptions& opti
   PlanOptions plan_options{options.block_size, options.files_in_flight};
   s->plan_ = make_read_plan(std::move(reads), plan_options);
   // Note [Tapered tail] in read_plan.h: where the load ends in direct reads
-  // into pool blocks (not a streamed load's staging blocks, whose size is the
-  // block size whatever the read).
+  // into pool blocks, not into staging blocks within a budget (each is the
+  // block size whatever the read, so short reads would leave fewer in flight).
   const std::uint64_t taper_bytes = std::uint64_t{kDirectReadsInFlight} * kTaperBlockSize;
-  if (s->plan_.total_bytes > 4 * taper_bytes && !s->streaming() && s->remote_threads_ == 0 && s->min_threads_ == 0 &&
+  const bool budgeted_staging = s->streaming() && s->staging_pool_->options().capacity_bytes != 0;
+  if (s->plan_.total_bytes > 4 * taper_bytes && !budgeted_staging && s->remote_threads_ == 0 && s->min_threads_ == 0 &&
       ends_in_direct_reads(env, options, *s->files_[s->plan_.chunks.back().file])) {
     plan_options.taper_bytes = taper_bytes;
     plan_options.taper_block_size = kTaperBlockSize;

@@ -8,6 +8,7 @@
 // only the output bytes of the elements inside its own chunk).
 #pragma once
 
+#include <array>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
@@ -29,21 +30,23 @@
 
 namespace pinload::detail {
 
-// One tensor handed out in another dtype than stored.
+// One tensor handed out in another dtype than stored; or, in a staged load,
+// a kept tensor whose bytes are copied as they are (`copy`).
 struct TensorConversion {
   std::size_t file = 0;         // index into Checkpoint::files
   std::size_t tensor = 0;       // index into that file's header.tensors
   DType from = DType::kF32;
   DType to = DType::kF32;
   std::uint64_t in_begin = 0;   // absolute file offset of its first byte
-  std::uint64_t elements = 0;
+  std::uint64_t elements = 0;   // bytes, for a copy
   std::uint64_t out_offset = 0; // in its file's output block / buffer
+  bool copy = false;            // from == to: the stored bytes as they are
   float scale = 1.0f;           // per tensor
   std::vector<float> row_scales;          // per row (host copy)
   std::uint64_t row_elements = 0;
 
-  std::uint64_t in_bytes() const noexcept { return elements * (dtype_bits(from) / 8); }
-  std::uint64_t out_bytes() const noexcept { return elements * (dtype_bits(to) / 8); }
+  std::uint64_t in_bytes() const noexcept { return copy ? elements : elements * (dtype_bits(from) / 8); }
+  std::uint64_t out_bytes() const noexcept { return copy ? elements : elements * (dtype_bits(to) / 8); }
   ElementConversion conversion(std::uint64_t first, std::uint64_t count) const noexcept;
 };
 
@@ -55,6 +58,9 @@ struct ConversionPlan {
   // Per file, per header tensor: -1 kept as stored, -2 dropped (a scale or
   // marker used by a dequantised weight), else the index into `tensors`.
   std::vector<std::vector<std::int64_t>> role;
+  // Read through staging blocks, every tensor handed out from the output
+  // blocks (Note [Staged conversion] in convert_on_load.cc).
+  bool staged = false;
 
   bool empty() const noexcept { return tensors.empty(); }
 };
@@ -63,9 +69,12 @@ inline constexpr std::int64_t kKeptTensor = -1;
 inline constexpr std::int64_t kDroppedTensor = -2;
 
 // Decides what converts, checks and reads the scales (a few bytes each,
-// pread through `env`). Throws InvalidFileError naming the tensor for a bad
-// or missing scale.
-ConversionPlan plan_conversions(Env* env, const Checkpoint& checkpoint, const DTypeOptions& options);
+// pread through `env`). With `may_stage` (a host load reading afresh), a
+// load whose conversions are most of its bytes is staged, its kept tensors
+// planned as copies. Throws InvalidFileError naming the tensor for a bad or
+// missing scale.
+ConversionPlan plan_conversions(Env* env, const Checkpoint& checkpoint, const DTypeOptions& options,
+                                bool may_stage = false);
 
 // Host loads: converts the elements of planned tensors that lie wholly
 // inside the chunk [c.offset, c.offset + c.valid) of its file, whose bytes
@@ -76,15 +85,20 @@ void convert_chunk(Env* env, const ConversionPlan& plan, const ReadChunk& c, con
 
 // Host loads (Note [Converting beside the reads] in convert_on_load.cc):
 // chunks handed over by the reader threads are converted by threads of
-// their own, so that a reader issues its next read at once.
+// their own, so that a reader issues its next read at once. In a staged
+// load (Note [Staged conversion]) each chunk's staging block goes back to
+// its pool once converted, a reader waits while 2 x `threads` chunks are
+// queued, and finish() converts the elements across chunk edges from bytes
+// kept at each edge.
 //
 // Thread safety: submit() may be called from many reader threads at once;
 // finish() and the destructor on the load's thread.
 class HostConversions {
  public:
-  // `plan` and `out_blocks` must outlive this object; `threads` >= 1.
-  HostConversions(Env* env, const ConversionPlan& plan, const std::vector<std::shared_ptr<Block>>& out_blocks,
-                  unsigned threads);
+  // `plan`, `read_plan` and `out_blocks` must outlive this object;
+  // `threads` >= 1.
+  HostConversions(Env* env, const ConversionPlan& plan, const ReadPlan& read_plan,
+                  const std::vector<std::shared_ptr<Block>>& out_blocks, unsigned threads);
   // Waits for the conversions queued (also after a failed load).
   ~HostConversions();
   HostConversions(const HostConversions&) = delete;
@@ -93,7 +107,7 @@ class HostConversions {
   // Queues chunk `c`, whose bytes are at `block->data() + offset`.
   void submit(const ReadChunk& c, std::shared_ptr<Block> block, std::size_t offset);
   // Waits until every chunk submitted is converted; rethrows the first
-  // error of a conversion.
+  // error of a conversion. Staged: then converts the elements across edges.
   void finish();
 
  private:
@@ -102,14 +116,22 @@ class HostConversions {
     std::shared_ptr<Block> block;
     std::size_t offset;
   };
+  // A chunk's first and last bytes (up to 8 each), for elements across its
+  // edges once its staging block has gone.
+  struct Edges {
+    std::array<std::byte, 8> head{}, tail{};
+  };
   void run(std::stop_token stop);
   void wait();
 
   Env* env_;
   const ConversionPlan& plan_;
+  const ReadPlan& read_plan_;
   const std::vector<std::shared_ptr<Block>>& out_blocks_;
+  const std::size_t max_queued_;  // staged; else unbounded
+  std::vector<Edges> edges_;      // staged: per chunk of read_plan_
   std::mutex mu_;
-  std::condition_variable_any ready_, drained_;
+  std::condition_variable_any ready_, drained_, room_;
   std::deque<Job> jobs_;
   std::size_t busy_ = 0;
   std::exception_ptr error_;
@@ -118,7 +140,7 @@ class HostConversions {
 
 // Host loads, after every chunk: the few elements that straddle two chunks,
 // from each file's whole block (`file_blocks[i]` holds file bytes from
-// plan_files[i].read_begin).
+// read_plan.files[i].read_begin). Staged loads: HostConversions::finish.
 void convert_straddlers(const ConversionPlan& plan, const ReadPlan& read_plan,
                         const std::vector<std::shared_ptr<Block>>& file_blocks,
                         const std::vector<std::shared_ptr<Block>>& out_blocks);

@@ -154,11 +154,10 @@ ConvertedMemory allocate_converted(const detail::ConversionPlan& conversions, st
 
 // The tensors of a load, file by file in header order, over their files'
 // blocks and (device loads) device buffers, converted ones over their
-// converted memory; which of them a conversion uses up (scales, markers);
-// and the files' metadata, merged (the first file wins a key).
+// converted memory, less those a conversion uses up (scales, markers); and
+// the files' metadata, merged (the first file wins a key).
 struct TensorIndex {
   std::vector<Tensor> tensors;
-  std::vector<bool> dropped;
   std::vector<std::pair<std::string, std::string>> metadata;
 };
 
@@ -174,7 +173,7 @@ TensorIndex index_tensors(const Checkpoint& checkpoint, const ReadSession& s,
     for (std::size_t k = 0; k < cf.header.tensors.size(); ++k) {
       const TensorInfo& t = cf.header.tensors[k];
       const std::int64_t role = conversions.empty() ? detail::kKeptTensor : conversions.role[i][k];
-      index.dropped.push_back(role == detail::kDroppedTensor);
+      if (role == detail::kDroppedTensor) continue;
       if (role >= 0) {
         const detail::TensorConversion& tc = conversions.tensors[static_cast<std::size_t>(role)];
         if (on_device) {
@@ -204,11 +203,12 @@ TensorIndex index_tensors(const Checkpoint& checkpoint, const ReadSession& s,
 }
 
 // Converts what could not convert chunk by chunk once every read (and copy)
-// is done: on the host the elements across chunks, on a device everything;
-// then drops the tensors the conversion used up.
+// is done: on the host the elements across chunks of whole-file blocks (a
+// staged load's converted in HostConversions::finish), on a device
+// everything.
 void finish_conversions(const detail::ConversionPlan& conversions, const ReadSession& s,
-                        detail::DeviceConversions* on_device, const ConvertedMemory& converted, TensorIndex* index) {
-  if (conversions.empty()) return;
+                        detail::DeviceConversions* on_device, const ConvertedMemory& converted) {
+  if (conversions.empty() || conversions.staged) return;
   if (on_device == nullptr) {
     std::vector<std::shared_ptr<Block>> file_blocks(s.file_count());
     for (std::size_t i = 0; i < file_blocks.size(); ++i) file_blocks[i] = s.block(i);
@@ -216,12 +216,6 @@ void finish_conversions(const detail::ConversionPlan& conversions, const ReadSes
   } else {
     on_device->finish();
   }
-  std::vector<Tensor> kept;
-  kept.reserve(index->tensors.size());
-  for (std::size_t i = 0; i < index->tensors.size(); ++i) {
-    if (!index->dropped[i]) kept.push_back(std::move(index->tensors[i]));
-  }
-  index->tensors = std::move(kept);
 }
 
 // The loader side of a device load (Note [Device loads]): one device buffer
@@ -477,9 +471,14 @@ StateDict Loader::run(const Checkpoint& checkpoint, const LoadRequest& request, 
       return std::move(*sd);
     }
   }
-  const bool streaming = staging_pool_ != nullptr;
   Device* device = options_.target.device;
-  std::unique_ptr<ReadSession> session = session_for(checkpoint, request, streaming, [&] {
+  // Note [Conversion on load]: what converts. A host load reading afresh may
+  // be staged (Note [Staged conversion] in convert_on_load.cc): its chunks
+  // stream through staging blocks of the pool.
+  const detail::ConversionPlan conversions =
+      detail::plan_conversions(env_, checkpoint, options_.dtype, device == nullptr && request.adopt == nullptr);
+  const std::shared_ptr<Pool>& staging = conversions.staged ? pool_ : staging_pool_;
+  std::unique_ptr<ReadSession> session = session_for(checkpoint, request, staging != nullptr, [&] {
     // Note [Streaming within a budget] (io/stream_budget.h): a host load that
     // keeps nothing it hands out takes each file's block as it reaches it,
     // within a budget; one file at a time where the budget may make it wait.
@@ -498,7 +497,7 @@ StateDict Loader::run(const Checkpoint& checkpoint, const LoadRequest& request, 
       if (most > budget) read_options.files_in_flight = 1;
     }
     std::unique_ptr<ReadSession> opened =
-        ReadSession::open(env_, read_options, checkpoint, staging_pool_, nullptr, counters);
+        ReadSession::open(env_, read_options, checkpoint, staging, nullptr, counters);
     if (budget != 0) {
       opened->set_budget(std::make_unique<detail::StreamBudget>(
           pool_, budget, [ready = counters->ready] { return ready->starved(); }));
@@ -511,8 +510,6 @@ StateDict Loader::run(const Checkpoint& checkpoint, const LoadRequest& request, 
   if (device != nullptr) pipeline.emplace(*device, options_.target.copy, checkpoint);
   static const std::vector<std::shared_ptr<DeviceBuffer>> kNoBuffers;
   const std::vector<std::shared_ptr<DeviceBuffer>>& device_buffers = pipeline ? pipeline->buffers() : kNoBuffers;
-  // Note [Conversion on load]: what converts, into which output memory.
-  const detail::ConversionPlan conversions = detail::plan_conversions(env_, checkpoint, options_.dtype);
   const ConvertedMemory converted = allocate_converted(conversions, s.file_count(), device, *pool_, stop);
   TensorIndex index = index_tensors(checkpoint, s, device_buffers, conversions, converted);
   TensorHandOut hand_out(s.plan(), checkpoint, index.tensors, *counters, device == nullptr && conversions.empty(),
@@ -530,7 +527,7 @@ StateDict Loader::run(const Checkpoint& checkpoint, const LoadRequest& request, 
   std::optional<detail::HostConversions> host_conversions;
   if (device == nullptr && !conversions.empty()) {
     const unsigned cpus = std::max(1u, std::thread::hardware_concurrency());
-    host_conversions.emplace(env_, conversions, converted.blocks, std::min(options_.threads, cpus));
+    host_conversions.emplace(env_, conversions, s.plan(), converted.blocks, std::min(options_.threads, cpus));
   }
 
   // Wiring reads to copies: after each chunk, its host conversions (queued),
@@ -565,7 +562,7 @@ StateDict Loader::run(const Checkpoint& checkpoint, const LoadRequest& request, 
   if (pipeline) pipeline->drain(&error, counters);
   if (error) std::rethrow_exception(error);
   if (stop.stop_requested()) throw CancelledError("load cancelled");
-  finish_conversions(conversions, s, device_conversions ? &*device_conversions : nullptr, converted, &index);
+  finish_conversions(conversions, s, device_conversions ? &*device_conversions : nullptr, converted);
   if (request.record != nullptr) record_template(checkpoint, s, destination(), request.record);
   if (s.budgeted() && s.file_count() > 0) s.take_blocks_up_to(s.file_count() - 1, stop);  // files with nothing to read
   hand_out.rest();
