@@ -17,8 +17,9 @@
 //                   floor of fp8->bf16
 //   fp32            the fp32 file as stored, pool kept
 //   fp32->bf16      the fp32 file with dtype=bf16, pool kept
-//   fresh bf16 / fresh fp8->bf16   a new Loader and pool per load (new memory,
-//                   as in a fresh process), beside
+//   fresh bf16 / fresh fp8->bf16 / fresh fp32 / fresh fp32->bf16
+//                   a new Loader and pool per load (new memory, as in a
+//                   fresh process), beside
 //   first-touch     mmap + touch of the bf16 bytes by T threads: the
 //                   fresh-memory limit
 // and, in memory: fp8->bf16 conversion by T threads against memcpy of the
@@ -227,7 +228,9 @@ int main(int argc, char** argv) {
                                {"fp32", &fp32_loader, {}, fp32},
                                {"fp32->bf16", &fp32_bf16_loader, {}, fp32},
                                {"fresh bf16", nullptr, plain, bf16},
-                               {"fresh fp8->bf16", nullptr, to_bf16, fp8}};
+                               {"fresh fp8->bf16", nullptr, to_bf16, fp8},
+                               {"fresh fp32", nullptr, plain, fp32},
+                               {"fresh fp32->bf16", nullptr, to_bf16, fp32}};
     if (!only_cases.empty()) {
       std::erase_if(cases, [&](const Case& c) { return only_cases.find("," + c.name + ",") == std::string::npos; });
       if (cases.empty()) throw std::invalid_argument("--cases names none of the cases");
@@ -345,6 +348,19 @@ int main(int argc, char** argv) {
       std::printf("cold load fp32->bf16 / fp32    %.3f  (target <= 1.0, medians; same round %.3f)\n",
                   ratios["load_fp32_bf16_over_fp32"].get<double>(),
                   ratios["load_fp32_bf16_over_fp32_same_round"].get<double>());
+    }
+    if (have("fresh fp32->bf16") && have("fresh fp32")) {
+      ratios["fresh_fp32_bf16_over_fp32"] = median_ratio("fresh fp32->bf16", "fresh fp32");
+      std::printf("fresh load fp32->bf16 / fp32   %.3f  (target <= 1.0, medians; same round %.3f)\n",
+                  ratios["fresh_fp32_bf16_over_fp32"].get<double>(),
+                  same_round_ratio(series["fresh fp32->bf16"], series["fresh fp32"]));
+    }
+    // What each kept pool held at most: the memory a load needs.
+    for (const Case& c : cases) {
+      if (c.loader == nullptr) continue;
+      const double peak = static_cast<double>(c.loader->pool()->stats().peak_in_use_bytes);
+      ratios["peak_pool_bytes"][c.name] = peak;
+      std::printf("peak pool bytes %-14s %8.0f MB\n", c.name.c_str(), peak / 1e6);
     }
     if (device && have("bf16") && have("fp8->bf16") && have("pinned copy")) {
       std::printf("pinned copy of the bf16 bytes  %.2f GB/s; bf16 load %.2f GB/s, fp8->bf16 load %.2f GB/s of bf16\n",
