@@ -17,6 +17,9 @@
 //                   floor of fp8->bf16
 //   fp32            the fp32 file as stored, pool kept
 //   fp32->bf16      the fp32 file with dtype=bf16, pool kept
+//   fp32->bf16 staged   the same into a pool whose budget holds the bf16
+//                   output and the staging blocks in flight, not the fp32
+//                   file besides (Note [Staged conversion])
 //   fresh bf16 / fresh fp8->bf16 / fresh fp32 / fresh fp32->bf16
 //                   a new Loader and pool per load (new memory, as in a
 //                   fresh process), beside
@@ -216,6 +219,13 @@ int main(int argc, char** argv) {
     to_bf16.dtype.to = DType::kBF16;
     const Loader bf16_loader(plain), fp8_loader(to_bf16), fp8_plain_loader(plain), fp32_loader(plain),
         fp32_bf16_loader(to_bf16);
+    // A pool budget that cannot hold the fp32 file and its bf16 output
+    // together, but the output and the staging blocks in flight (Note [Staged
+    // conversion]): the staged load.
+    const std::uint64_t fp32_bytes = fs::file_size(fp32);
+    PoolOptions budget;
+    budget.capacity_bytes = std::max<std::uint64_t>(fp32_bytes, fp32_bytes / 2 + (448u << 20));
+    const Loader staged_loader(to_bf16, Pool::create_default(budget));
     struct Case {
       std::string name;
       const Loader* loader;  // null: a fresh Loader per load
@@ -227,6 +237,7 @@ int main(int argc, char** argv) {
                                {"fp8", &fp8_plain_loader, {}, fp8},
                                {"fp32", &fp32_loader, {}, fp32},
                                {"fp32->bf16", &fp32_bf16_loader, {}, fp32},
+                               {"fp32->bf16 staged", &staged_loader, {}, fp32},
                                {"fresh bf16", nullptr, plain, bf16},
                                {"fresh fp8->bf16", nullptr, to_bf16, fp8},
                                {"fresh fp32", nullptr, plain, fp32},
@@ -348,6 +359,12 @@ int main(int argc, char** argv) {
       std::printf("cold load fp32->bf16 / fp32    %.3f  (target <= 1.0, medians; same round %.3f)\n",
                   ratios["load_fp32_bf16_over_fp32"].get<double>(),
                   ratios["load_fp32_bf16_over_fp32_same_round"].get<double>());
+    }
+    if (have("fp32->bf16 staged") && have("fp32")) {
+      ratios["load_fp32_bf16_staged_over_fp32"] = median_ratio("fp32->bf16 staged", "fp32");
+      std::printf("staged fp32->bf16 / fp32       %.3f  (a budget of %.0f MB; medians; same round %.3f)\n",
+                  ratios["load_fp32_bf16_staged_over_fp32"].get<double>(), static_cast<double>(budget.capacity_bytes) / 1e6,
+                  same_round_ratio(series["fp32->bf16 staged"], series["fp32"]));
     }
     if (have("fresh fp32->bf16") && have("fresh fp32")) {
       ratios["fresh_fp32_bf16_over_fp32"] = median_ratio("fresh fp32->bf16", "fresh fp32");

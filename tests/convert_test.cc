@@ -169,9 +169,11 @@ void expect_bf16_of(const Tensor& t, const std::uint8_t* src, std::size_t n) {
   }
 }
 
-// A load whose conversions are most of its bytes streams its chunks through
-// staging blocks (Note [Staged conversion]): the pool never holds the
-// stored bytes whole, the kept tensor is copied, every element is right.
+// A load whose conversions are most of its bytes, into a pool whose budget
+// cannot hold the file and its output together, streams its chunks through
+// staging blocks (Note [Staged conversion]): it fits, the pool never holds
+// the stored bytes whole, the kept tensor is copied, every element is right.
+// Without the budget the same load reads the whole file.
 TEST(HostConvertTest, AStagedLoadHoldsItsOutputAndAFewChunks) {
   TempDir dir;
   const std::string path = dir.file("f32.safetensors");
@@ -181,7 +183,18 @@ TEST(HostConvertTest, AStagedLoadHoldsItsOutputAndAFewChunks) {
   options.dtype.to = DType::kBF16;
   options.block_size = 64 * 1024;
   options.threads = 2;
-  const Loader loader(options);
+  // At most: the bf16 output block, and a staging block per direct read in
+  // flight, per chunk queued (2 x threads) and per converting thread.
+  const std::size_t output = Pool::size_class(data.size() / 2 + 64 * (kTensors + 1));
+  const std::size_t chunks = kDirectReadsInFlight + 3 * options.threads;
+  const std::size_t staged_most = output + chunks * Pool::size_class(options.block_size);
+  ASSERT_LT(staged_most, data.size());
+  // A budget for the output's own reservation and two slabs of small blocks.
+  PoolOptions budget;
+  budget.slab_bytes = 4u << 20;
+  budget.capacity_bytes = (output + (2u << 20) - 1) / (2u << 20) * (2u << 20) + 2 * budget.slab_bytes;
+  ASSERT_LT(budget.capacity_bytes, data.size() + data.size() / 2);  // the whole file and its output do not fit
+  const Loader loader(options, Pool::create_default(budget));
   for (int round = 0; round < 2; ++round) {
     const StateDict sd = loader.load({path});
     ASSERT_EQ(sd.size(), kTensors + 1u);
@@ -195,14 +208,13 @@ TEST(HostConvertTest, AStagedLoadHoldsItsOutputAndAFewChunks) {
       at += n * 4;
     }
   }
-  // At most: the bf16 output block, and a staging block per direct read in
-  // flight, per chunk queued (2 x threads) and per converting thread.
-  const std::size_t output = Pool::size_class(data.size() / 2 + 64 * (kTensors + 1));
-  const std::size_t chunks = kDirectReadsInFlight + 3 * options.threads;
   const PoolStats stats = loader.pool()->stats();
-  EXPECT_LE(stats.peak_in_use_bytes, output + chunks * Pool::size_class(options.block_size));
+  EXPECT_LE(stats.peak_in_use_bytes, staged_most);
   EXPECT_LT(stats.peak_in_use_bytes, data.size());
   EXPECT_EQ(stats.live_blocks, 0u);
+  const Loader unbudgeted(options);
+  (void)unbudgeted.load({path});
+  EXPECT_GE(unbudgeted.pool()->stats().peak_in_use_bytes, data.size());
 }
 
 // Conversions of a few bytes among many kept ones, and a load adopting a

@@ -585,7 +585,8 @@ class CpuSlot {
 }  // namespace
 
 void ReadSession::execute(const std::vector<std::size_t>& todo, unsigned threads, std::stop_token stop,
-                          ReadCounters* counters, const std::vector<int>& cpus, const ChunkSink& sink) {
+                          ReadCounters* counters, const std::vector<int>& cpus, const ChunkSink& sink,
+                          const ChunkGate& gate) {
   if (executing_.exchange(true, std::memory_order_acq_rel)) {
     throw InvalidArgumentError("execute() while another execute() runs on the session");
   }
@@ -618,6 +619,10 @@ void ReadSession::execute(const std::vector<std::size_t>& todo, unsigned threads
         OpenFile& f = *s.files_[c.file];
         if (s.budget_) s.take_blocks_up_to(c.file, abort.get_token());  // Note [Streaming within a budget]
         s.open_in_flight(c.file, abort.get_token(), counters);
+        if (gate) {
+          gate(abort.get_token());
+          if (abort.stop_requested()) return;
+        }
         // Streaming reads into a staging block of the chunk's own, of one
         // size for every chunk (a short chunk reuses a block any other load
         // left idle); the others into the file's block.

@@ -120,6 +120,11 @@ struct OpenFile {
 // own staging block, which the callee takes.
 using ChunkSink = std::function<void(std::size_t, std::shared_ptr<Block>, std::size_t)>;
 
+// Called before each chunk's read, by a worker holding no memory and no CPU
+// slot: may wait for room (a streamed load whose consumer is behind); returns
+// when the stop is requested.
+using ChunkGate = std::function<void(std::stop_token)>;
+
 class ReadSession {
  public:
   // Plans the reads of every file of `checkpoint` (replaying `replay` when
@@ -160,8 +165,9 @@ class ReadSession {
   // worker has joined; throws the first error (a CancelledError when the stop
   // ended a wait for staging memory), or InvalidArgumentError when another
   // execute() is running on this session.
+  // `gate`, when set, is passed before each chunk is read.
   void execute(const std::vector<std::size_t>& todo, unsigned threads, std::stop_token stop, ReadCounters* counters,
-               const std::vector<int>& cpus, const ChunkSink& sink);
+               const std::vector<int>& cpus, const ChunkSink& sink, const ChunkGate& gate = {});
 
   // Streaming only: keeps chunk `i`'s staging block (read, not yet copied:
   // a prefetch's), and hands it over once.

@@ -15,6 +15,7 @@
 #include "format/dtype_convert.h"
 #include "memory/first_touch.h"
 #include "pinload/error.h"
+#include "pinload/loader.h"
 
 namespace pinload::detail {
 namespace {
@@ -89,7 +90,7 @@ ElementConversion TensorConversion::conversion(std::uint64_t first, std::uint64_
 }
 
 ConversionPlan plan_conversions(Env* env, const Checkpoint& checkpoint, const DTypeOptions& options,
-                                bool may_stage) {
+                                std::optional<std::uint64_t> room) {
   ConversionPlan plan;
   const std::size_t n = checkpoint.files.size();
   plan.by_file.resize(n);
@@ -204,15 +205,16 @@ ConversionPlan plan_conversions(Env* env, const Checkpoint& checkpoint, const DT
     }
   }
   // Note [Staged conversion]: kept tensors are copied into the output blocks.
-  if (may_stage) {
-    std::uint64_t converted = 0, as_stored = 0;
+  if (room) {
+    std::uint64_t converted = 0, as_stored = 0, whole = 0;
     for (const TensorConversion& t : plan.tensors) converted += t.in_bytes();
     for (std::size_t f = 0; f < n; ++f) {
+      whole += checkpoint.files[f].stat.size + plan.out_bytes[f];
       for (std::size_t i = 0; i < plan.role[f].size(); ++i) {
         if (plan.role[f][i] == kKeptTensor) as_stored += checkpoint.files[f].header.tensors[i].nbytes();
       }
     }
-    plan.staged = converted > 0 && as_stored <= converted;
+    plan.staged = converted > 0 && as_stored <= converted && whole > *room;
     for (std::size_t f = 0; f < n && plan.staged; ++f) {
       const CheckpointFile& cf = checkpoint.files[f];
       for (std::size_t i = 0; i < cf.header.tensors.size(); ++i) {
@@ -319,30 +321,36 @@ void convert_across_edges(const ConversionPlan& plan, const ReadPlan& read_plan,
 // Note [Staged conversion]
 // Reading a whole file into one block and converting out of it holds the
 // stored bytes and the converted ones at once: a fp32 -> bf16 load of a
-// 906 MB file held 1.41 GB of pool memory at its peak, and in a fresh
-// process all of it was new memory, which this VM supplies at 0.3-1.1 GB/s.
-// A host load that reads afresh (no prefetch to adopt) and whose
-// conversions are at least half its bytes is staged instead: the session
-// streams each chunk into a staging block of the load's pool (ReadSession's
-// streaming mode, as a device load with a staging budget; the tail still
-// tapers), the converting threads write the chunk's tensors (kept ones
-// copied as they are) into the output blocks and release the staging block
-// at once. Readers wait while 2 x threads chunks are queued, so the load
-// holds its output plus the chunks in flight: 789 MB at the peak for that
-// file. A kept pool reuses the same staging blocks at every load. The few
-// elements across a chunk edge convert at the end from 8 bytes kept at each
-// edge. A load whose bytes are mostly kept as stored still reads whole
-// files: there a copy of each would cost more than the memory it saves.
-// fp8-bench, both pools in huge pages, 20 rounds alternating with whole-file
-// reads: the same time (fp32 -> bf16 0.535 s against 0.531 s, FP8 -> bf16
-// 0.218 s against 0.217 s, medians); docs/fp8.md.
+// 906 MB file peaks at 1.41 GB of pool. Where the pool's budget has no room
+// for that (files plus output over what the budget has left), a host load
+// that reads afresh (no prefetch to adopt) and whose conversions are at
+// least half its bytes is staged instead: the session streams each chunk
+// into a staging block of the same pool (ReadSession's streaming mode, as a
+// device load with a staging budget; the tail still tapers), the converting
+// threads write the chunk's tensors (kept ones copied as they are) into the
+// output blocks and release the staging block at once. Before each read a
+// reader waits, holding nothing, while kDirectReadsInFlight + 2 x threads
+// chunks are admitted and not yet converted, so the load holds its output
+// plus those chunks: 772 MB at the peak for that file, within a 923 MB
+// budget. The few elements across a chunk edge convert at the end from
+// 8 bytes kept at each chunk edge.
+// Staging is not the default. With both pools in huge pages it took the
+// same time as whole-file reads (fp8-bench, 20 rounds alternating: fp32 ->
+// bf16 0.535 s against 0.531 s, FP8 -> bf16 0.218 s against 0.217 s,
+// medians), but in 4 KiB pages (a pool before its idle collapse, or
+// PINLOAD_FRESH_PAGES=small) each 8 MiB direct read into a staging block
+// took twice as long as into a file's block (strace: 32 ms against 16 ms),
+// and FP8 -> bf16 loads 1.7 x as long; the cause is not known (a probe
+// reading into reused 4 KiB-page buffers was faster, not slower). Waiting
+// in the sink instead, holding a CPU slot, had the other readers spinning
+// on the slots (sched_yield); hence the gate before the read.
 HostConversions::HostConversions(Env* env, const ConversionPlan& plan, const ReadPlan& read_plan,
                                  const std::vector<std::shared_ptr<Block>>& out_blocks, unsigned threads)
     : env_(env),
       plan_(plan),
       read_plan_(read_plan),
       out_blocks_(out_blocks),
-      max_queued_(plan.staged ? 2 * std::size_t{threads} : SIZE_MAX),
+      max_admitted_(kDirectReadsInFlight + 2 * std::size_t{threads}),
       edges_(plan.staged ? read_plan.chunks.size() : 0) {
   threads_.reserve(threads);
   for (unsigned i = 0; i < threads; ++i) threads_.emplace_back([this](std::stop_token stop) { run(stop); });
@@ -352,10 +360,14 @@ HostConversions::HostConversions(Env* env, const ConversionPlan& plan, const Rea
 // wait on `ready_` ends at the stop request.
 HostConversions::~HostConversions() { wait(); }
 
+void HostConversions::admit(std::stop_token stop) {
+  std::unique_lock lock(mu_);
+  if (room_.wait(lock, stop, [&] { return admitted_ < max_admitted_; })) ++admitted_;
+}
+
 void HostConversions::submit(const ReadChunk& c, std::shared_ptr<Block> block, std::size_t offset) {
   {
-    std::unique_lock lock(mu_);
-    room_.wait(lock, [&] { return jobs_.size() < max_queued_; });
+    std::lock_guard lock(mu_);
     jobs_.push_back(Job{&c, std::move(block), offset});
   }
   ready_.notify_one();
@@ -396,7 +408,6 @@ void HostConversions::run(std::stop_token stop) {
     jobs_.pop_front();
     ++busy_;
     lock.unlock();
-    room_.notify_one();
     std::exception_ptr error;
     try {
       const std::byte* data = job.block->data() + job.offset;
@@ -414,6 +425,10 @@ void HostConversions::run(std::stop_token stop) {
     job.block.reset();  // staged: the staging block goes back to the pool
     lock.lock();
     if (error && !error_) error_ = error;
+    if (plan_.staged && admitted_ > 0) {
+      --admitted_;
+      room_.notify_one();
+    }
     --busy_;
     if (jobs_.empty() && busy_ == 0) drained_.notify_all();
   }

@@ -16,6 +16,7 @@
 #include <exception>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <stop_token>
 #include <thread>
 #include <vector>
@@ -69,12 +70,13 @@ inline constexpr std::int64_t kKeptTensor = -1;
 inline constexpr std::int64_t kDroppedTensor = -2;
 
 // Decides what converts, checks and reads the scales (a few bytes each,
-// pread through `env`). With `may_stage` (a host load reading afresh), a
-// load whose conversions are most of its bytes is staged, its kept tensors
-// planned as copies. Throws InvalidFileError naming the tensor for a bad or
-// missing scale.
+// pread through `env`). With `room` (a host load reading afresh into a pool
+// with a budget: the bytes the budget has left), a load whose conversions
+// are most of its bytes and whose files and output together exceed `room`
+// is staged, its kept tensors planned as copies (Note [Staged conversion]).
+// Throws InvalidFileError naming the tensor for a bad or missing scale.
 ConversionPlan plan_conversions(Env* env, const Checkpoint& checkpoint, const DTypeOptions& options,
-                                bool may_stage = false);
+                                std::optional<std::uint64_t> room = std::nullopt);
 
 // Host loads: converts the elements of planned tensors that lie wholly
 // inside the chunk [c.offset, c.offset + c.valid) of its file, whose bytes
@@ -87,12 +89,12 @@ void convert_chunk(Env* env, const ConversionPlan& plan, const ReadChunk& c, con
 // chunks handed over by the reader threads are converted by threads of
 // their own, so that a reader issues its next read at once. In a staged
 // load (Note [Staged conversion]) each chunk's staging block goes back to
-// its pool once converted, a reader waits while 2 x `threads` chunks are
-// queued, and finish() converts the elements across chunk edges from bytes
-// kept at each edge.
+// its pool once converted, readers pass admit() before each read, and
+// finish() converts the elements across chunk edges from bytes kept at each
+// edge.
 //
-// Thread safety: submit() may be called from many reader threads at once;
-// finish() and the destructor on the load's thread.
+// Thread safety: admit() and submit() may be called from many reader
+// threads at once; finish() and the destructor on the load's thread.
 class HostConversions {
  public:
   // `plan`, `read_plan` and `out_blocks` must outlive this object;
@@ -104,6 +106,9 @@ class HostConversions {
   HostConversions(const HostConversions&) = delete;
   HostConversions& operator=(const HostConversions&) = delete;
 
+  // Staged: waits (until `stop`) while kDirectReadsInFlight + 2 x threads
+  // chunks are admitted and not yet converted; then admits one more.
+  void admit(std::stop_token stop);
   // Queues chunk `c`, whose bytes are at `block->data() + offset`.
   void submit(const ReadChunk& c, std::shared_ptr<Block> block, std::size_t offset);
   // Waits until every chunk submitted is converted; rethrows the first
@@ -128,12 +133,13 @@ class HostConversions {
   const ConversionPlan& plan_;
   const ReadPlan& read_plan_;
   const std::vector<std::shared_ptr<Block>>& out_blocks_;
-  const std::size_t max_queued_;  // staged; else unbounded
+  const std::size_t max_admitted_;  // staged
   std::vector<Edges> edges_;      // staged: per chunk of read_plan_
   std::mutex mu_;
   std::condition_variable_any ready_, drained_, room_;
   std::deque<Job> jobs_;
   std::size_t busy_ = 0;
+  std::size_t admitted_ = 0;  // staged: read or being read, not yet converted
   std::exception_ptr error_;
   std::vector<std::jthread> threads_;
 };

@@ -472,11 +472,16 @@ StateDict Loader::run(const Checkpoint& checkpoint, const LoadRequest& request, 
     }
   }
   Device* device = options_.target.device;
-  // Note [Conversion on load]: what converts. A host load reading afresh may
-  // be staged (Note [Staged conversion] in convert_on_load.cc): its chunks
-  // stream through staging blocks of the pool.
-  const detail::ConversionPlan conversions =
-      detail::plan_conversions(env_, checkpoint, options_.dtype, device == nullptr && request.adopt == nullptr);
+  // Note [Conversion on load]: what converts. A host load reading afresh into
+  // a budget that cannot hold its files and output together is staged (Note
+  // [Staged conversion] in convert_on_load.cc): its chunks stream through
+  // staging blocks of the pool.
+  std::optional<std::uint64_t> room;
+  if (const std::uint64_t capacity = pool_->options().capacity_bytes;
+      device == nullptr && request.adopt == nullptr && capacity != 0) {
+    room = capacity - std::min(capacity, pool_->stats().in_use_bytes);
+  }
+  const detail::ConversionPlan conversions = detail::plan_conversions(env_, checkpoint, options_.dtype, room);
   const std::shared_ptr<Pool>& staging = conversions.staged ? pool_ : staging_pool_;
   std::unique_ptr<ReadSession> session = session_for(checkpoint, request, staging != nullptr, [&] {
     // Note [Streaming within a budget] (io/stream_budget.h): a host load that
@@ -553,7 +558,10 @@ StateDict Loader::run(const Checkpoint& checkpoint, const LoadRequest& request, 
         on_read(i, s.block(c.file), c.offset - s.plan().files[c.file].read_begin);
       }
     }
-    s.execute(s.pending(), options_.threads, stop, counters, numa_.cpus, on_read);
+    // A staged load's readers wait for room before reading (Note [Staged conversion]).
+    detail::ChunkGate gate;
+    if (host_conversions && conversions.staged) gate = [&](std::stop_token t) { host_conversions->admit(t); };
+    s.execute(s.pending(), options_.threads, stop, counters, numa_.cpus, on_read, gate);
     if (host_conversions) host_conversions->finish();
   } catch (...) {
     error = std::current_exception();
