@@ -494,6 +494,34 @@ TEST_F(PoolTest, WaiterWakesWhenAnotherReservationFails) {
   EXPECT_EQ(pool->stats().reserved_bytes, 4 * MiB);
 }
 
+// Under kFail too, a request that finds the budget taken by a reservation
+// still in flight waits for it, and takes one of its spare blocks.
+TEST_F(PoolTest, FailingBudgetWaitsForAReservationInFlight) {
+  auto backend = std::make_unique<TestBackend>(&env_);
+  TestBackend* gate = backend.get();
+  PoolOptions options = budget(4 * MiB, WhenFull::kFail, std::chrono::seconds(10));
+  options.slab_bytes = 4 * MiB;
+  auto pool = Pool::create(std::move(backend), options);
+  gate->arm_gate(/*fail=*/false);
+  std::shared_ptr<Block> first;
+  std::jthread reserving([&] { first = pool->allocate(256 * KiB); });  // reserves the one slab
+  ASSERT_TRUE(gate->wait_at_gate());
+  std::jthread opener([&] {
+    while (pool->stats().budget_waits == 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    gate->open_gate();
+  });
+  std::shared_ptr<Block> second = pool->allocate(256 * KiB);  // would have failed at once
+  reserving.join();
+  opener.join();
+  EXPECT_EQ(pool->stats().reserved_bytes, 4 * MiB);
+  EXPECT_EQ(pool->stats().os_reservations, 1u);
+  EXPECT_NE(first->data(), second->data());
+  // With nothing in flight a full budget still fails at once.
+  std::vector<std::shared_ptr<Block>> rest;
+  while (pool->stats().in_use_bytes + 256 * KiB <= 4 * MiB) rest.push_back(pool->allocate(256 * KiB));
+  EXPECT_THROW(pool->allocate(256 * KiB), OutOfMemoryError);
+}
+
 // A waiter that starts while nothing is in use (the budget is held by a
 // reservation in flight) must still wake when that block comes and goes.
 TEST_F(PoolTest, WaiterWakesWhenABlockTakenAfterItStartedWaitingReturns) {

@@ -20,8 +20,11 @@
 // does not fit, idle reservations are released first; if that is not enough,
 // allocate() either fails at once with OutOfMemoryError (WhenFull::kFail) or
 // waits for blocks to come back (WhenFull::kWait), up to `wait_timeout`, and
-// then fails the same way. Cancelling the stop_token ends a wait with
-// CancelledError.
+// then fails the same way. Either waits while another thread's reservation
+// is in flight (its budget counted, its backend call not returned): its
+// spare blocks may serve the request, so concurrent first allocations into a
+// fresh pool do not fail for memory that is on its way. Cancelling the
+// stop_token ends a wait with CancelledError.
 //
 // Thread safety: all methods are safe to call concurrently. The lock is never
 // held across a backend call.

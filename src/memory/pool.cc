@@ -57,6 +57,10 @@ struct Pool::State {
   // returned, budget given back, a slab with spare blocks added. Waiters wait
   // for a change, not for a level, which a take-and-return would hide.
   std::uint64_t events = 0;
+  // Reservations counted in the budget whose backend call has not returned:
+  // a request that finds the budget full waits for them, even under kFail
+  // (their spare blocks may serve it), rather than fail.
+  std::size_t reserving = 0;
   std::list<Slab> slabs;  // stable addresses
   std::map<std::size_t, std::vector<std::pair<std::byte*, Slab*>>> free_lists;  // by class
   PoolStats stats;
@@ -227,6 +231,7 @@ std::shared_ptr<Block> Pool::allocate(std::size_t bytes, std::stop_token stop) {
       const std::size_t reservation = s.fits_budget(preferred) ? preferred : own;
       // Reserve the budget, then call the backend unlocked.
       s.stats.reserved_bytes += reservation;
+      s.reserving++;
       lock.unlock();
       HostRange range;
       try {
@@ -234,12 +239,14 @@ std::shared_ptr<Block> Pool::allocate(std::size_t bytes, std::stop_token stop) {
       } catch (...) {
         lock.lock();
         s.stats.reserved_bytes -= reservation;
+        s.reserving--;
         s.events++;
         lock.unlock();
         s.returned.notify_all();  // waiters may fit now
         throw;
       }
       lock.lock();
+      s.reserving--;
       s.stats.os_reservations++;
       s.stats.peak_reserved_bytes = std::max(s.stats.peak_reserved_bytes, s.stats.reserved_bytes);
       Slab& fresh = s.slabs.emplace_back();
@@ -250,14 +257,14 @@ std::shared_ptr<Block> Pool::allocate(std::size_t bytes, std::stop_token stop) {
       auto& list = s.free_lists[cls];
       auto* base = static_cast<std::byte*>(range.data);
       for (std::size_t i = fresh.blocks_total; i-- > 0;) list.emplace_back(base + i * cls, &fresh);
-      if (fresh.blocks_total > 1) {  // spare blocks a waiter of this class can take
-        s.events++;
-        s.returned.notify_all();
-      }
+      // Spare blocks a waiter of this class can take; or, under kFail, a
+      // waiter that only waited for this reservation fails now.
+      s.events++;
+      s.returned.notify_all();
       fresh_reservation = true;
       continue;
     }
-    if (s.options.when_full == WhenFull::kFail) {
+    if (s.options.when_full == WhenFull::kFail && s.reserving == 0) {
       throw OutOfMemoryError("pool budget of " + human(capacity) + " exhausted: " + human(s.stats.in_use_bytes) +
                              " in use, " + std::to_string(bytes) + " bytes requested");
     }
