@@ -254,7 +254,7 @@ void convert_chunk(Env* env, const ConversionPlan& plan, const ReadChunk& c, con
     for (auto it = begin; it != list.end(); ++it) {
       const TensorConversion& t = plan.tensors[*it];
       if (t.in_begin >= chunk_end) break;
-      const unsigned in_size = t.copy ? 1 : dtype_bits(t.from) / 8;
+      const unsigned in_size = t.in_unit();
       const std::uint64_t lo = std::max(t.in_begin, c.offset);
       const std::uint64_t hi = std::min(t.in_begin + t.in_bytes(), chunk_end);
       const std::uint64_t first = (lo - t.in_begin + in_size - 1) / in_size;
@@ -266,7 +266,7 @@ void convert_chunk(Env* env, const ConversionPlan& plan, const ReadChunk& c, con
   // The chunk's output bytes, faulted in at once where they are fresh.
   std::uint64_t out_lo = UINT64_MAX, out_hi = 0;
   for_each_piece([&](const TensorConversion& t, std::uint64_t first, std::uint64_t last) {
-    const unsigned out_size = t.copy ? 1 : dtype_bits(t.to) / 8;
+    const unsigned out_size = t.out_unit();
     out_lo = std::min(out_lo, t.out_offset + first * out_size);
     out_hi = std::max(out_hi, t.out_offset + last * out_size);
   });
@@ -276,8 +276,8 @@ void convert_chunk(Env* env, const ConversionPlan& plan, const ReadChunk& c, con
       std::memcpy(out_block.data() + t.out_offset + first, chunk_data + (t.in_begin + first - c.offset), last - first);
       return;
     }
-    const unsigned in_size = dtype_bits(t.from) / 8;
-    const unsigned out_size = dtype_bits(t.to) / 8;
+    const unsigned in_size = t.in_unit();
+    const unsigned out_size = t.out_unit();
     convert_elements(t.conversion(first, last - first), chunk_data + (t.in_begin + first * in_size - c.offset),
                      out_block.data() + t.out_offset + first * out_size);
   });
@@ -292,9 +292,9 @@ void convert_across_edges(const ConversionPlan& plan, const ReadPlan& read_plan,
   std::vector<std::vector<std::uint64_t>> starts(read_plan.files.size());
   for (const ReadChunk& c : read_plan.chunks) starts[c.file].push_back(c.offset);
   for (const TensorConversion& t : plan.tensors) {
-    const unsigned in_size = dtype_bits(t.from) / 8;
-    if (t.copy || in_size == 1) continue;
-    const unsigned out_size = dtype_bits(t.to) / 8;
+    const unsigned in_size = t.in_unit();
+    if (in_size == 1) continue;  // bytes (fp8, copies) never straddle
+    const unsigned out_size = t.out_unit();
     const std::uint64_t end = t.in_begin + t.in_bytes();
     for (std::uint64_t b : starts[t.file]) {
       if (b <= t.in_begin || b >= end || (b - t.in_begin) % in_size == 0) continue;

@@ -46,8 +46,11 @@ struct TensorConversion {
   std::vector<float> row_scales;          // per row (host copy)
   std::uint64_t row_elements = 0;
 
-  std::uint64_t in_bytes() const noexcept { return copy ? elements : elements * (dtype_bits(from) / 8); }
-  std::uint64_t out_bytes() const noexcept { return copy ? elements : elements * (dtype_bits(to) / 8); }
+  // Bytes per element stored and handed out (1 for a copy: bytes as elements).
+  unsigned in_unit() const noexcept { return copy ? 1 : dtype_bits(from) / 8; }
+  unsigned out_unit() const noexcept { return copy ? 1 : dtype_bits(to) / 8; }
+  std::uint64_t in_bytes() const noexcept { return elements * in_unit(); }
+  std::uint64_t out_bytes() const noexcept { return elements * out_unit(); }
   ElementConversion conversion(std::uint64_t first, std::uint64_t count) const noexcept;
 };
 
