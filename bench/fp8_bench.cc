@@ -22,7 +22,11 @@
 //                   file besides (Note [Staged conversion])
 //   fresh bf16 / fresh fp8->bf16 / fresh fp32 / fresh fp32->bf16
 //                   a new Loader and pool per load (new memory, as in a
-//                   fresh process), beside
+//                   fresh process)
+//   fresh fp32->bf16 staged   the same into a new pool with the staged
+//                   case's budget: new memory for the output and the
+//                   staging blocks only
+// beside
 //   first-touch     mmap + touch of the bf16 bytes by T threads: the
 //                   fresh-memory limit
 // and, in memory: fp8->bf16 conversion by T threads against memcpy of the
@@ -231,6 +235,7 @@ int main(int argc, char** argv) {
       const Loader* loader;  // null: a fresh Loader per load
       LoadOptions fresh;
       std::string file;
+      bool fresh_in_budget = false;  // a fresh Loader's pool has `budget`
     };
     std::vector<Case> cases = {{"bf16", &bf16_loader, {}, bf16},
                                {"fp8->bf16", &fp8_loader, {}, fp8},
@@ -241,7 +246,8 @@ int main(int argc, char** argv) {
                                {"fresh bf16", nullptr, plain, bf16},
                                {"fresh fp8->bf16", nullptr, to_bf16, fp8},
                                {"fresh fp32", nullptr, plain, fp32},
-                               {"fresh fp32->bf16", nullptr, to_bf16, fp32}};
+                               {"fresh fp32->bf16", nullptr, to_bf16, fp32},
+                               {"fresh fp32->bf16 staged", nullptr, to_bf16, fp32, true}};
     if (!only_cases.empty()) {
       std::erase_if(cases, [&](const Case& c) { return only_cases.find("," + c.name + ",") == std::string::npos; });
       if (cases.empty()) throw std::invalid_argument("--cases names none of the cases");
@@ -262,7 +268,8 @@ int main(int argc, char** argv) {
         if (c.loader != nullptr) {
           total = c.loader->load({c.file}).total_bytes();
         } else {
-          total = Loader(c.fresh).load({c.file}).total_bytes();
+          const Loader fresh = c.fresh_in_budget ? Loader(c.fresh, Pool::create_default(budget)) : Loader(c.fresh);
+          total = fresh.load({c.file}).total_bytes();
         }
         series[c.name].seconds.push_back(seconds_since(t));
         if (c.name == "bf16") bf16_bytes = total;
@@ -371,6 +378,12 @@ int main(int argc, char** argv) {
       std::printf("fresh load fp32->bf16 / fp32   %.3f  (target <= 1.0, medians; same round %.3f)\n",
                   ratios["fresh_fp32_bf16_over_fp32"].get<double>(),
                   same_round_ratio(series["fresh fp32->bf16"], series["fresh fp32"]));
+    }
+    if (have("fresh fp32->bf16 staged") && have("fresh fp32")) {
+      ratios["fresh_fp32_bf16_staged_over_fp32"] = median_ratio("fresh fp32->bf16 staged", "fresh fp32");
+      std::printf("fresh staged fp32->bf16 / fp32 %.3f  (medians; same round %.3f)\n",
+                  ratios["fresh_fp32_bf16_staged_over_fp32"].get<double>(),
+                  same_round_ratio(series["fresh fp32->bf16 staged"], series["fresh fp32"]));
     }
     // What each kept pool held at most: the memory a load needs.
     for (const Case& c : cases) {
