@@ -217,6 +217,40 @@ TEST(HostConvertTest, AStagedLoadHoldsItsOutputAndAFewChunks) {
   EXPECT_GE(unbudgeted.pool()->stats().peak_in_use_bytes, data.size());
 }
 
+// Whether a load fits a budget is a matter of the blocks it takes (size
+// classes in whole reservations), not of its bytes: a budget with room for
+// the file's and the output's bytes, but not for their blocks, stages.
+TEST(HostConvertTest, ABudgetWithRoomForTheBytesButNotTheBlocksStages) {
+  TempDir dir;
+  const std::string path = dir.file("f32.safetensors");
+  constexpr int kTensors = 96;
+  const std::vector<std::uint8_t> data = fp32_checkpoint(path, kTensors);
+  const std::size_t output = data.size() / 2;  // about: the header is small
+  const std::shared_ptr<Pool> probe = Pool::create_default(PoolOptions{});
+  const std::size_t bytes = data.size() + output;
+  const std::size_t blocks = probe->own_reservation_for(data.size() + 4096) + probe->own_reservation_for(output);
+  ASSERT_GT(blocks, bytes + (1u << 20));
+  PoolOptions budget;
+  budget.slab_bytes = 4u << 20;
+  budget.capacity_bytes = (bytes + blocks) / 2;
+  LoadOptions options;
+  options.dtype.to = DType::kBF16;
+  options.block_size = 64 * 1024;
+  options.threads = 2;
+  const Loader loader(options, Pool::create_default(budget));
+  for (int round = 0; round < 2; ++round) {
+    const StateDict sd = loader.load({path});
+    ASSERT_EQ(sd.size(), kTensors + 1u);
+    std::size_t at = 6;
+    for (int i = 0; i < kTensors; ++i) {
+      const std::size_t n = 257u * static_cast<std::size_t>(129 + i);
+      expect_bf16_of(sd.at("t." + std::to_string(i) + ".weight"), data.data() + at, n);
+      at += n * 4;
+    }
+  }
+  EXPECT_LT(loader.pool()->stats().peak_in_use_bytes, data.size());
+}
+
 // Conversions of a few bytes among many kept ones, and a load adopting a
 // prefetch, read whole files and convert out of them, across chunk edges too.
 TEST(HostConvertTest, MostlyKeptAndAdoptedLoadsConvertOutOfWholeFiles) {

@@ -125,6 +125,9 @@ class Pool {
   // The size class of a request (Note [Size classes]); SIZE_MAX where the
   // request is too large for any class.
   static std::size_t size_class(std::size_t bytes) noexcept;
+  // What a request of `bytes` in a reservation of its own takes of the
+  // budget: its size class rounded up to the backend's alignment.
+  std::size_t own_reservation_for(std::size_t bytes) const noexcept;
 
   struct State;
 

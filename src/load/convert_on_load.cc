@@ -90,7 +90,7 @@ ElementConversion TensorConversion::conversion(std::uint64_t first, std::uint64_
 }
 
 ConversionPlan plan_conversions(Env* env, const Checkpoint& checkpoint, const DTypeOptions& options,
-                                std::optional<std::uint64_t> room) {
+                                const Pool* budgeted) {
   ConversionPlan plan;
   const std::size_t n = checkpoint.files.size();
   plan.by_file.resize(n);
@@ -205,16 +205,23 @@ ConversionPlan plan_conversions(Env* env, const Checkpoint& checkpoint, const DT
     }
   }
   // Note [Staged conversion]: kept tensors are copied into the output blocks.
-  if (room) {
+  if (budgeted != nullptr) {
+    // What the blocks take of the budget (size classes, whole reservations),
+    // not their bytes: a budget with room for the bytes may have none for
+    // the blocks.
+    const std::uint64_t capacity = budgeted->options().capacity_bytes;
+    const std::uint64_t room = capacity - std::min<std::uint64_t>(capacity, budgeted->stats().in_use_bytes);
     std::uint64_t converted = 0, as_stored = 0, whole = 0;
     for (const TensorConversion& t : plan.tensors) converted += t.in_bytes();
     for (std::size_t f = 0; f < n; ++f) {
-      whole += checkpoint.files[f].stat.size + plan.out_bytes[f];
+      const CheckpointFile& cf = checkpoint.files[f];
+      whole += budgeted->own_reservation_for(cf.stat.size + std::max<std::uint64_t>(cf.stat.dio_offset_align, 4096));
+      if (plan.out_bytes[f] != 0) whole += budgeted->own_reservation_for(plan.out_bytes[f]);
       for (std::size_t i = 0; i < plan.role[f].size(); ++i) {
         if (plan.role[f][i] == kKeptTensor) as_stored += checkpoint.files[f].header.tensors[i].nbytes();
       }
     }
-    plan.staged = converted > 0 && as_stored <= converted && whole > *room;
+    plan.staged = converted > 0 && as_stored <= converted && whole > room;
     for (std::size_t f = 0; f < n && plan.staged; ++f) {
       const CheckpointFile& cf = checkpoint.files[f];
       for (std::size_t i = 0; i < cf.header.tensors.size(); ++i) {
@@ -322,7 +329,8 @@ void convert_across_edges(const ConversionPlan& plan, const ReadPlan& read_plan,
 // Reading a whole file into one block and converting out of it holds the
 // stored bytes and the converted ones at once: a fp32 -> bf16 load of a
 // 906 MB file peaks at 1.41 GB of pool. Where the pool's budget has no room
-// for that (files plus output over what the budget has left), a host load
+// for that (the files' and output's blocks, in their size classes and whole
+// reservations, over what the budget has left), a host load
 // that reads afresh (no prefetch to adopt) and whose conversions are at
 // least half its bytes is staged instead: the session streams each chunk
 // into a staging block of the same pool (ReadSession's streaming mode, as a

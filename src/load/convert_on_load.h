@@ -73,13 +73,14 @@ inline constexpr std::int64_t kKeptTensor = -1;
 inline constexpr std::int64_t kDroppedTensor = -2;
 
 // Decides what converts, checks and reads the scales (a few bytes each,
-// pread through `env`). With `room` (a host load reading afresh into a pool
-// with a budget: the bytes the budget has left), a load whose conversions
-// are most of its bytes and whose files and output together exceed `room`
-// is staged, its kept tensors planned as copies (Note [Staged conversion]).
-// Throws InvalidFileError naming the tensor for a bad or missing scale.
+// pread through `env`). With `budgeted` (a host load reading afresh into
+// that pool, which has a budget), a load whose conversions are most of its
+// bytes, and whose files' blocks and output blocks together would take more
+// than the budget has left, is staged, its kept tensors planned as copies
+// (Note [Staged conversion]). Throws InvalidFileError naming the tensor for
+// a bad or missing scale.
 ConversionPlan plan_conversions(Env* env, const Checkpoint& checkpoint, const DTypeOptions& options,
-                                std::optional<std::uint64_t> room = std::nullopt);
+                                const Pool* budgeted = nullptr);
 
 // Host loads: converts the elements of planned tensors that lie wholly
 // inside the chunk [c.offset, c.offset + c.valid) of its file, whose bytes

@@ -476,12 +476,9 @@ StateDict Loader::run(const Checkpoint& checkpoint, const LoadRequest& request, 
   // a budget that cannot hold its files and output together is staged (Note
   // [Staged conversion] in convert_on_load.cc): its chunks stream through
   // staging blocks of the pool.
-  std::optional<std::uint64_t> room;
-  if (const std::uint64_t capacity = pool_->options().capacity_bytes;
-      device == nullptr && request.adopt == nullptr && capacity != 0) {
-    room = capacity - std::min(capacity, pool_->stats().in_use_bytes);
-  }
-  const detail::ConversionPlan conversions = detail::plan_conversions(env_, checkpoint, options_.dtype, room);
+  const bool may_stage = device == nullptr && request.adopt == nullptr && pool_->options().capacity_bytes != 0;
+  const detail::ConversionPlan conversions =
+      detail::plan_conversions(env_, checkpoint, options_.dtype, may_stage ? pool_.get() : nullptr);
   const std::shared_ptr<Pool>& staging = conversions.staged ? pool_ : staging_pool_;
   std::unique_ptr<ReadSession> session = session_for(checkpoint, request, staging != nullptr, [&] {
     // Note [Streaming within a budget] (io/stream_budget.h): a host load that
@@ -492,12 +489,10 @@ StateDict Loader::run(const Checkpoint& checkpoint, const LoadRequest& request, 
     if (counters->stream && counters->ready != nullptr && device == nullptr && !options_.dtype.active()) {
       budget = std::max<std::uint64_t>(detail::streaming_budget_bytes(*pool_), 1);
       // More than all blocks can take (a file's aligned range, a size class,
-      // 2 MiB reservations, one shared slab): past the budget, reads may wait.
+      // whole reservations, one shared slab): past the budget, reads may wait.
       std::uint64_t most = PoolOptions{}.slab_bytes;
       for (const CheckpointFile& cf : checkpoint.files) {
-        const std::uint64_t cls =
-            Pool::size_class(cf.stat.size + std::max<std::uint64_t>(cf.stat.dio_offset_align, 4096));
-        most += (cls + (2u << 20) - 1) / (2u << 20) * (2u << 20);
+        most += pool_->own_reservation_for(cf.stat.size + std::max<std::uint64_t>(cf.stat.dio_offset_align, 4096));
       }
       if (most > budget) read_options.files_in_flight = 1;
     }

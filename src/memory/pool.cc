@@ -173,6 +173,11 @@ Pool::Pool(std::shared_ptr<State> state) : state_(std::move(state)) {}
 
 Pool::~Pool() { trim(); }
 
+std::size_t Pool::own_reservation_for(std::size_t bytes) const noexcept {
+  const std::size_t cls = size_class(bytes);
+  return cls == SIZE_MAX ? SIZE_MAX : state_->own_reservation(cls);
+}
+
 const PoolOptions& Pool::options() const noexcept { return state_->options; }
 std::string_view Pool::backend_name() const noexcept { return state_->backend->name(); }
 
