@@ -251,6 +251,52 @@ TEST(HostConvertTest, ABudgetWithRoomForTheBytesButNotTheBlocksStages) {
   EXPECT_LT(loader.pool()->stats().peak_in_use_bytes, data.size());
 }
 
+// A budget with room for the output and a few staging blocks, fewer than
+// the chunks a staged load admits at most, bounds them: the load holds no
+// more (under WhenFull::kFail, one more failed it). With room for the
+// output and no staging block, the load fails at once, naming the file.
+TEST(HostConvertTest, AStagedLoadAdmitsTheChunksItsBudgetHolds) {
+  TempDir dir;
+  const std::string path = dir.file("f32.safetensors");
+  constexpr int kTensors = 96;
+  const std::vector<std::uint8_t> data = fp32_checkpoint(path, kTensors);
+  LoadOptions options;
+  options.dtype.to = DType::kBF16;
+  options.block_size = 1u << 20;
+  options.threads = 2;
+  PoolOptions budget;
+  budget.slab_bytes = 4u << 20;  // a slab holds four 1 MiB staging blocks
+  const std::size_t output = Pool::create_default(budget)->own_reservation_for(data.size() / 2 + 64 * (kTensors + 1));
+  budget.capacity_bytes = output + budget.slab_bytes + (1u << 20);  // the rest holds no 2 MiB reservation
+  {
+    const Loader loader(options, Pool::create_default(budget));
+    {
+      const std::shared_ptr<Block> out = loader.pool()->allocate(data.size() / 2);
+      ASSERT_EQ(loader.pool()->blocks_available(options.block_size), 4u);
+    }
+    for (int round = 0; round < 2; ++round) {
+      const StateDict sd = loader.load({path});
+      std::size_t at = 6;
+      for (int i = 0; i < kTensors; ++i) {
+        const std::size_t n = 257u * static_cast<std::size_t>(129 + i);
+        expect_bf16_of(sd.at("t." + std::to_string(i) + ".weight"), data.data() + at, n);
+        at += n * 4;
+      }
+    }
+    EXPECT_LE(loader.pool()->stats().peak_in_use_bytes, output + 4 * options.block_size);
+  }
+  budget.capacity_bytes = output + (1u << 20);
+  const Loader loader(options, Pool::create_default(budget));
+  try {
+    (void)loader.load({path});
+    FAIL() << "a budget without room for a staging block loaded";
+  } catch (const OutOfMemoryError& e) {
+    EXPECT_EQ(e.context().file, path);
+    EXPECT_NE(std::string(e.what()).find("staging block"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(loader.pool()->stats().live_blocks, 0u);
+}
+
 // Conversions of a few bytes among many kept ones, and a load adopting a
 // prefetch, read whole files and convert out of them, across chunk edges too.
 TEST(HostConvertTest, MostlyKeptAndAdoptedLoadsConvertOutOfWholeFiles) {

@@ -424,6 +424,33 @@ TEST_F(PoolTest, IdleReservationsAreEvictedToMakeRoom) {
   EXPECT_EQ(env_.mapped_bytes(), static_cast<std::int64_t>(4 * MiB));
 }
 
+// blocks_available() is what a kFail pool hands out before it fails: free
+// blocks of the class, and new reservations in the unreserved budget and in
+// idle reservations of other classes.
+TEST_F(PoolTest, BlocksAvailableIsWhatAFailingBudgetHandsOut) {
+  EXPECT_EQ(make()->blocks_available(MiB), SIZE_MAX);  // no budget
+  PoolOptions options = budget(12 * MiB, WhenFull::kFail);
+  options.slab_bytes = 2 * MiB;  // 256 KiB blocks share slabs, eight to one
+  auto pool = make(options);
+  auto held = pool->allocate(3 * MiB);
+  pool->allocate(4 * MiB).reset();  // idle, of another class
+  std::vector<std::shared_ptr<Block>> small;
+  for (int i = 0; i < 3; ++i) small.push_back(pool->allocate(256 * KiB));
+  small.pop_back();  // one free block in a shared slab
+  const std::size_t available = pool->blocks_available(256 * KiB);
+  EXPECT_GT(available, 8u);
+  std::size_t handed_out = 0;
+  try {
+    for (;;) {
+      small.push_back(pool->allocate(256 * KiB));
+      ++handed_out;
+    }
+  } catch (const OutOfMemoryError&) {
+  }
+  EXPECT_EQ(handed_out, available);
+  EXPECT_EQ(pool->blocks_available(256 * KiB), 0u);
+}
+
 TEST_F(PoolTest, WaiterProceedsWhenAnotherThreadFrees) {
   auto pool = make(budget(8 * MiB, WhenFull::kWait));
   auto held = pool->allocate(6 * MiB);

@@ -128,6 +128,11 @@ class Pool {
   // What a request of `bytes` in a reservation of its own takes of the
   // budget: its size class rounded up to the backend's alignment.
   std::size_t own_reservation_for(std::size_t bytes) const noexcept;
+  // How many blocks of `bytes` the pool could hand out now without waiting:
+  // free ones of their class, and those new reservations hold within the
+  // budget that is neither reserved nor in idle reservations of other
+  // classes (which it would release first). SIZE_MAX without a budget.
+  std::size_t blocks_available(std::size_t bytes) const;
 
   struct State;
 

@@ -338,9 +338,11 @@ void convert_across_edges(const ConversionPlan& plan, const ReadPlan& read_plan,
 // threads write the chunk's tensors (kept ones copied as they are) into the
 // output blocks and release the staging block at once. Before each read a
 // reader waits, holding nothing, while kDirectReadsInFlight + 2 x threads
-// chunks are admitted and not yet converted, so the load holds its output
-// plus those chunks: 772 MB at the peak for that file, within a 923 MB
-// budget. The few elements across a chunk edge convert at the end from
+// chunks are admitted and not yet converted, or fewer where the budget
+// holds fewer staging blocks beside the output (Pool::blocks_available; a
+// chunk's block is back in the pool before its slot is), so the load holds
+// its output plus those chunks: 772 MB at the peak for that file, within a
+// 923 MB budget. The few elements across a chunk edge convert at the end from
 // 8 bytes kept at each chunk edge.
 // Staging is not the default. With both pools in huge pages it took the
 // same time as whole-file reads (fp8-bench, 20 rounds alternating: fp32 ->
@@ -353,12 +355,13 @@ void convert_across_edges(const ConversionPlan& plan, const ReadPlan& read_plan,
 // in the sink instead, holding a CPU slot, had the other readers spinning
 // on the slots (sched_yield); hence the gate before the read.
 HostConversions::HostConversions(Env* env, const ConversionPlan& plan, const ReadPlan& read_plan,
-                                 const std::vector<std::shared_ptr<Block>>& out_blocks, unsigned threads)
+                                 const std::vector<std::shared_ptr<Block>>& out_blocks, unsigned threads,
+                                 std::size_t staging_blocks)
     : env_(env),
       plan_(plan),
       read_plan_(read_plan),
       out_blocks_(out_blocks),
-      max_admitted_(kDirectReadsInFlight + 2 * std::size_t{threads}),
+      max_admitted_(std::min(kDirectReadsInFlight + 2 * std::size_t{threads}, staging_blocks)),
       edges_(plan.staged ? read_plan.chunks.size() : 0) {
   threads_.reserve(threads);
   for (unsigned i = 0; i < threads; ++i) threads_.emplace_back([this](std::stop_token stop) { run(stop); });

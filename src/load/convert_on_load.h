@@ -102,16 +102,20 @@ void convert_chunk(Env* env, const ConversionPlan& plan, const ReadChunk& c, con
 class HostConversions {
  public:
   // `plan`, `read_plan` and `out_blocks` must outlive this object;
-  // `threads` >= 1.
+  // `threads` >= 1. Staged: `staging_blocks` (>= 1) bounds the chunks
+  // admitted at once below kDirectReadsInFlight + 2 x threads, where the
+  // budget holds fewer staging blocks.
   HostConversions(Env* env, const ConversionPlan& plan, const ReadPlan& read_plan,
-                  const std::vector<std::shared_ptr<Block>>& out_blocks, unsigned threads);
+                  const std::vector<std::shared_ptr<Block>>& out_blocks, unsigned threads,
+                  std::size_t staging_blocks = SIZE_MAX);
   // Waits for the conversions queued (also after a failed load).
   ~HostConversions();
   HostConversions(const HostConversions&) = delete;
   HostConversions& operator=(const HostConversions&) = delete;
 
   // Staged: waits (until `stop`) while kDirectReadsInFlight + 2 x threads
-  // chunks are admitted and not yet converted; then admits one more.
+  // chunks (or `staging_blocks`) are admitted and not yet converted; then
+  // admits one more.
   void admit(std::stop_token stop);
   // Queues chunk `c`, whose bytes are at `block->data() + offset`.
   void submit(const ReadChunk& c, std::shared_ptr<Block> block, std::size_t offset);

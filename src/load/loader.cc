@@ -138,15 +138,20 @@ struct ConvertedMemory {
   std::vector<std::shared_ptr<DeviceBuffer>> buffers;
 };
 
-ConvertedMemory allocate_converted(const detail::ConversionPlan& conversions, std::size_t files, Device* device,
-                                   Pool& pool, std::stop_token stop) {
+ConvertedMemory allocate_converted(const detail::ConversionPlan& conversions, const Checkpoint& checkpoint,
+                                   Device* device, Pool& pool, std::stop_token stop) {
+  const std::size_t files = checkpoint.files.size();
   ConvertedMemory out{std::vector<std::shared_ptr<Block>>(files), std::vector<std::shared_ptr<DeviceBuffer>>(files)};
   for (std::size_t i = 0; i < files && !conversions.empty(); ++i) {
     if (conversions.out_bytes[i] == 0) continue;
     if (device != nullptr) {
       out.buffers[i] = device->allocate(conversions.out_bytes[i]);
-    } else {
+      continue;
+    }
+    try {
       out.blocks[i] = pool.allocate(conversions.out_bytes[i], stop);
+    } catch (const OutOfMemoryError& e) {
+      throw OutOfMemoryError(e.message() + " (the file's converted output)", ErrorContext{checkpoint.files[i].path});
     }
   }
   return out;
@@ -355,6 +360,24 @@ void record_template(const Checkpoint& checkpoint, const ReadSession& s, const s
 
 namespace {
 
+// How many staging blocks a staged conversion's budget holds beside what is
+// in use (its output blocks among it): at least one, else OutOfMemoryError
+// naming the first file.
+std::size_t staging_blocks_within_budget(const Pool& pool, const ReadPlan& plan, std::size_t block_size) {
+  std::size_t largest = block_size;
+  for (const ReadChunk& c : plan.chunks) largest = std::max<std::size_t>(largest, c.length);
+  const std::uint64_t capacity = pool.options().capacity_bytes;
+  const std::uint64_t in_use = pool.stats().in_use_bytes;
+  const std::size_t blocks = pool.blocks_available(largest);
+  if (blocks == 0) {
+    throw OutOfMemoryError("pool budget of " + std::to_string(capacity) + " bytes holds the converted output (" +
+                               std::to_string(in_use) + " bytes in use) but no staging block of " +
+                               std::to_string(largest) + " bytes beside it",
+                           ErrorContext{plan.files.empty() ? std::string{} : plan.files.front().path});
+  }
+  return blocks;
+}
+
 // InvalidArgumentError unless a staging pool of `capacity` bytes holds one
 // read block of `block_bytes`.
 void require_one_block(std::uint64_t capacity, std::uint64_t block_bytes) {
@@ -510,7 +533,7 @@ StateDict Loader::run(const Checkpoint& checkpoint, const LoadRequest& request, 
   if (device != nullptr) pipeline.emplace(*device, options_.target.copy, checkpoint);
   static const std::vector<std::shared_ptr<DeviceBuffer>> kNoBuffers;
   const std::vector<std::shared_ptr<DeviceBuffer>>& device_buffers = pipeline ? pipeline->buffers() : kNoBuffers;
-  const ConvertedMemory converted = allocate_converted(conversions, s.file_count(), device, *pool_, stop);
+  const ConvertedMemory converted = allocate_converted(conversions, checkpoint, device, *pool_, stop);
   TensorIndex index = index_tensors(checkpoint, s, device_buffers, conversions, converted);
   TensorHandOut hand_out(s.plan(), checkpoint, index.tensors, *counters, device == nullptr && conversions.empty(),
                          !conversions.empty(), s.budgeted() ? &s : nullptr);
@@ -527,17 +550,22 @@ StateDict Loader::run(const Checkpoint& checkpoint, const LoadRequest& request, 
   std::optional<detail::HostConversions> host_conversions;
   if (device == nullptr && !conversions.empty()) {
     const unsigned cpus = std::max(1u, std::thread::hardware_concurrency());
-    host_conversions.emplace(env_, conversions, s.plan(), converted.blocks, std::min(options_.threads, cpus));
+    std::size_t staging_blocks = SIZE_MAX;
+    if (conversions.staged) staging_blocks = staging_blocks_within_budget(*pool_, s.plan(), options_.block_size);
+    host_conversions.emplace(env_, conversions, s.plan(), converted.blocks, std::min(options_.threads, cpus),
+                             staging_blocks);
   }
 
   // Wiring reads to copies: after each chunk, its host conversions (queued),
   // its tensors that became ready and its copy to the device.
   auto on_read = [&](std::size_t i, std::shared_ptr<Block> block, std::size_t block_offset) {
     const ReadChunk& c = s.plan().chunks[i];
-    if (host_conversions) host_conversions->submit(c, block, block_offset);
     // HandOut::kStream: the file's tensors are all out and no reader
     // touches its block again, so the callers' tensors alone hold it.
     if (hand_out.arrived(c, block) && counters->stream) s.release_block(c.file);
+    // The block goes last, so a staged chunk's block is back in the pool
+    // when its conversion ends and lets the next reader in.
+    if (host_conversions) host_conversions->submit(c, std::move(block), block_offset);
     if (pipeline) pipeline->submit(s.plan(), c, std::move(block), block_offset);
   };
   std::exception_ptr error;

@@ -178,6 +178,29 @@ std::size_t Pool::own_reservation_for(std::size_t bytes) const noexcept {
   return cls == SIZE_MAX ? SIZE_MAX : state_->own_reservation(cls);
 }
 
+std::size_t Pool::blocks_available(std::size_t bytes) const {
+  const State& s = *state_;
+  const std::uint64_t capacity = s.options.capacity_bytes;
+  const std::size_t cls = size_class(std::max<std::size_t>(bytes, 1));
+  if (cls == SIZE_MAX) return 0;
+  if (capacity == 0) return SIZE_MAX;
+  std::lock_guard lock(s.mu);
+  std::size_t blocks = 0;
+  if (const auto it = s.free_lists.find(cls); it != s.free_lists.end()) blocks = it->second.size();
+  std::uint64_t room = capacity - std::min<std::uint64_t>(capacity, s.stats.reserved_bytes);
+  for (const Slab& slab : s.slabs) {
+    if (slab.block_class != cls && slab.blocks_free == slab.blocks_total) room += slab.range.bytes;
+  }
+  // New reservations: shared slabs first where the class takes them, then
+  // reservations of its own (Note [Size classes]).
+  if (const std::size_t slab = s.reservation_for(cls); slab != s.own_reservation(cls)) {
+    blocks += static_cast<std::size_t>(room / slab) * (slab / cls);
+    room %= slab;
+  }
+  const std::size_t own = s.own_reservation(cls);
+  return blocks + static_cast<std::size_t>(room / own) * (own / cls);
+}
+
 const PoolOptions& Pool::options() const noexcept { return state_->options; }
 std::string_view Pool::backend_name() const noexcept { return state_->backend->name(); }
 
