@@ -169,23 +169,46 @@ void expect_bf16_of(const Tensor& t, const std::uint8_t* src, std::size_t n) {
   }
 }
 
+// fp32_checkpoint() of 96 tensors in a temporary directory.
+struct Fp32File {
+  static constexpr int kTensors = 96;
+  TempDir dir;
+  std::string path = dir.file("f32.safetensors");
+  std::vector<std::uint8_t> data = fp32_checkpoint(path, kTensors);
+};
+
+// Each fp32 tensor of `file` in `sd` as its bf16 conversion.
+void expect_bf16_weights(const StateDict& sd, const Fp32File& file) {
+  std::size_t at = 6;
+  for (int i = 0; i < Fp32File::kTensors; ++i) {
+    const std::size_t n = 257u * static_cast<std::size_t>(129 + i);
+    expect_bf16_of(sd.at("t." + std::to_string(i) + ".weight"), file.data.data() + at, n);
+    at += n * 4;
+  }
+}
+
+// Loads to bf16 in `block_size` chunks on two threads.
+LoadOptions to_bf16(std::size_t block_size) {
+  LoadOptions options;
+  options.dtype.to = DType::kBF16;
+  options.block_size = block_size;
+  options.threads = 2;
+  return options;
+}
+
 // A load whose conversions are most of its bytes, into a pool whose budget
 // cannot hold the file and its output together, streams its chunks through
 // staging blocks (Note [Staged conversion]): it fits, the pool never holds
 // the stored bytes whole, the kept tensor is copied, every element is right.
 // Without the budget the same load reads the whole file.
 TEST(HostConvertTest, AStagedLoadHoldsItsOutputAndAFewChunks) {
-  TempDir dir;
-  const std::string path = dir.file("f32.safetensors");
-  constexpr int kTensors = 96;
-  const std::vector<std::uint8_t> data = fp32_checkpoint(path, kTensors);
-  LoadOptions options;
-  options.dtype.to = DType::kBF16;
-  options.block_size = 64 * 1024;
-  options.threads = 2;
+  const Fp32File file;
+  const std::string& path = file.path;
+  const std::vector<std::uint8_t>& data = file.data;
+  const LoadOptions options = to_bf16(64 * 1024);
   // At most: the bf16 output block, and a staging block per direct read in
   // flight, per chunk queued (2 x threads) and per converting thread.
-  const std::size_t output = Pool::size_class(data.size() / 2 + 64 * (kTensors + 1));
+  const std::size_t output = Pool::size_class(data.size() / 2 + 64 * (Fp32File::kTensors + 1));
   const std::size_t chunks = kDirectReadsInFlight + 3 * options.threads;
   const std::size_t staged_most = output + chunks * Pool::size_class(options.block_size);
   ASSERT_LT(staged_most, data.size());
@@ -197,16 +220,11 @@ TEST(HostConvertTest, AStagedLoadHoldsItsOutputAndAFewChunks) {
   const Loader loader(options, Pool::create_default(budget));
   for (int round = 0; round < 2; ++round) {
     const StateDict sd = loader.load({path});
-    ASSERT_EQ(sd.size(), kTensors + 1u);
+    ASSERT_EQ(sd.size(), Fp32File::kTensors + 1u);
     const Tensor& bias = sd.at("head.bias");
     ASSERT_EQ(bias.dtype(), DType::kBF16);
     ASSERT_EQ(0, std::memcmp(bias.data(), data.data(), 6));
-    std::size_t at = 6;
-    for (int i = 0; i < kTensors; ++i) {
-      const std::size_t n = 257u * static_cast<std::size_t>(129 + i);
-      expect_bf16_of(sd.at("t." + std::to_string(i) + ".weight"), data.data() + at, n);
-      at += n * 4;
-    }
+    expect_bf16_weights(sd, file);
   }
   const PoolStats stats = loader.pool()->stats();
   EXPECT_LE(stats.peak_in_use_bytes, staged_most);
@@ -221,10 +239,9 @@ TEST(HostConvertTest, AStagedLoadHoldsItsOutputAndAFewChunks) {
 // classes in whole reservations), not of its bytes: a budget with room for
 // the file's and the output's bytes, but not for their blocks, stages.
 TEST(HostConvertTest, ABudgetWithRoomForTheBytesButNotTheBlocksStages) {
-  TempDir dir;
-  const std::string path = dir.file("f32.safetensors");
-  constexpr int kTensors = 96;
-  const std::vector<std::uint8_t> data = fp32_checkpoint(path, kTensors);
+  const Fp32File file;
+  const std::string& path = file.path;
+  const std::vector<std::uint8_t>& data = file.data;
   const std::size_t output = data.size() / 2;  // about: the header is small
   const std::shared_ptr<Pool> probe = Pool::create_default(PoolOptions{});
   const std::size_t bytes = data.size() + output;
@@ -233,20 +250,12 @@ TEST(HostConvertTest, ABudgetWithRoomForTheBytesButNotTheBlocksStages) {
   PoolOptions budget;
   budget.slab_bytes = 4u << 20;
   budget.capacity_bytes = (bytes + blocks) / 2;
-  LoadOptions options;
-  options.dtype.to = DType::kBF16;
-  options.block_size = 64 * 1024;
-  options.threads = 2;
+  const LoadOptions options = to_bf16(64 * 1024);
   const Loader loader(options, Pool::create_default(budget));
   for (int round = 0; round < 2; ++round) {
     const StateDict sd = loader.load({path});
-    ASSERT_EQ(sd.size(), kTensors + 1u);
-    std::size_t at = 6;
-    for (int i = 0; i < kTensors; ++i) {
-      const std::size_t n = 257u * static_cast<std::size_t>(129 + i);
-      expect_bf16_of(sd.at("t." + std::to_string(i) + ".weight"), data.data() + at, n);
-      at += n * 4;
-    }
+    ASSERT_EQ(sd.size(), Fp32File::kTensors + 1u);
+    expect_bf16_weights(sd, file);
   }
   EXPECT_LT(loader.pool()->stats().peak_in_use_bytes, data.size());
 }
@@ -256,17 +265,13 @@ TEST(HostConvertTest, ABudgetWithRoomForTheBytesButNotTheBlocksStages) {
 // more (under WhenFull::kFail, one more failed it). With room for the
 // output and no staging block, the load fails at once, naming the file.
 TEST(HostConvertTest, AStagedLoadAdmitsTheChunksItsBudgetHolds) {
-  TempDir dir;
-  const std::string path = dir.file("f32.safetensors");
-  constexpr int kTensors = 96;
-  const std::vector<std::uint8_t> data = fp32_checkpoint(path, kTensors);
-  LoadOptions options;
-  options.dtype.to = DType::kBF16;
-  options.block_size = 1u << 20;
-  options.threads = 2;
+  const Fp32File file;
+  const std::string& path = file.path;
+  const std::vector<std::uint8_t>& data = file.data;
+  const LoadOptions options = to_bf16(1u << 20);
   PoolOptions budget;
   budget.slab_bytes = 4u << 20;  // a slab holds four 1 MiB staging blocks
-  const std::size_t output = Pool::create_default(budget)->own_reservation_for(data.size() / 2 + 64 * (kTensors + 1));
+  const std::size_t output = Pool::create_default(budget)->own_reservation_for(data.size() / 2 + 64 * (Fp32File::kTensors + 1));
   budget.capacity_bytes = output + budget.slab_bytes + (1u << 20);  // the rest holds no 2 MiB reservation
   {
     const Loader loader(options, Pool::create_default(budget));
@@ -276,12 +281,7 @@ TEST(HostConvertTest, AStagedLoadAdmitsTheChunksItsBudgetHolds) {
     }
     for (int round = 0; round < 2; ++round) {
       const StateDict sd = loader.load({path});
-      std::size_t at = 6;
-      for (int i = 0; i < kTensors; ++i) {
-        const std::size_t n = 257u * static_cast<std::size_t>(129 + i);
-        expect_bf16_of(sd.at("t." + std::to_string(i) + ".weight"), data.data() + at, n);
-        at += n * 4;
-      }
+      expect_bf16_weights(sd, file);
     }
     EXPECT_LE(loader.pool()->stats().peak_in_use_bytes, output + 4 * options.block_size);
   }

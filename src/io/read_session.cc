@@ -677,6 +677,10 @@ void ReadSession::execute(const std::vector<std::size_t>& todo, unsigned threads
   if (auto e = first_error.get()) std::rethrow_exception(e);
 }
 
+std::uint64_t file_block_charge(const Pool& pool, const CheckpointFile& cf) {
+  return pool.own_reservation_for(cf.stat.size + std::max<std::uint64_t>(cf.stat.dio_offset_align, kFallbackDirectAlign));
+}
+
 bool same_files(const Checkpoint& a, const Checkpoint& b) {
   if (a.files.size() != b.files.size()) return false;
   for (std::size_t i = 0; i < a.files.size(); ++i) {

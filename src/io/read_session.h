@@ -249,5 +249,9 @@ class ReadSession {
 // Whether `checkpoint` names the same files as the session, in the same order.
 bool same_files(const Checkpoint& a, const Checkpoint& b);
 
+// What the block of `cf` takes of `pool`'s budget at most: the file widened
+// to its direct-I/O alignment, in its size class and whole reservation.
+std::uint64_t file_block_charge(const Pool& pool, const CheckpointFile& cf);
+
 }  // namespace detail
 }  // namespace pinload

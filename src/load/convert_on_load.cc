@@ -13,6 +13,7 @@
 #include <unordered_map>
 
 #include "format/dtype_convert.h"
+#include "io/read_session.h"
 #include "memory/first_touch.h"
 #include "pinload/error.h"
 #include "pinload/loader.h"
@@ -214,8 +215,7 @@ ConversionPlan plan_conversions(Env* env, const Checkpoint& checkpoint, const DT
     std::uint64_t converted = 0, as_stored = 0, whole = 0;
     for (const TensorConversion& t : plan.tensors) converted += t.in_bytes();
     for (std::size_t f = 0; f < n; ++f) {
-      const CheckpointFile& cf = checkpoint.files[f];
-      whole += budgeted->own_reservation_for(cf.stat.size + std::max<std::uint64_t>(cf.stat.dio_offset_align, 4096));
+      whole += file_block_charge(*budgeted, checkpoint.files[f]);
       if (plan.out_bytes[f] != 0) whole += budgeted->own_reservation_for(plan.out_bytes[f]);
       for (std::size_t i = 0; i < plan.role[f].size(); ++i) {
         if (plan.role[f][i] == kKeptTensor) as_stored += checkpoint.files[f].header.tensors[i].nbytes();

@@ -514,9 +514,7 @@ StateDict Loader::run(const Checkpoint& checkpoint, const LoadRequest& request, 
       // More than all blocks can take (a file's aligned range, a size class,
       // whole reservations, one shared slab): past the budget, reads may wait.
       std::uint64_t most = PoolOptions{}.slab_bytes;
-      for (const CheckpointFile& cf : checkpoint.files) {
-        most += pool_->own_reservation_for(cf.stat.size + std::max<std::uint64_t>(cf.stat.dio_offset_align, 4096));
-      }
+      for (const CheckpointFile& cf : checkpoint.files) most += detail::file_block_charge(*pool_, cf);
       if (most > budget) read_options.files_in_flight = 1;
     }
     std::unique_ptr<ReadSession> opened =

@@ -193,11 +193,11 @@ std::size_t Pool::blocks_available(std::size_t bytes) const {
   }
   // New reservations: shared slabs first where the class takes them, then
   // reservations of its own (Note [Size classes]).
-  if (const std::size_t slab = s.reservation_for(cls); slab != s.own_reservation(cls)) {
-    blocks += static_cast<std::size_t>(room / slab) * (slab / cls);
-    room %= slab;
+  const std::size_t preferred = s.reservation_for(cls), own = s.own_reservation(cls);
+  if (preferred != own) {
+    blocks += static_cast<std::size_t>(room / preferred) * (preferred / cls);
+    room %= preferred;
   }
-  const std::size_t own = s.own_reservation(cls);
   return blocks + static_cast<std::size_t>(room / own) * (own / cls);
 }
 
