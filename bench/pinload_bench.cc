@@ -1151,16 +1151,17 @@ int run(const Args& args) {
   m.cold_reused = summarize_loads(run, loads);
   if (args.has("sweep")) sweep_phase(run, loads);
   if (args.has("switch")) m.switch_ratio = switch_phase(run, loads, target_device.get());
+  // Before the pool phase, which gives the run's pool back.
+  if (run.results.contains("pool_memory")) {  // Note [Huge pages for a kept pool]: what the idle pool became
+    run.results["pool_memory"]["collapsed_bytes_at_end"] = loads.pool->stats().collapsed_bytes;
+    run.results["pool_memory"]["anon_huge_pages_delta_bytes_at_end"] = meminfo("AnonHugePages") - loads.anon_huge_before;
+  }
   if (args.has("pool")) pool_phase(run, loads);
   if (args.has("device")) {
     m.device = device_phase(args, target_device.get(), run.files, [&] { return run.drop(); }, m.cold_rounds.fio_best);
     run.results["device"] = m.device->results;
   }
 
-  if (run.results.contains("pool_memory")) {  // Note [Huge pages for a kept pool]: what the idle pool became
-    run.results["pool_memory"]["collapsed_bytes_at_end"] = loads.pool->stats().collapsed_bytes;
-    run.results["pool_memory"]["anon_huge_pages_delta_bytes_at_end"] = meminfo("AnonHugePages") - loads.anon_huge_before;
-  }
   out["drop_cache_method"] = run.drop_method.empty() ? "none" : run.drop_method;
   out["host"]["loadavg_at_end"] = read_first_line("/proc/loadavg");
   out["results"] = run.results;
