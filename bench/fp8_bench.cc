@@ -270,8 +270,7 @@ int main(int argc, char** argv) {
     std::map<std::string, double> peak_bytes;
     for (const Case& c : cases) {
       if (c.loader == nullptr) continue;
-      const Loader own(c.loader->options(), c.loader->pool() == kept_pool ? Pool::create_default()
-                                                                          : Pool::create_default(budget));
+      const Loader own(c.loader->options(), Pool::create_default(c.loader->pool()->options()));
       (void)drop_cache({bf16, fp8, fp32});  // cold, as timed: read, not mapped (Note [Zero-copy loads])
       (void)own.load({c.file});
       peak_bytes[c.name] = static_cast<double>(own.pool()->stats().peak_in_use_bytes);
