@@ -16,6 +16,7 @@
 
 #include "format/dtype_bits.h"
 #include "format/dtype_convert.h"
+#include "load/convert_on_load.h"
 #include "pinload/device.h"
 #include "pinload/error.h"
 #include "pinload/loader.h"
@@ -196,68 +197,65 @@ LoadOptions to_bf16(std::size_t block_size) {
   return options;
 }
 
-// A load whose conversions are most of its bytes, into a pool whose budget
-// cannot hold the file and its output together, streams its chunks through
-// staging blocks (Note [Staged conversion]): it fits, the pool never holds
-// the stored bytes whole, the kept tensor is copied, every element is right.
-// Without the budget the same load reads the whole file.
-TEST(HostConvertTest, AStagedLoadHoldsItsOutputAndAFewChunks) {
-  const Fp32File file;
-  const std::string& path = file.path;
-  const std::vector<std::uint8_t>& data = file.data;
-  const LoadOptions options = to_bf16(64 * 1024);
-  // At most: the bf16 output block, and a staging block per direct read in
-  // flight, per chunk queued (2 x threads) and per converting thread.
-  const std::size_t output = Pool::size_class(data.size() / 2 + 64 * (Fp32File::kTensors + 1));
-  const std::size_t chunks = kDirectReadsInFlight + 3 * options.threads;
-  const std::size_t staged_most = output + chunks * Pool::size_class(options.block_size);
-  ASSERT_LT(staged_most, data.size());
-  // A budget for the output's own reservation and two slabs of small blocks.
-  PoolOptions budget;
-  budget.slab_bytes = 4u << 20;
-  budget.capacity_bytes = (output + (2u << 20) - 1) / (2u << 20) * (2u << 20) + 2 * budget.slab_bytes;
-  ASSERT_LT(budget.capacity_bytes, data.size() + data.size() / 2);  // the whole file and its output do not fit
-  const Loader loader(options, Pool::create_default(budget));
-  for (int round = 0; round < 2; ++round) {
-    const StateDict sd = loader.load({path});
-    ASSERT_EQ(sd.size(), Fp32File::kTensors + 1u);
-    const Tensor& bias = sd.at("head.bias");
-    ASSERT_EQ(bias.dtype(), DType::kBF16);
-    ASSERT_EQ(0, std::memcmp(bias.data(), data.data(), 6));
-    expect_bf16_weights(sd, file);
+// A load whose conversions are most of its bytes streams its chunks through
+// a ring of staging blocks (Note [Staged conversion], Note [Conversion
+// ring]), with or without a budget: the pool holds the bf16 output and the
+// ring, never the stored bytes whole; the kept tensor is copied; every
+// element is right.
+TEST(HostConvertTest, AConvertingLoadHoldsItsOutputAndItsRing) {
+  TempDir dir;
+  std::mt19937_64 rng(13);
+  constexpr int kTensors = 96;
+  constexpr std::size_t kElements = 256 * 1024;  // 1 MiB of fp32 each
+  std::vector<testing::TensorSpec> specs;
+  specs.push_back({"head.bias", "BF16", {3}});
+  for (int i = 0; i < kTensors; ++i) specs.push_back({"t." + std::to_string(i) + ".weight", "F32", {256, 1024}});
+  testing::FileImage image = testing::make_image(specs, rng);
+  for (std::size_t i = 6 + 3; i < image.data.size(); i += 4) image.data[i] &= 0x3F;  // finite, |x| < 2
+  const std::string path = dir.file("f32.safetensors");
+  testing::write_file(path, image.bytes());
+  const std::vector<std::uint8_t>& data = image.data;
+  std::vector<std::uint16_t> expected(kElements * kTensors);
+  for (std::size_t k = 0; k < expected.size(); ++k) {
+    float f = 0;
+    std::memcpy(&f, data.data() + 6 + k * 4, 4);
+    expected[k] = bits::f32_to_bf16(f);
   }
-  const PoolStats stats = loader.pool()->stats();
-  EXPECT_LE(stats.peak_in_use_bytes, staged_most);
-  EXPECT_LT(stats.peak_in_use_bytes, data.size());
-  EXPECT_EQ(stats.live_blocks, 0u);
-  const Loader unbudgeted(options);
-  (void)unbudgeted.load({path});
-  EXPECT_GE(unbudgeted.pool()->stats().peak_in_use_bytes, data.size());
+  auto check = [&](const StateDict& sd) {
+    ASSERT_EQ(sd.size(), kTensors + 1u);
+    ASSERT_EQ(0, std::memcmp(sd.at("head.bias").data(), data.data(), 6));
+    for (int i = 0; i < kTensors; ++i) {
+      const Tensor& t = sd.at("t." + std::to_string(i) + ".weight");
+      ASSERT_EQ(t.dtype(), DType::kBF16);
+      ASSERT_EQ(t.nbytes(), kElements * 2);
+      ASSERT_EQ(0, std::memcmp(t.data(), expected.data() + i * kElements, kElements * 2)) << t.name();
+    }
+  };
+  LoadOptions options;
+  options.dtype.to = DType::kBF16;
+  options.threads = 2;
+  const std::size_t output = Pool::size_class(data.size() / 2 + 64 * (kTensors + 1));
+  const std::size_t ring =
+      detail::conversion_ring_chunks(options.block_size, 0, options.threads) * Pool::size_class(options.block_size);
+  ASSERT_LT(output + ring, data.size());
+  PoolOptions budget;
+  budget.capacity_bytes = Pool::create_default()->own_reservation_for(output) + ring;
+  for (const std::shared_ptr<Pool>& pool : {Pool::create_default(), Pool::create_default(budget)}) {
+    const Loader loader(options, pool);
+    for (int round = 0; round < 2; ++round) check(loader.load({path}));
+    const PoolStats stats = pool->stats();
+    EXPECT_LE(stats.peak_in_use_bytes, output + ring);
+    EXPECT_EQ(stats.live_blocks, 0u);
+  }
 }
 
-// Whether a load fits a budget is a matter of the blocks it takes (size
-// classes in whole reservations), not of its bytes: a budget with room for
-// the file's and the output's bytes, but not for their blocks, stages.
-TEST(HostConvertTest, ABudgetWithRoomForTheBytesButNotTheBlocksStages) {
-  const Fp32File file;
-  const std::string& path = file.path;
-  const std::vector<std::uint8_t>& data = file.data;
-  const std::size_t output = data.size() / 2;  // about: the header is small
-  const std::shared_ptr<Pool> probe = Pool::create_default(PoolOptions{});
-  const std::size_t bytes = data.size() + output;
-  const std::size_t blocks = probe->own_reservation_for(data.size() + 4096) + probe->own_reservation_for(output);
-  ASSERT_GT(blocks, bytes + (1u << 20));
-  PoolOptions budget;
-  budget.slab_bytes = 4u << 20;
-  budget.capacity_bytes = (bytes + blocks) / 2;
-  const LoadOptions options = to_bf16(64 * 1024);
-  const Loader loader(options, Pool::create_default(budget));
-  for (int round = 0; round < 2; ++round) {
-    const StateDict sd = loader.load({path});
-    ASSERT_EQ(sd.size(), Fp32File::kTensors + 1u);
-    expect_bf16_weights(sd, file);
-  }
-  EXPECT_LT(loader.pool()->stats().peak_in_use_bytes, data.size());
+// The ring holds kConversionRingBytes of chunks, at least two; over a
+// network, a chunk per reader and two per converting thread.
+TEST(HostConvertTest, TheRingHoldsItsBytesOrEveryNetworkReader) {
+  EXPECT_EQ(detail::conversion_ring_chunks(8u << 20, 0, 2), detail::kConversionRingBytes / (8u << 20));
+  EXPECT_EQ(detail::conversion_ring_chunks(64u << 10, 0, 2), detail::kConversionRingBytes / (64u << 10));
+  EXPECT_EQ(detail::conversion_ring_chunks(detail::kConversionRingBytes, 0, 2), 2u);
+  EXPECT_EQ(detail::conversion_ring_chunks(8u << 20, 16, 2), 20u);
 }
 
 // A budget with room for the output and a few staging blocks, fewer than

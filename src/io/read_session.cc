@@ -449,11 +449,10 @@ std::unique_ptr<ReadSession> ReadSession::open(Env* env, const LoadOptions& opti
   PlanOptions plan_options{options.block_size, options.files_in_flight};
   s->plan_ = make_read_plan(std::move(reads), plan_options);
   // Note [Tapered tail] in read_plan.h: where the load ends in direct reads
-  // into pool blocks, not into staging blocks within a budget (each is the
-  // block size whatever the read, so short reads would leave fewer in flight).
+  // into pool blocks, not into staging blocks (each is the block size
+  // whatever the read, so short reads would leave fewer in flight).
   const std::uint64_t taper_bytes = std::uint64_t{kDirectReadsInFlight} * kTaperBlockSize;
-  const bool budgeted_staging = s->streaming() && s->staging_pool_->options().capacity_bytes != 0;
-  if (s->plan_.total_bytes > 4 * taper_bytes && !budgeted_staging && s->remote_threads_ == 0 && s->min_threads_ == 0 &&
+  if (s->plan_.total_bytes > 4 * taper_bytes && !s->streaming() && s->remote_threads_ == 0 && s->min_threads_ == 0 &&
       ends_in_direct_reads(env, options, *s->files_[s->plan_.chunks.back().file])) {
     plan_options.taper_bytes = taper_bytes;
     plan_options.taper_block_size = kTaperBlockSize;
@@ -595,7 +594,7 @@ void ReadSession::execute(const std::vector<std::size_t>& todo, unsigned threads
     ~Idle() { executing.store(false, std::memory_order_release); }
   } idle{executing_};
   const detail::ReadsInFlight reading;  // Note [Huge pages for a kept pool]
-  threads = remote_threads_ != 0 ? remote_threads_ : std::max(threads, min_threads_);  // Note [Remote reads]
+  if (const unsigned network = network_readers(threads); network != 0) threads = network;  // Note [Remote reads]
   threads = std::max(threads, 1u);
   std::counting_semaphore<kMaxThreads> cpu_slots(threads);
   // Note [Direct reads in flight]: readers beyond `threads` only wait on the device.
@@ -675,6 +674,11 @@ void ReadSession::execute(const std::vector<std::size_t>& todo, unsigned threads
                chooser_.faster() == CachedReadChooser::kMap ? "map" : "pread");
   }
   if (auto e = first_error.get()) std::rethrow_exception(e);
+}
+
+unsigned ReadSession::network_readers(unsigned threads) const noexcept {
+  if (remote_threads_ != 0) return remote_threads_;
+  return min_threads_ != 0 ? std::max(threads, min_threads_) : 0;
 }
 
 std::uint64_t file_block_charge(const Pool& pool, const CheckpointFile& cf) {

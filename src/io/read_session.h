@@ -187,6 +187,10 @@ class ReadSession {
   const Checkpoint& checkpoint() const noexcept { return checkpoint_; }
   const ReadPlan& plan() const noexcept { return plan_; }
   bool streaming() const noexcept { return staging_pool_ != nullptr; }
+  // The readers execute(threads) starts for files read over a network: a
+  // remote object's connections, or at least the connections a network
+  // filesystem wants (Note [Remote reads]); 0 where every file is local.
+  unsigned network_readers(unsigned threads) const noexcept;
   std::size_t file_count() const noexcept { return files_.size(); }
   // File `i`'s block (null in streaming mode, or before allocate_blocks).
   const std::shared_ptr<Block>& block(std::size_t i) const { return files_[i]->block; }

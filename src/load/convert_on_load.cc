@@ -91,7 +91,7 @@ ElementConversion TensorConversion::conversion(std::uint64_t first, std::uint64_
 }
 
 ConversionPlan plan_conversions(Env* env, const Checkpoint& checkpoint, const DTypeOptions& options,
-                                const Pool* budgeted) {
+                                bool may_stage) {
   ConversionPlan plan;
   const std::size_t n = checkpoint.files.size();
   plan.by_file.resize(n);
@@ -206,22 +206,15 @@ ConversionPlan plan_conversions(Env* env, const Checkpoint& checkpoint, const DT
     }
   }
   // Note [Staged conversion]: kept tensors are copied into the output blocks.
-  if (budgeted != nullptr) {
-    // What the blocks take of the budget (size classes, whole reservations),
-    // not their bytes: a budget with room for the bytes may have none for
-    // the blocks.
-    const std::uint64_t capacity = budgeted->options().capacity_bytes;
-    const std::uint64_t room = capacity - std::min<std::uint64_t>(capacity, budgeted->stats().in_use_bytes);
-    std::uint64_t converted = 0, as_stored = 0, whole = 0;
+  if (may_stage) {
+    std::uint64_t converted = 0, as_stored = 0;
     for (const TensorConversion& t : plan.tensors) converted += t.in_bytes();
     for (std::size_t f = 0; f < n; ++f) {
-      whole += file_block_charge(*budgeted, checkpoint.files[f]);
-      if (plan.out_bytes[f] != 0) whole += budgeted->own_reservation_for(plan.out_bytes[f]);
       for (std::size_t i = 0; i < plan.role[f].size(); ++i) {
         if (plan.role[f][i] == kKeptTensor) as_stored += checkpoint.files[f].header.tensors[i].nbytes();
       }
     }
-    plan.staged = converted > 0 && as_stored <= converted && whole > room;
+    plan.staged = converted > 0 && as_stored <= converted;
     for (std::size_t f = 0; f < n && plan.staged; ++f) {
       const CheckpointFile& cf = checkpoint.files[f];
       for (std::size_t i = 0; i < cf.header.tensors.size(); ++i) {
@@ -326,42 +319,52 @@ void convert_across_edges(const ConversionPlan& plan, const ReadPlan& read_plan,
 // (48 rounds each); docs/fp8.md.
 //
 // Note [Staged conversion]
-// Reading a whole file into one block and converting out of it holds the
-// stored bytes and the converted ones at once: a fp32 -> bf16 load of a
-// 906 MB file peaks at 1.41 GB of pool. Where the pool's budget has no room
-// for that (the files' and output's blocks, in their size classes and whole
-// reservations, over what the budget has left), a host load
-// that reads afresh (no prefetch to adopt) and whose conversions are at
-// least half its bytes is staged instead: the session streams each chunk
-// into a staging block of the same pool (ReadSession's streaming mode, as a
-// device load with a staging budget; the tail still tapers), the converting
+// A host load that reads afresh (no prefetch to adopt) and whose
+// conversions are at least half its bytes is staged: the session streams
+// each chunk into a staging block of the load's own pool (ReadSession's
+// streaming mode, as a device load with a staging budget), the converting
 // threads write the chunk's tensors (kept ones copied as they are) into the
-// output blocks and release the staging block at once. Before each read a
-// reader waits, holding nothing, while kDirectReadsInFlight + 2 x threads
-// chunks are admitted and not yet converted, or fewer where the budget
-// holds fewer staging blocks beside the output (Pool::blocks_available; a
-// chunk's block is back in the pool before its slot is), so the load holds
-// its output plus those chunks: 772 MB at the peak for that file, within a
-// 923 MB budget. The few elements across a chunk edge convert at the end from
-// 8 bytes kept at each chunk edge.
-// Staging is not the default. With both pools in huge pages it took the
-// same time as whole-file reads (fp8-bench, 20 rounds alternating: fp32 ->
-// bf16 0.535 s against 0.531 s, FP8 -> bf16 0.218 s against 0.217 s,
-// medians), but in 4 KiB pages (a pool before its idle collapse, or
-// PINLOAD_FRESH_PAGES=small) each 8 MiB direct read into a staging block
-// took twice as long as into a file's block (strace: 32 ms against 16 ms),
-// and FP8 -> bf16 loads 1.7 x as long; the cause is not known (a probe
-// reading into reused 4 KiB-page buffers was faster, not slower). Waiting
+// output blocks and release the staging block at once. The few elements
+// across a chunk edge convert at the end from 8 bytes kept at each edge.
+// Before each read a reader waits, holding nothing, until fewer than the
+// ring's chunks are admitted and not yet converted (Note [Conversion
+// ring]); a chunk's block is back in the pool before its slot is. Waiting
 // in the sink instead, holding a CPU slot, had the other readers spinning
 // on the slots (sched_yield); hence the gate before the read.
+// The pool never holds a file's stored bytes whole: a fp32 -> bf16 load of
+// a 906 MB file holds its 453 MB output and the ring's 32 MiB, not 1.41 GB
+// (whole-file reads).
+//
+// Note [Conversion ring]
+// Where a read lands matters on a VM: the host copies each direct read
+// into guest memory, and into a few MiB it has just written it copies
+// faster than into new memory (bench/dest_memory.py: 2.9-3.2 GB/s into one
+// reused 2 MiB buffer, 2.1-2.2 GB/s into distinct memory, same 2 MiB
+// preads; a probe with 8 MiB reads: 3.3 GB/s into a 8-16 MiB ring, 2.6
+// into 64 MiB, 2.1-2.3 into 256 MiB or more). A staged load's chunks
+// are therefore admitted into a ring of kConversionRingBytes of staging
+// blocks (at least two chunks), which the pool's free list hands back
+// block by block (last freed, first reused). Converting threads then read
+// each chunk from cache, not from memory, on any machine. fp8-bench, 906 MB
+// fp32 file, 8 MiB chunks, rings of 3, 4, 6, 8 and 12 chunks: fp32 -> bf16
+// took 0.92, 0.85, 0.92, 0.96 and 1.00 x the plain fp32 load (4 rounds
+// each; 48 chunks, the bound before the ring, had made it 1.02-1.06).
+// Remote and network-filesystem reads are many connections waiting on the
+// network: their ring holds a chunk per reader and two per converting
+// thread, so that no connection waits for a slot.
+std::size_t conversion_ring_chunks(std::size_t chunk_bytes, unsigned network_readers, unsigned threads) noexcept {
+  if (network_readers != 0) return std::size_t{network_readers} + 2 * std::size_t{threads};
+  return std::max<std::size_t>(2, kConversionRingBytes / std::max<std::size_t>(chunk_bytes, 1));
+}
+
 HostConversions::HostConversions(Env* env, const ConversionPlan& plan, const ReadPlan& read_plan,
                                  const std::vector<std::shared_ptr<Block>>& out_blocks, unsigned threads,
-                                 std::size_t staging_blocks)
+                                 std::size_t ring_chunks)
     : env_(env),
       plan_(plan),
       read_plan_(read_plan),
       out_blocks_(out_blocks),
-      max_admitted_(std::min(kDirectReadsInFlight + 2 * std::size_t{threads}, staging_blocks)),
+      max_admitted_(ring_chunks),
       edges_(plan.staged ? read_plan.chunks.size() : 0) {
   threads_.reserve(threads);
   for (unsigned i = 0; i < threads; ++i) threads_.emplace_back([this](std::stop_token stop) { run(stop); });

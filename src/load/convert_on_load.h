@@ -73,14 +73,22 @@ inline constexpr std::int64_t kKeptTensor = -1;
 inline constexpr std::int64_t kDroppedTensor = -2;
 
 // Decides what converts, checks and reads the scales (a few bytes each,
-// pread through `env`). With `budgeted` (a host load reading afresh into
-// that pool, which has a budget), a load whose conversions are most of its
-// bytes, and whose files' blocks and output blocks together would take more
-// than the budget has left, is staged, its kept tensors planned as copies
-// (Note [Staged conversion]). Throws InvalidFileError naming the tensor for
-// a bad or missing scale.
+// pread through `env`). With `may_stage` (a host load reading afresh), a
+// load whose conversions are most of its bytes is staged, its kept tensors
+// planned as copies (Note [Staged conversion]). Throws InvalidFileError
+// naming the tensor for a bad or missing scale.
 ConversionPlan plan_conversions(Env* env, const Checkpoint& checkpoint, const DTypeOptions& options,
-                                const Pool* budgeted = nullptr);
+                                bool may_stage = false);
+
+// Note [Conversion ring] in convert_on_load.cc: what a staged load's ring of
+// staging blocks holds.
+inline constexpr std::size_t kConversionRingBytes = std::size_t{32} << 20;
+
+// The chunks of up to `chunk_bytes` a staged load admits at once: the ring's
+// bytes, at least two chunks; with `network_readers` (ReadSession::
+// network_readers, 0 for local files), one chunk per reader and two per
+// converting thread.
+std::size_t conversion_ring_chunks(std::size_t chunk_bytes, unsigned network_readers, unsigned threads) noexcept;
 
 // Host loads: converts the elements of planned tensors that lie wholly
 // inside the chunk [c.offset, c.offset + c.valid) of its file, whose bytes
@@ -102,20 +110,18 @@ void convert_chunk(Env* env, const ConversionPlan& plan, const ReadChunk& c, con
 class HostConversions {
  public:
   // `plan`, `read_plan` and `out_blocks` must outlive this object;
-  // `threads` >= 1. Staged: `staging_blocks` (>= 1) bounds the chunks
-  // admitted at once below kDirectReadsInFlight + 2 x threads, where the
-  // budget holds fewer staging blocks.
+  // `threads` >= 1. Staged: at most `ring_chunks` (>= 1) chunks are
+  // admitted at once (Note [Conversion ring]).
   HostConversions(Env* env, const ConversionPlan& plan, const ReadPlan& read_plan,
                   const std::vector<std::shared_ptr<Block>>& out_blocks, unsigned threads,
-                  std::size_t staging_blocks = SIZE_MAX);
+                  std::size_t ring_chunks = SIZE_MAX);
   // Waits for the conversions queued (also after a failed load).
   ~HostConversions();
   HostConversions(const HostConversions&) = delete;
   HostConversions& operator=(const HostConversions&) = delete;
 
-  // Staged: waits (until `stop`) while kDirectReadsInFlight + 2 x threads
-  // chunks (or `staging_blocks`) are admitted and not yet converted; then
-  // admits one more.
+  // Staged: waits (until `stop`) while `ring_chunks` chunks are admitted and
+  // not yet converted; then admits one more.
   void admit(std::stop_token stop);
   // Queues chunk `c`, whose bytes are at `block->data() + offset`.
   void submit(const ReadChunk& c, std::shared_ptr<Block> block, std::size_t offset);

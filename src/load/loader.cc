@@ -360,19 +360,25 @@ void record_template(const Checkpoint& checkpoint, const ReadSession& s, const s
 
 namespace {
 
-// How many staging blocks a staged conversion's budget holds beside what is
-// in use (its output blocks among it): at least one, else OutOfMemoryError
-// naming the first file.
-std::size_t staging_blocks_within_budget(const Pool& pool, const ReadPlan& plan, std::size_t block_size) {
+// The staging block a staged load reads each chunk into: the largest chunk,
+// at least `block_size` (ReadSession allocates that much per chunk).
+std::size_t largest_chunk(const ReadPlan& plan, std::size_t block_size) {
   std::size_t largest = block_size;
   for (const ReadChunk& c : plan.chunks) largest = std::max<std::size_t>(largest, c.length);
+  return largest;
+}
+
+// How many staging blocks of `block_bytes` a staged conversion's budget
+// holds beside what is in use (its output blocks among it): at least one,
+// else OutOfMemoryError naming the first file.
+std::size_t staging_blocks_within_budget(const Pool& pool, std::size_t block_bytes, const ReadPlan& plan) {
   const std::uint64_t capacity = pool.options().capacity_bytes;
   const std::uint64_t in_use = pool.stats().in_use_bytes;
-  const std::size_t blocks = pool.blocks_available(largest);
+  const std::size_t blocks = pool.blocks_available(block_bytes);
   if (blocks == 0) {
     throw OutOfMemoryError("pool budget of " + std::to_string(capacity) + " bytes holds the converted output (" +
                                std::to_string(in_use) + " bytes in use) but no staging block of " +
-                               std::to_string(largest) + " bytes beside it",
+                               std::to_string(block_bytes) + " bytes beside it",
                            ErrorContext{plan.files.empty() ? std::string{} : plan.files.front().path});
   }
   return blocks;
@@ -495,13 +501,12 @@ StateDict Loader::run(const Checkpoint& checkpoint, const LoadRequest& request, 
     }
   }
   Device* device = options_.target.device;
-  // Note [Conversion on load]: what converts. A host load reading afresh into
-  // a budget that cannot hold its files and output together is staged (Note
-  // [Staged conversion] in convert_on_load.cc): its chunks stream through
-  // staging blocks of the pool.
-  const bool may_stage = device == nullptr && request.adopt == nullptr && pool_->options().capacity_bytes != 0;
-  const detail::ConversionPlan conversions =
-      detail::plan_conversions(env_, checkpoint, options_.dtype, may_stage ? pool_.get() : nullptr);
+  // Note [Conversion on load]: what converts. A host load reading afresh,
+  // converting most of its bytes, is staged (Note [Staged conversion] in
+  // convert_on_load.cc): its chunks stream through a ring of staging blocks
+  // of the pool.
+  const bool may_stage = device == nullptr && request.adopt == nullptr;
+  const detail::ConversionPlan conversions = detail::plan_conversions(env_, checkpoint, options_.dtype, may_stage);
   const std::shared_ptr<Pool>& staging = conversions.staged ? pool_ : staging_pool_;
   std::unique_ptr<ReadSession> session = session_for(checkpoint, request, staging != nullptr, [&] {
     // Note [Streaming within a budget] (io/stream_budget.h): a host load that
@@ -548,10 +553,14 @@ StateDict Loader::run(const Checkpoint& checkpoint, const LoadRequest& request, 
   std::optional<detail::HostConversions> host_conversions;
   if (device == nullptr && !conversions.empty()) {
     const unsigned cpus = std::max(1u, std::thread::hardware_concurrency());
-    std::size_t staging_blocks = SIZE_MAX;
-    if (conversions.staged) staging_blocks = staging_blocks_within_budget(*pool_, s.plan(), options_.block_size);
-    host_conversions.emplace(env_, conversions, s.plan(), converted.blocks, std::min(options_.threads, cpus),
-                             staging_blocks);
+    const unsigned threads = std::min(options_.threads, cpus);
+    std::size_t ring_chunks = SIZE_MAX;
+    if (conversions.staged) {
+      const std::size_t chunk = largest_chunk(s.plan(), options_.block_size);
+      ring_chunks = detail::conversion_ring_chunks(chunk, s.network_readers(options_.threads), threads);
+      if (pool_->options().capacity_bytes != 0) ring_chunks = std::min(ring_chunks, staging_blocks_within_budget(*pool_, chunk, s.plan()));
+    }
+    host_conversions.emplace(env_, conversions, s.plan(), converted.blocks, threads, ring_chunks);
   }
 
   // Wiring reads to copies: after each chunk, its host conversions (queued),

@@ -6,6 +6,7 @@ disk (stfiles.expected_digest); faults are injected for real by a proxy in
 front of the servers (fault_proxy.py).
 """
 
+import hashlib
 import json
 import os
 import re
@@ -125,6 +126,32 @@ def test_big_file_many_chunks_over_s3_and_http(pinload_bin, tmp_path, weed, serv
             proc = run(pinload_bin, "load", "--digest", "--block-size", "256K", "--connections", connections, url,
                        env=env)
             assert digests(proc) == expected, (url, connections)
+
+
+def test_dtype_conversion_over_s3_and_http(pinload_bin, tmp_path, weed, served_root, nginx):
+    """A converting load over the network streams its chunks through a ring of
+    staging blocks with a chunk per connection (Note [Conversion ring]): every
+    tensor is the bf16 rounding (to nearest even) of the stored fp32, computed
+    here with numpy, over 1 and 16 connections."""
+    rng = np.random.default_rng(5)
+    tensors = {f"model.layers.{i}.mlp.up_proj.weight": rng.standard_normal((512, 1024), dtype=np.float32)
+               for i in range(4)}
+    path = tmp_path / "f32.safetensors"
+    save_file(tensors, str(path))
+    weed.client().upload_file(str(path), BUCKET, "f32/f32.safetensors")
+    shutil.copy(path, served_root / "f32.safetensors")
+    expected = []
+    for name in sorted(tensors):
+        bits = tensors[name].view(np.uint32)
+        bf16 = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+        shape = ",".join(map(str, tensors[name].shape))
+        expected.append(f"{name}\tBF16\t[{shape}]\t{hashlib.sha256(bf16.tobytes()).hexdigest()}")
+    assert sorted(digests(run(pinload_bin, "load", "--digest", "--dtype", "bf16", path))) == expected
+    for url, env in ((f"s3://{BUCKET}/f32/f32.safetensors", weed.env()), (f"{nginx.url}/f32.safetensors", {})):
+        for connections in ("1", "16"):
+            proc = run(pinload_bin, "load", "--digest", "--dtype", "bf16", "--block-size", "256K",
+                       "--connections", connections, url, env=env)
+            assert sorted(digests(proc)) == expected, (url, connections)
 
 
 # ---------------------------------------------------------------------------
