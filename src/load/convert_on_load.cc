@@ -348,7 +348,8 @@ void convert_across_edges(const ConversionPlan& plan, const ReadPlan& read_plan,
 // each chunk from cache, not from memory, on any machine. fp8-bench, 906 MB
 // fp32 file, 8 MiB chunks, rings of 3, 4, 6, 8 and 12 chunks: fp32 -> bf16
 // took 0.92, 0.85, 0.92, 0.96 and 1.00 x the plain fp32 load (4 rounds
-// each; 48 chunks, the bound before the ring, had made it 1.02-1.06).
+// each; staged in a budget with 48 chunks in flight, the bound before the
+// ring, it had taken 1.02-1.04 x). 32 MiB it is.
 // Remote and network-filesystem reads are many connections waiting on the
 // network: their ring holds a chunk per reader and two per converting
 // thread, so that no connection waits for a slot.
