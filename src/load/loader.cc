@@ -369,8 +369,8 @@ std::size_t largest_chunk(const ReadPlan& plan, std::size_t block_size) {
 }
 
 // How many staging blocks of `block_bytes` a staged conversion's budget
-// holds beside what is in use (its output blocks among it): at least one,
-// else OutOfMemoryError naming the first file.
+// holds beside what is in use (its output blocks among it; SIZE_MAX without
+// a budget): at least one, else OutOfMemoryError naming the first file.
 std::size_t staging_blocks_within_budget(const Pool& pool, std::size_t block_bytes, const ReadPlan& plan) {
   const std::uint64_t capacity = pool.options().capacity_bytes;
   const std::uint64_t in_use = pool.stats().in_use_bytes;
@@ -557,8 +557,8 @@ StateDict Loader::run(const Checkpoint& checkpoint, const LoadRequest& request, 
     std::size_t ring_chunks = SIZE_MAX;
     if (conversions.staged) {
       const std::size_t chunk = largest_chunk(s.plan(), options_.block_size);
-      ring_chunks = detail::conversion_ring_chunks(chunk, s.network_readers(options_.threads), threads);
-      if (pool_->options().capacity_bytes != 0) ring_chunks = std::min(ring_chunks, staging_blocks_within_budget(*pool_, chunk, s.plan()));
+      ring_chunks = std::min(detail::conversion_ring_chunks(chunk, s.network_readers(options_.threads), threads),
+                             staging_blocks_within_budget(*pool_, chunk, s.plan()));
     }
     host_conversions.emplace(env_, conversions, s.plan(), converted.blocks, threads, ring_chunks);
   }
