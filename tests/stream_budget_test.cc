@@ -2,16 +2,25 @@
 // the checkpoint: Note [Streaming within a budget] in io/stream_budget.h.
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstring>
+#include <functional>
 #include <future>
 #include <map>
+#include <mutex>
 #include <random>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "fault_env.h"
+#include "io/read_session.h"
+#include "io/stream_budget.h"
+#include "pinload/checkpoint.h"
 #include "pinload/error.h"
+#include "pinload/host_memory.h"
 #include "pinload/loader.h"
 #include "test_files.h"
 
@@ -151,6 +160,138 @@ TEST(StreamBudgetTest, AWaitForTheConsumerIsCancellable) {
     EXPECT_THROW(handle.wait(), CancelledError);
   });
   EXPECT_EQ(loader.pool()->stats().in_use_bytes, 0u);
+}
+
+// Plain memory whose next reserve() first runs a hook, then fails.
+class RefusingOnceBackend final : public HostMemoryBackend {
+ public:
+  RefusingOnceBackend() : inner_(make_locked_memory_backend(default_env(), {HugePages::kOff, false, -1})) {}
+  HostRange reserve(std::size_t bytes) override {
+    if (std::function<void()> hook = std::exchange(before_refusal_, {})) {
+      hook();
+      throw OutOfMemoryError("test backend refused");
+    }
+    return inner_->reserve(bytes);
+  }
+  void release(const HostRange& range) noexcept override { inner_->release(range); }
+  std::size_t alignment() const noexcept override { return inner_->alignment(); }
+  std::string_view name() const noexcept override { return "refusing once"; }
+  void refuse_next(std::function<void()> hook) { before_refusal_ = std::move(hook); }
+
+ private:
+  std::unique_ptr<HostMemoryBackend> inner_;
+  std::function<void()> before_refusal_;
+};
+
+// The pool refuses a block the budget has room for, and meanwhile the
+// load's last block comes back: the budget tries again. It used to call
+// that a stall (nothing in progress, the consumer waiting) and fail.
+TEST(StreamBudgetTest, ABlockReturnedWhileThePoolRefusesIsTakenNotCalledAStall) {
+  auto owned = std::make_unique<RefusingOnceBackend>();
+  RefusingOnceBackend& backend = *owned;
+  PoolOptions pool_options;
+  pool_options.slab_bytes = 1 * kMiB;  // each block below is a reservation of its own
+  const std::shared_ptr<Pool> pool = Pool::create(std::move(owned), pool_options);
+  detail::StreamBudget budget(pool, 12 * kMiB, [] { return true; });
+  std::shared_ptr<Block> first = budget.allocate(4 * kMiB, "first", {});
+  ASSERT_EQ(budget.held_bytes(), 4 * kMiB);
+  backend.refuse_next([&] { first.reset(); });
+  within_a_minute([&] {
+    const std::shared_ptr<Block> second = budget.allocate(8 * kMiB, "second", {});
+    ASSERT_NE(second, nullptr);
+    EXPECT_EQ(second->size(), 8 * kMiB);
+  });
+  EXPECT_EQ(first, nullptr);
+  EXPECT_EQ(budget.held_bytes(), 0u);
+}
+
+// Reads pread, and those of `path` at or past `offset` late.
+class LateTailEnv final : public testing::PathTrackingEnv {
+ public:
+  LateTailEnv(std::string path, std::uint64_t offset)
+      : PathTrackingEnv(default_env()), path_(std::move(path)), offset_(offset) {}
+  std::int64_t pread(int fd, void* buffer, std::size_t bytes, std::uint64_t offset) override {
+    if (offset >= offset_ && path_of(fd) == path_) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    return PathTrackingEnv::pread(fd, buffer, bytes, offset);
+  }
+
+ private:
+  std::string path_;
+  std::uint64_t offset_;
+};
+
+// A reader still holds a file's block after the file's last read (its own,
+// earlier chunk's sink has not returned). The next file's block waits for it:
+// the file is in progress until every reader has let go. It used to end when
+// the last read was handed out, and the next file's wait called the reader's
+// hold a stall of a consumer that holds nothing.
+TEST(StreamBudgetTest, AFileIsInProgressUntilEveryReaderLetsGoOfItsBlock) {
+  Shards shards;
+  std::mt19937_64 rng(11);
+  for (int f = 0; f < 2; ++f) {
+    const FileImage image = testing::make_image({{"f" + std::to_string(f), "U8", {3 * kMiB / 2}}}, rng);
+    shards.paths.push_back(shards.dir.file("f" + std::to_string(f) + ".safetensors"));
+    testing::write_file(shards.paths.back(), image.bytes());
+  }
+  LoadOptions options = budget_options(0);
+  options.cached_read = CachedRead::kPread;
+  options.files_in_flight = 1;
+  const Checkpoint checkpoint = open_checkpoint(default_env(), shards.paths);
+  detail::ReadCounters counters;
+  // The plan first, to find where file 0's first chunk ends.
+  const ReadPlan plan = detail::ReadSession::open(default_env(), options, checkpoint, nullptr, nullptr, &counters)->plan();
+  std::vector<std::size_t> file0;
+  for (std::size_t i = 0; i < plan.chunks.size(); ++i) {
+    if (plan.chunks[i].file == 0) file0.push_back(i);
+  }
+  ASSERT_GE(file0.size(), 2u);
+  std::size_t head = file0[0];
+  for (std::size_t i : file0) {
+    if (plan.chunks[i].index == 0) head = i;
+  }
+  LateTailEnv env(shards.paths[0], plan.chunks[head].offset + plan.chunks[head].length);
+  std::unique_ptr<detail::ReadSession> session =
+      detail::ReadSession::open(&env, options, checkpoint, nullptr, nullptr, &counters);
+  const std::shared_ptr<Pool> pool = Pool::create_default();
+  const std::uint64_t cls0 = Pool::size_class(plan.files[0].block_bytes());
+  const std::uint64_t cls1 = Pool::size_class(plan.files[1].block_bytes());
+  session->set_budget(std::make_unique<detail::StreamBudget>(pool, cls0 + cls1 - 1, [] { return true; }));
+  session->allocate_blocks(*pool, {});
+
+  std::mutex mu;
+  std::condition_variable cv;
+  std::size_t file0_sunk = 0;  // file 0's sinks that returned
+  std::atomic<bool> head_read_first{false};
+  auto file_read = [&](std::size_t file) {
+    for (std::size_t i = 0; i < plan.chunks.size(); ++i) {
+      if (plan.chunks[i].file == file && !session->chunk_done(i)) return false;
+    }
+    return true;
+  };
+  auto sink = [&](std::size_t i, std::shared_ptr<Block> block, std::size_t) {
+    const ReadChunk& c = plan.chunks[i];
+    if (i == head) {
+      head_read_first = !file_read(0);
+      // Hold the block until the file's other chunks are handed out, and then a while.
+      std::unique_lock lock(mu);
+      cv.wait_for(lock, std::chrono::seconds(20), [&] { return file0_sunk == file0.size() - 1; });
+      lock.unlock();
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+      return;
+    }
+    if (file_read(c.file)) session->release_block(c.file);
+    if (c.file == 0) {
+      block.reset();
+      std::lock_guard lock(mu);
+      ++file0_sunk;
+      cv.notify_all();
+    }
+  };
+  std::vector<std::size_t> todo(plan.chunks.size());
+  for (std::size_t i = 0; i < todo.size(); ++i) todo[i] = i;
+  within_a_minute([&] { session->execute(todo, 3, {}, &counters, {}, sink); });
+  EXPECT_TRUE(head_read_first) << "the test's premise: file 0's first chunk was not its last read";
+  for (std::size_t i = 0; i < plan.chunks.size(); ++i) EXPECT_TRUE(session->chunk_done(i)) << i;
 }
 
 }  // namespace

@@ -467,7 +467,10 @@ std::unique_ptr<ReadSession> ReadSession::open(Env* env, const LoadOptions& opti
     }
   }
   counters->bytes_total = s->plan_.total_bytes;
-  for (const ReadChunk& c : s->plan_.chunks) s->files_[c.file]->chunks_left.fetch_add(1, std::memory_order_relaxed);
+  for (const ReadChunk& c : s->plan_.chunks) {
+    s->files_[c.file]->chunks_left.fetch_add(1, std::memory_order_relaxed);
+    s->files_[c.file]->chunks_in_hand.fetch_add(1, std::memory_order_relaxed);
+  }
   // Files of one chunk each interleave with none: files_in_flight of them
   // may still be open at once (Note [Files in flight]).
   s->max_open_files_ = std::max(interleaved_files(s->plan_), std::min(options.files_in_flight, s->files_.size()));
@@ -647,8 +650,12 @@ void ReadSession::execute(const std::vector<std::size_t>& todo, unsigned threads
         if (file_read) s.close_in_flight(c.file);
         if (!slot) slot.emplace(cpu_slots);  // the sink's work (conversions, hand-out) is the CPU's
         if (sink) sink(i, std::move(dest), dest_offset);
+        dest.reset();
         slot.reset();
-        if (file_read && s.budget_) s.budget_->file_finished();  // its tensors are out
+        // Its tensors are out and no reader holds its block: only the
+        // consumer can give it back now (Note [Streaming within a budget]).
+        const bool file_let_go = f.chunks_in_hand.fetch_sub(1, std::memory_order_acq_rel) == 1;
+        if (file_let_go && s.budget_) s.budget_->file_finished();
       }
     } catch (...) {
       first_error.set(std::current_exception());

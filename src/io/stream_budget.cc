@@ -84,7 +84,9 @@ std::shared_ptr<Block> StreamBudget::allocate(std::uint64_t bytes, const std::st
         lock.lock();
         s.held -= cls;
         if (held_before == 0) throw;  // nothing of this load's to wait for: the pool is held by others
-        // The pool is full of this load's blocks (or their slabs): wait for one.
+        // The pool is full of this load's blocks (or their slabs): wait for
+        // one, or try again if one came back while the pool refused.
+        if (s.held < held_before) continue;
       } catch (...) {
         lock.lock();
         s.held -= cls;

@@ -18,8 +18,11 @@
 //     must hold the largest shard, not only the largest tensor).
 //   - A wait ends when blocks come back, with CancelledError when the load is
 //     cancelled, or with OutOfMemoryError ("stalled") when it can never end:
-//     no file is being read, no tensor is queued, and the consumer is itself
-//     waiting for the next tensor while holding what the budget needs. So a
+//     no file is being read or still held by a reader (a file is in progress
+//     until every reader of its chunks has let go of its block), no tensor is
+//     queued, and the consumer is itself waiting for the next tensor while
+//     holding what the budget needs. A block that comes back while the pool
+//     refuses a reservation means a retry, not a stall. So a
 //     consumer that keeps every tensor gets an error, not a hang. A consumer
 //     that drops tensors from another thread while one thread waits is waited
 //     for; that wait is cancellable.
@@ -74,8 +77,9 @@ class StreamBudget {
   // stalled), CancelledError once `stop` is requested.
   std::shared_ptr<Block> allocate(std::uint64_t bytes, const std::string& path, std::stop_token stop);
 
-  // Files whose block is taken and whose reads have not all been handed to
-  // the sink: while any is, the load is not stalled.
+  // Files whose block is taken and whose readers have not all handed their
+  // chunks to the sink and let go of the block: while any is, the load is
+  // not stalled.
   void file_started() noexcept;
   void file_finished() noexcept;
 
