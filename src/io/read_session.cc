@@ -654,8 +654,7 @@ void ReadSession::execute(const std::vector<std::size_t>& todo, unsigned threads
         slot.reset();
         // Its tensors are out and no reader holds its block: only the
         // consumer can give it back now (Note [Streaming within a budget]).
-        const bool file_let_go = f.chunks_in_hand.fetch_sub(1, std::memory_order_acq_rel) == 1;
-        if (file_let_go && s.budget_) s.budget_->file_finished();
+        if (s.budget_ && f.chunks_in_hand.fetch_sub(1, std::memory_order_acq_rel) == 1) s.budget_->file_finished();
       }
     } catch (...) {
       first_error.set(std::current_exception());

@@ -102,7 +102,7 @@ struct OpenFile {
   std::atomic<bool> opened{false};  // open_in_flight ran; counted in files_direct/buffered
   bool closed = false;              // every chunk read, descriptors closed (guarded by mu)
   std::atomic<std::uint32_t> chunks_left{0};    // chunks not read yet
-  std::atomic<std::uint32_t> chunks_in_hand{0};  // chunks whose reader has not let go of the block yet
+  std::atomic<std::uint32_t> chunks_in_hand{0};  // with a budget: chunks whose reader still holds the block
   std::mutex mu;  // guards opening and closing the descriptors
   std::shared_ptr<Block> block;  // not in streaming mode
   // Remote files (Note [Remote reads]): no descriptors; chunks are ranged GETs.
