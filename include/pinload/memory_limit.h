@@ -2,11 +2,13 @@
 //
 // Note [Memory limits]
 // A load that takes more memory than its cgroup allows is not refused by the
-// kernel: the process is OOM-killed, with no error, part way through. So a
-// host load (and a device load's pinned staging copy) checks, before it
-// reserves anything, that its blocks fit what is left, and otherwise fails
-// with OutOfMemoryError naming the file, the bytes needed and the limit. What
-// is left is the least of
+// kernel: the process is OOM-killed, with no error, part way through. So
+// every load checks, before it reserves anything, that the host memory it
+// will take fits what is left: its files' blocks, and beside them a host
+// conversion's output and ring, a streaming device load's pinned staging, and
+// the stand-in device's buffers (host memory too, which its allocator checks
+// again); otherwise it fails with OutOfMemoryError naming the file, the bytes
+// needed and the limit. What is left is the least of
 //   - /proc/meminfo MemAvailable;
 //   - for the process's memory cgroup and each of its ancestors: the limit
 //     (cgroup v2 memory.max, v1 memory.limit_in_bytes) less what the cgroup

@@ -20,6 +20,7 @@
 #include "format/dtype_convert.h"
 #include "pinload/device.h"
 #include "pinload/error.h"
+#include "pinload/memory_limit.h"
 
 namespace pinload {
 namespace {
@@ -224,7 +225,19 @@ class SimAllocator final : public DeviceAllocator {
       } while (!used_.compare_exchange_weak(used, used + bytes, std::memory_order_relaxed));
     }
     void* data = take_cached(bytes);
-    if (data == nullptr) data = ::operator new(bytes, std::align_val_t{kSimAlignment}, std::nothrow);
+    if (data == nullptr) {
+      // The stand-in's memory is the host's: past the process's memory limit
+      // it fails as a full GPU would, instead of the process being OOM-killed
+      // when the copies touch it (Note [Memory limits] in memory_limit.h).
+      if (const std::optional<HostMemoryLimit> host = read_host_memory_limit(default_env());
+          host && bytes > host->available_bytes) {
+        if (limit_ != 0) used_.fetch_sub(bytes, std::memory_order_relaxed);
+        throw OutOfMemoryError("sim device memory is host memory: " + std::to_string(bytes) +
+                               " bytes requested, more than the " + std::to_string(host->available_bytes) +
+                               " bytes the memory limit leaves (" + host->source + ")");
+      }
+      data = ::operator new(bytes, std::align_val_t{kSimAlignment}, std::nothrow);
+    }
     if (data == nullptr) {
       if (limit_ != 0) used_.fetch_sub(bytes, std::memory_order_relaxed);
       throw OutOfMemoryError("sim device allocation of " + std::to_string(bytes) + " bytes failed");

@@ -518,11 +518,50 @@ void ReadSession::take_blocks_up_to(std::size_t file, std::stop_token stop) {
   }
 }
 
-void ReadSession::allocate_blocks(Pool& pool, std::stop_token stop) {
+namespace {
+
+// Note [Memory limits]: what a load may still take of host memory, with what
+// the pool holds idle (it is reused; the rest is new). Through the
+// process-wide Env: a test Env that injects faults into the checkpoint's
+// reads must not see these.
+struct MemoryRoom {
+  std::uint64_t bytes = 0;
+  HostMemoryLimit limit;
+};
+
+std::optional<MemoryRoom> memory_room(const Pool& pool) {
+  std::optional<HostMemoryLimit> limit = read_host_memory_limit(default_env());
+  if (!limit) return std::nullopt;
+  const PoolStats stats = pool.stats();
+  const std::uint64_t idle = stats.reserved_bytes > stats.in_use_bytes ? stats.reserved_bytes - stats.in_use_bytes : 0;
+  return MemoryRoom{limit->available_bytes + idle, std::move(*limit)};
+}
+
+[[noreturn]] void throw_out_of_host_memory(const MemoryRoom& room, std::uint64_t block_bytes,
+                                           std::uint64_t beside_bytes, const std::string& path) {
+  std::string parts;
+  if (beside_bytes != 0) {
+    parts = " (" + std::to_string(block_bytes) + " for the files' blocks, " + std::to_string(beside_bytes) +
+            " beside them: converted output, staging or a stand-in device's memory)";
+  }
+  throw OutOfMemoryError("checkpoint needs " + std::to_string(block_bytes + beside_bytes) + " bytes of host memory" +
+                             parts + ", more than the " + std::to_string(room.limit.available_bytes) +
+                             " bytes the memory limit leaves (" + room.limit.source + ")",
+                         ErrorContext{path});
+}
+
+}  // namespace
+
+void ReadSession::allocate_blocks(Pool& pool, std::stop_token stop, std::uint64_t beside_bytes) {
   check_idle("allocate_blocks()");
-  if (streaming()) return;
-  if (budget_) {  // Note [Streaming within a budget]
-    for (std::size_t i = 0; i < files_.size(); ++i) budget_->check_fits(plan_.files[i].block_bytes(), files_[i]->path);
+  if (streaming() || budget_) {
+    if (budget_) {  // Note [Streaming within a budget]
+      for (std::size_t i = 0; i < files_.size(); ++i) budget_->check_fits(plan_.files[i].block_bytes(), files_[i]->path);
+    }
+    const std::optional<MemoryRoom> room = beside_bytes != 0 ? memory_room(pool) : std::nullopt;
+    if (room && beside_bytes > room->bytes) {
+      throw_out_of_host_memory(*room, 0, beside_bytes, files_.empty() ? std::string{} : files_.front()->path);
+    }
     return;
   }
   // A load holds its blocks until it ends, so one that cannot fit the budget
@@ -546,18 +585,9 @@ void ReadSession::allocate_blocks(Pool& pool, std::stop_token stop) {
                                std::to_string(capacity) + " bytes",
                            ErrorContext{file_at(crossing)});
   }
-  // Note [Memory limits]: what the pool holds idle is reused, the rest is new.
-  // Through the process-wide Env: a test Env that injects faults into the
-  // checkpoint's reads must not see these.
-  if (const std::optional<HostMemoryLimit> limit = read_host_memory_limit(default_env())) {
-    const PoolStats stats = pool.stats();
-    const std::uint64_t idle = stats.reserved_bytes > stats.in_use_bytes ? stats.reserved_bytes - stats.in_use_bytes : 0;
-    if (!blocks_up_to(limit->available_bytes + idle)) {
-      throw OutOfMemoryError("checkpoint needs " + std::to_string(need) + " bytes of host memory, more than the " +
-                                 std::to_string(limit->available_bytes) + " bytes the memory limit leaves (" +
-                                 limit->source + ")",
-                             ErrorContext{file_at(crossing)});
-    }
+  if (const std::optional<MemoryRoom> room = memory_room(pool)) {
+    const std::uint64_t left = room->bytes > beside_bytes ? room->bytes - beside_bytes : 0;
+    if (!blocks_up_to(left)) throw_out_of_host_memory(*room, need, beside_bytes, file_at(crossing));
   }
   for (std::size_t i = 0; i < files_.size(); ++i) {
     if (files_[i]->block) continue;

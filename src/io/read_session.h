@@ -146,7 +146,11 @@ class ReadSession {
   // at once with OutOfMemoryError.
   // With a budget (set_budget) it only checks that each file's block fits
   // the budget alone: blocks are taken as execute() reaches their files.
-  void allocate_blocks(Pool& pool, std::stop_token stop);
+  // `beside_bytes`: new host memory the load takes beside the file blocks
+  // (converted output, a conversion ring, staging, a stand-in device's
+  // buffers), counted with them against the memory limit (Note [Memory
+  // limits]), in streaming mode too.
+  void allocate_blocks(Pool& pool, std::stop_token stop, std::uint64_t beside_bytes = 0);
 
   // Note [Streaming within a budget] (stream_budget.h): set before execute(),
   // on a session whose files have no blocks yet, each file's block is taken

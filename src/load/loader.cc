@@ -145,7 +145,11 @@ ConvertedMemory allocate_converted(const detail::ConversionPlan& conversions, co
   for (std::size_t i = 0; i < files && !conversions.empty(); ++i) {
     if (conversions.out_bytes[i] == 0) continue;
     if (device != nullptr) {
-      out.buffers[i] = device->allocate(conversions.out_bytes[i]);
+      try {
+        out.buffers[i] = device->allocate(conversions.out_bytes[i]);
+      } catch (const OutOfMemoryError& e) {
+        throw OutOfMemoryError(e.message() + " (the file's converted output)", ErrorContext{checkpoint.files[i].path});
+      }
       continue;
     }
     try {
@@ -231,7 +235,12 @@ class DevicePipeline {
   DevicePipeline(Device& device, const CopyOptions& copy, const Checkpoint& checkpoint) : engine_(device, copy) {
     buffers_.reserve(checkpoint.files.size());
     for (const CheckpointFile& f : checkpoint.files) {
-      buffers_.push_back(device.allocate(std::max<std::uint64_t>(f.header.data_size(), 1)));
+      try {
+        buffers_.push_back(device.allocate(std::max<std::uint64_t>(f.header.data_size(), 1)));
+      } catch (const OutOfMemoryError& e) {
+        if (!e.context().file.empty()) throw;
+        throw OutOfMemoryError(e.message(), ErrorContext{f.path});
+      }
     }
   }
   const std::vector<std::shared_ptr<DeviceBuffer>>& buffers() const noexcept { return buffers_; }
@@ -486,6 +495,39 @@ std::string Loader::destination() const {
   return options_.target.device != nullptr ? options_.target.device->name() : std::string(kHostDestination);
 }
 
+namespace {
+
+// Note [Memory limits] (memory_limit.h): the new host memory a load takes
+// beside its files' blocks, so that every kind of load that cannot fit the
+// process's limit fails before reading instead of being OOM-killed: a host
+// conversion's output and its ring, a streaming device load's staging, and
+// the stand-in device's buffers, which are host memory.
+std::uint64_t host_bytes_beside_blocks(const Checkpoint& checkpoint, const detail::ConversionPlan& conversions,
+                                       Device* device, const LoadOptions& options, const Pool* staging_pool) {
+  std::uint64_t bytes = 0;
+  std::uint64_t stored = 0;
+  for (const CheckpointFile& f : checkpoint.files) stored += f.header.data_size();
+  std::uint64_t converted = 0;
+  for (const std::uint64_t out : conversions.out_bytes) converted += out;
+  if (device == nullptr) {
+    for (const std::uint64_t out : conversions.out_bytes) bytes += out != 0 ? Pool::size_class(out) : 0;
+    if (conversions.staged) {
+      bytes += std::max<std::uint64_t>(detail::kConversionRingBytes, 2 * Pool::size_class(options.block_size));
+    }
+    return bytes;
+  }
+  if (device->kind() == DeviceKind::kSim) bytes += stored + converted;
+  if (staging_pool != nullptr) {
+    const PoolStats staged = staging_pool->stats();
+    const std::uint64_t cap = staging_pool->options().capacity_bytes;
+    const std::uint64_t most = std::min(cap != 0 ? cap : stored, stored);
+    bytes += most > staged.reserved_bytes ? most - staged.reserved_bytes : 0;
+  }
+  return bytes;
+}
+
+}  // namespace
+
 StateDict Loader::run(const Checkpoint& checkpoint, const LoadRequest& request, Counters* counters,
                       bool may_map) const {
   const std::stop_token& stop = request.stop;
@@ -531,7 +573,7 @@ StateDict Loader::run(const Checkpoint& checkpoint, const LoadRequest& request, 
     return opened;
   }, counters);
   ReadSession& s = *session;
-  s.allocate_blocks(*pool_, stop);
+  s.allocate_blocks(*pool_, stop, host_bytes_beside_blocks(checkpoint, conversions, device, options_, staging_pool_.get()));
   std::optional<DevicePipeline> pipeline;
   if (device != nullptr) pipeline.emplace(*device, options_.target.copy, checkpoint);
   static const std::vector<std::shared_ptr<DeviceBuffer>> kNoBuffers;

@@ -135,3 +135,43 @@ def test_memory_cgroup_smaller_than_the_model_is_an_error(tmp_path, pinload_bin)
             cg.rmdir()
         except OSError:
             pass
+
+
+@pytest.mark.parametrize("extra", [["--dtype", "bf16"], ["--dtype", "fp16"], ["--device", "sim"],
+                                   ["--device", "sim", "--dtype", "bf16"]],
+                         ids=["bf16", "fp16", "sim", "sim-bf16"])
+def test_every_load_kind_fails_typed_in_a_memory_cgroup_smaller_than_it_needs(tmp_path, pinload_bin, extra):
+    """Conversions and stand-in device loads ignored the memory limit and were OOM-killed (137)
+    where a plain load failed with a typed error (Note [Memory limits] in memory_limit.h)."""
+    np = pytest.importorskip("numpy")
+    from safetensors.numpy import save_file
+
+    cg = memory_cgroup_v1()
+    limit = 96 << 20
+    big = tmp_path / "big.safetensors"
+    save_file({f"w{i}": np.ones((4 << 20,), dtype=np.float32) for i in range(10)}, str(big))  # 160 MiB fp32
+    small = tmp_path / "small.safetensors"
+    save_file({"w": np.ones((1 << 20,), dtype=np.float32)}, str(small))  # 4 MiB
+    try:
+        (cg / "memory.limit_in_bytes").write_text(str(limit))
+        memsw = cg / "memory.memsw.limit_in_bytes"
+        if memsw.exists():
+            memsw.write_text(str(limit))
+
+        def run_in_cgroup(path):
+            return subprocess.run(["sh", "-c", f'echo $$ > "{cg}/cgroup.procs" && exec "$0" load --digest "$@"',
+                                   pinload_bin, *extra, str(path)], capture_output=True, text=True, timeout=120)
+
+        run = run_in_cgroup(big)
+        assert run.returncode == 1, (run.returncode, run.stderr)  # -9 before: OOM-killed
+        assert run.stderr.startswith(f"pinload: error: {big}: "), run.stderr
+        assert "memory limit" in run.stderr and "cgroup v1" in run.stderr, run.stderr
+        assert run.stdout == ""  # nothing partial
+        run = run_in_cgroup(small)
+        assert run.returncode == 0, (run.returncode, run.stderr)
+        assert len(run.stdout.splitlines()) == 1
+    finally:
+        try:
+            cg.rmdir()
+        except OSError:
+            pass

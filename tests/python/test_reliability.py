@@ -215,3 +215,45 @@ def test_pool_bytes_budget_fails_before_reading(tmp_path, small_file):
     assert_same_dict(pt.load_file(path, pool_bytes="64M"), tensors)
     with pytest.raises(ValueError):
         pt.load_file(path, pool_bytes=0)
+
+
+def test_a_converting_load_fails_typed_in_a_memory_cgroup_smaller_than_it_needs(tmp_path):
+    """load_file(dtype=torch.bfloat16) under a memory cgroup smaller than the converted output was
+    OOM-killed; now it raises pinload.OutOfMemoryError naming the file (Note [Memory limits])."""
+    import uuid
+
+    root = Path("/sys/fs/cgroup/memory")
+    if os.geteuid() != 0 or not (root / "memory.limit_in_bytes").exists():
+        pytest.skip("needs root and a cgroup v1 memory hierarchy")
+    cg = root / f"pinload-test-{uuid.uuid4().hex[:8]}"
+    try:
+        cg.mkdir()
+    except OSError as e:
+        pytest.skip(f"cannot create a memory cgroup: {e}")
+    big = tmp_path / "big.safetensors"
+    st.save_file({f"w{i}": torch.ones(20 << 20) for i in range(10)}, str(big))  # 800 MiB of fp32: 400 MiB as bf16
+    code = textwrap.dedent(f"""
+        import sys, torch
+        import pinload, pinload.torch as pt
+        try:
+            pt.load_file({str(big)!r}, dtype=torch.bfloat16)
+        except pinload.OutOfMemoryError as e:
+            print("typed:", e)
+            sys.exit(3)
+        print("loaded")
+        """)
+    try:
+        limit = 384 << 20
+        (cg / "memory.limit_in_bytes").write_text(str(limit))
+        if (cg / "memory.memsw.limit_in_bytes").exists():
+            (cg / "memory.memsw.limit_in_bytes").write_text(str(limit))
+        # In the cgroup before torch is imported: its memory is charged there too.
+        r = subprocess.run(["sh", "-c", f'echo $$ > "{cg}/cgroup.procs" && exec "$0" -c "$1"', sys.executable, code],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 3, (r.returncode, r.stdout, r.stderr)  # -9 before: OOM-killed
+        assert str(big) in r.stdout and "memory limit" in r.stdout, r.stdout
+    finally:
+        try:
+            cg.rmdir()
+        except OSError:
+            pass
