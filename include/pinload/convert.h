@@ -64,6 +64,7 @@
 // cannot be converted.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <optional>
@@ -106,6 +107,9 @@ struct ConvertOptions {
   // Tests: called on a worker after each tensor is written, from several
   // workers at once; a throw aborts the conversion like any other failure.
   std::function<void(const std::string& tensor)> after_tensor;
+  // Set (by a signal handler, say): the conversion stops before its next
+  // piece and throws CancelledError, leaving nothing behind.
+  const std::atomic<bool>* stop = nullptr;
 };
 
 struct ConvertStats {

@@ -1,6 +1,8 @@
 // pinload convert [options] INPUT OUTPUT: an FP8 copy of a checkpoint in
 // ComfyUI's layout (convert.h, docs/fp8.md), written atomically.
+#include <atomic>
 #include <chrono>
+#include <csignal>
 #include <cstdio>
 #include <memory>
 #include <string>
@@ -8,6 +10,7 @@
 
 #include "cli/command.h"
 #include "pinload/convert.h"
+#include "pinload/error.h"
 
 namespace pinload::cli {
 namespace {
@@ -20,11 +23,36 @@ struct ConvertArgs {
   ConvertOptions options;
 };
 
+// SIGINT and SIGTERM stop the conversion between pieces, so that its
+// temporary output is removed; the signal is then raised again, and the
+// process ends by it as it would have without the handler.
+std::atomic<bool> g_stop{false};
+volatile std::sig_atomic_t g_signal = 0;
+
+extern "C" void on_stop_signal(int sig) {
+  g_signal = sig;
+  g_stop.store(true, std::memory_order_relaxed);
+}
+
 void run_convert(ConvertArgs& args) {
+  struct sigaction sa {};
+  sa.sa_handler = on_stop_signal;
+  ::sigaction(SIGINT, &sa, nullptr);
+  ::sigaction(SIGTERM, &sa, nullptr);
+  args.options.stop = &g_stop;
   args.options.to = args.to == "fp8-e5m2" ? DType::kF8_E5M2 : DType::kF8_E4M3;  // checked by CLI11
   args.options.scale = args.scale == "per-row" ? ScaleMode::kPerRow : ScaleMode::kPerTensor;
   const auto start = std::chrono::steady_clock::now();
-  const ConvertStats stats = convert_checkpoint(args.input, args.output, args.options);
+  ConvertStats stats;
+  try {
+    stats = convert_checkpoint(args.input, args.output, args.options);
+  } catch (const CancelledError&) {
+    if (g_signal == 0) throw;
+    const int sig = g_signal;
+    ::signal(sig, SIG_DFL);
+    ::raise(sig);
+    throw;
+  }
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (args.verbose) {
     std::fprintf(stderr, "%s: %llu files, %llu tensors quantised, %llu kept; %.3f GB -> %.3f GB (%.3fx) in %.2f s\n",

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <cmath>
 #include <cstring>
 #include <exception>
 #include <filesystem>
@@ -240,6 +241,35 @@ void parallel_for(std::size_t n, unsigned threads, Fn fn) {
   if (error) std::rethrow_exception(error);
 }
 
+// Note [Infinite weights]: a scale is the largest magnitude over the FP8
+// maximum, so one infinite element makes it infinite and every dequantised
+// value of the tensor non-finite. FP8 cannot hold the tensor: the conversion
+// fails naming it, and --keep keeps it as stored. NaN is representable and
+// passes through (abs_max ignores it).
+std::uint64_t first_infinite(DType dtype, const std::byte* data, std::uint64_t n) {
+  for (std::uint64_t i = 0; i < n; ++i) {
+    if (dtype == DType::kF32) {
+      std::uint32_t x;
+      std::memcpy(&x, data + i * 4, 4);
+      if ((x & 0x7fffffffu) == 0x7f800000u) return i;
+    } else {
+      std::uint16_t x;
+      std::memcpy(&x, data + i * 2, 2);
+      const std::uint16_t exp_mask = dtype == DType::kBF16 ? 0x7f80 : 0x7c00;
+      if ((x & 0x7fff) == exp_mask) return i;
+    }
+  }
+  return n;
+}
+
+[[noreturn]] void throw_infinite(const CheckpointFile& cf, const TensorInfo& t, std::uint64_t element, DType to) {
+  const std::uint64_t esize = dtype_bits(t.dtype) / 8;
+  const std::uint64_t at = cf.header.data_offset() + t.begin + element * esize;
+  throw InvalidFileError("element " + std::to_string(element) + " is infinite: " + fp8_format_name(to) +
+                             " with a finite scale cannot hold this tensor; keep it as stored with --keep " + t.name,
+                         ErrorContext{cf.path, t.name, at, at + esize});
+}
+
 void write_file(Env* env, const CheckpointFile& cf, const FilePlan& plan, const fs::path& out_path,
                 const ConvertOptions& options) {
   ScopedFd in = open_or_throw(env, cf.path);
@@ -255,6 +285,12 @@ void write_file(Env* env, const CheckpointFile& cf, const FilePlan& plan, const 
     if (plan.tensors[i].kind == OutTensor::kCopy || plan.tensors[i].kind == OutTensor::kQuantized) items.push_back(i);
   }
   const float max = fp8_max(options.to);
+  const auto read_piece = [&](void* dst, std::size_t bytes, std::uint64_t offset) {
+    if (options.stop != nullptr && options.stop->load(std::memory_order_relaxed)) {
+      throw CancelledError("conversion interrupted", ErrorContext{cf.path});
+    }
+    read_exact(env, in.get(), dst, bytes, offset, cf.path);
+  };
   parallel_for(items.size(), options.threads, [&](std::size_t k) {
     const OutTensor& o = plan.tensors[items[k]];
     const TensorInfo& t = cf.header.tensors[o.source];
@@ -262,7 +298,7 @@ void write_file(Env* env, const CheckpointFile& cf, const FilePlan& plan, const 
     if (o.kind == OutTensor::kCopy) {
       for (std::uint64_t at = 0; at < t.nbytes(); at += buffer.size()) {
         const std::size_t n = static_cast<std::size_t>(std::min<std::uint64_t>(buffer.size(), t.nbytes() - at));
-        read_exact(env, in.get(), buffer.data(), n, in_base + t.begin + at, cf.path);
+        read_piece(buffer.data(), n, in_base + t.begin + at);
         out.write(buffer.data(), n, out_base + o.offset + at);
       }
     } else {
@@ -276,16 +312,19 @@ void write_file(Env* env, const CheckpointFile& cf, const FilePlan& plan, const 
       // Pass 1: the absolute maxima.
       for (std::uint64_t e = 0; e < numel; e += piece_elems) {
         const std::uint64_t n = std::min(piece_elems, numel - e);
-        read_exact(env, in.get(), buffer.data(), n * esize, in_base + t.begin + e * esize, cf.path);
+        read_piece(buffer.data(), n * esize, in_base + t.begin + e * esize);
         if (!per_row) {
           amax[0] = std::max(amax[0], abs_max(t.dtype, buffer.data(), n));
-          continue;
+        } else {
+          for (std::uint64_t d = 0; d < n;) {
+            const std::uint64_t row = (e + d) / cols;
+            const std::uint64_t len = std::min(n - d, (row + 1) * cols - (e + d));
+            amax[row] = std::max(amax[row], abs_max(t.dtype, buffer.data() + d * esize, len));
+            d += len;
+          }
         }
-        for (std::uint64_t d = 0; d < n;) {
-          const std::uint64_t row = (e + d) / cols;
-          const std::uint64_t len = std::min(n - d, (row + 1) * cols - (e + d));
-          amax[row] = std::max(amax[row], abs_max(t.dtype, buffer.data() + d * esize, len));
-          d += len;
+        if (std::isinf(*std::max_element(amax.begin(), amax.end()))) {
+          throw_infinite(cf, t, e + first_infinite(t.dtype, buffer.data(), n), options.to);
         }
       }
       std::vector<float> scales(amax.size());
@@ -294,7 +333,7 @@ void write_file(Env* env, const CheckpointFile& cf, const FilePlan& plan, const 
       std::vector<std::uint8_t> q(static_cast<std::size_t>(piece_elems));
       for (std::uint64_t e = 0; e < numel; e += piece_elems) {
         const std::uint64_t n = std::min(piece_elems, numel - e);
-        read_exact(env, in.get(), buffer.data(), n * esize, in_base + t.begin + e * esize, cf.path);
+        read_piece(buffer.data(), n * esize, in_base + t.begin + e * esize);
         quantize_elements(t.dtype, options.to, buffer.data(), q.data(), n, scales[0],
                           per_row ? scales.data() : nullptr, per_row ? cols : 0, e);
         out.write(q.data(), n, out_base + o.offset + e);

@@ -47,3 +47,57 @@ def test_convert_usage_and_errors(tmp_path, run_pinload):
     r = run_pinload("convert", tmp_path / "missing.safetensors", tmp_path / "o.safetensors")
     assert r.returncode == 1 and "pinload: error:" in r.stderr
     assert run_pinload("load", "--dtype", "int8", tmp_path / "x").returncode == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("to", ["fp8-e4m3fn", "fp8-e5m2"])
+def test_convert_refuses_an_infinite_weight_and_keeps_it_on_request(tmp_path, run_pinload, dtype, to):
+    """One inf made the scale inf and every dequantised value non-finite, with exit 0 (Note
+    [Infinite weights] in src/convert/convert.cc). NaN is representable and passes through."""
+    w = torch.randn(16, 32, generator=torch.Generator().manual_seed(1)).to(dtype)
+    w[3, 5] = float("inf")
+    w[0, 1] = float("nan")
+    ok = torch.randn(16, 32).to(dtype)
+    ok[2, 2] = float("nan")
+    st.save_file({"a.weight": ok, "b.weight": w}, str(tmp_path / "in.safetensors"))
+    out = tmp_path / "out.safetensors"
+    r = run_pinload("convert", "--to", to, tmp_path / "in.safetensors", out)
+    assert r.returncode == 1, r
+    assert "b.weight" in r.stderr and "element 101 is infinite" in r.stderr and "--keep b.weight" in r.stderr, r
+    with open(tmp_path / "in.safetensors", "rb") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+        meta = json.loads(f.read(header_len))
+    esize = w.element_size()
+    at = 8 + header_len + meta["b.weight"]["data_offsets"][0] + 101 * esize
+    assert f"(bytes {at}..{at + esize})" in r.stderr, r
+    assert not out.exists() and [p.name for p in tmp_path.iterdir()] == ["in.safetensors"]
+    r = run_pinload("convert", "--to", to, "--keep", "b.weight", tmp_path / "in.safetensors", out)
+    assert r.returncode == 0, r
+    got = st.load_file(str(out))
+    assert torch.equal(got["b.weight"].view(torch.uint8), w.view(torch.uint8))  # kept as stored
+    q = got["a.weight"].float() * got["a.weight_scale"]
+    assert torch.isnan(q[2, 2]) and torch.isfinite(q).sum() == q.numel() - 1
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_an_interrupted_convert_leaves_nothing_behind(tmp_path, pinload_bin, sig):
+    """SIGINT and SIGTERM left the temporary output (`.NAME.pinload-tmp-PID`) of its full size."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    src = tmp_path / "in.safetensors"
+    st.save_file({f"w{i}": torch.ones(2048, 4096) for i in range(12)}, str(src))  # 384 MiB of fp32
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    proc = subprocess.Popen([pinload_bin, "convert", "--threads", "1", src, out_dir / "o.safetensors"],
+                            stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while not any(out_dir.iterdir()) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert proc.poll() is None, "the conversion ended before it could be interrupted"
+    proc.send_signal(getattr(signal, sig))
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == -getattr(signal, sig), (proc.returncode, err)  # ends by the signal, as before
+    assert list(out_dir.iterdir()) == [], list(out_dir.iterdir())
