@@ -32,6 +32,9 @@ void add_convert_command(CLI::App& app);  // convert_command.cc
 // The page-cache commands (docs/trace.md). Their callbacks end by throwing
 // CLI::RuntimeError(status) when the status is not 0.
 void add_trace_command(CLI::App& app);
+// `pinload trace ... -- CMD ARGS`: main() hands CLI11 only what comes before
+// the first "--" and keeps the rest, untouched, as the command to run.
+std::vector<std::string>& command_after_separator();
 void add_warm_command(CLI::App& app);
 void add_agent_command(CLI::App& app);
 

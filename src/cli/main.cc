@@ -59,6 +59,15 @@ int run(int argc, char** argv) {
   if (command == nullptr && argc > 1 && argv[1][0] != '-') {
     return usage_error(app, nullptr, "unknown command '" + std::string(argv[1]) + "'");
   }
+  if (command != nullptr && command->get_name() == "trace") {
+    for (int i = 1; i < argc; ++i) {
+      if (std::strcmp(argv[i], "--") != 0) continue;
+      command_after_separator().assign(argv + i + 1, argv + argc);
+      command_after_separator().insert(command_after_separator().begin(), "--");  // a separator was given
+      argc = i;
+      break;
+    }
+  }
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {

@@ -143,6 +143,11 @@ int run_trace(TraceArgs& args) {
 
 }  // namespace
 
+std::vector<std::string>& command_after_separator() {
+  static std::vector<std::string> command;
+  return command;
+}
+
 void add_trace_command(CLI::App& app) {
   auto args = std::make_shared<TraceArgs>();
   CLI::App* command = app.add_subcommand(
@@ -156,6 +161,10 @@ void add_trace_command(CLI::App& app) {
   command->callback([args, command] {
     args->command = command->remaining();
     if (!args->command.empty() && args->command.front() == "--") args->command.erase(args->command.begin());
+    // A "--" after the command's first word is the command's own argument.
+    const std::vector<std::string>& after = command_after_separator();  // "--" and what follows it
+    args->command.insert(args->command.end(), after.begin() + (args->command.empty() && !after.empty() ? 1 : 0),
+                         after.end());
     if (args->command.empty()) throw UsageError("no command to trace (after --)");
     const int status = run_trace(*args);
     if (status != 0) throw CLI::RuntimeError(status);

@@ -15,7 +15,9 @@
 #include "cli/size_arg.h"
 #include "cli/command.h"
 #include "pinload/env.h"
+#include "pinload/error.h"
 #include "pinload/io_template.h"
+#include "pinload/remote.h"
 #include "trace/trace_recorder.h"
 #include "trace/warmer.h"
 
@@ -32,16 +34,23 @@ struct WarmArgs {
 std::atomic<bool> g_stop{false};
 void on_sigterm(int) { g_stop.store(true); }
 
-bool identity_of(const std::string& path, TemplateFile* out) {
+// A path that cannot be warmed is an error, not a skip: the caller asked for
+// its bytes to be resident, and exit 0 would say they are.
+TemplateFile identity_of(const std::string& path) {
+  if (is_remote_path(path)) {
+    throw InvalidArgumentError(
+        "a remote object has no page cache to warm; load it once with PINLOAD_CACHE_DIR set (docs/remote.md) and "
+        "warm the local copy",
+        ErrorContext{path});
+  }
   Env* env = default_env();
   const int fd = env->open_read(path, 0);
-  if (fd < 0) return false;
+  if (fd < 0) throw_os_error("cannot open", -fd, ErrorContext{path});
   FileStat st;
   const int rc = env->stat(fd, &st);
   env->close(fd);
-  if (rc < 0) return false;
-  *out = TemplateFile{path, "", st.size, st.mtime_ns, st.inode, st.device};
-  return true;
+  if (rc < 0) throw_os_error("cannot stat", -rc, ErrorContext{path});
+  return TemplateFile{path, "", st.size, st.mtime_ns, st.inode, st.device};
 }
 
 int run_warm(WarmArgs& args) {
@@ -83,11 +92,7 @@ int run_warm(WarmArgs& args) {
       } else {
         found.push_back(p);
       }
-      for (const std::string& f : found) {
-        TemplateFile tf;
-        if (identity_of(f, &tf)) files.push_back(tf);
-        else std::fprintf(stderr, "pinload warm: cannot open %s; skipped\n", f.c_str());
-      }
+      for (const std::string& f : found) files.push_back(identity_of(f));
     }
     plan = trace::plan_whole_files(files);
     source = "plain paths";
@@ -132,7 +137,7 @@ void add_warm_command(CLI::App& app) {
   command->add_option("--cgroup", args->options.follow_cgroup, "the consumer: the processes of this cgroup folder")
       ->excludes(follow);
   command->add_option("--threads", args->options.threads, "concurrent reads (default 8)")->check(integer_range(1, 256));
-  command->add_option("paths", args->paths, "files or folders (their regular files, recursively), warmed whole in order");
+  command->add_option("paths", args->paths, "local files or folders (their regular files, recursively), warmed whole in order");
   command->callback([args] {
     const int status = run_warm(*args);
     if (status != 0) throw CLI::RuntimeError(status);

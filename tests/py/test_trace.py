@@ -404,3 +404,28 @@ def test_a_crashed_agent_never_blocks_or_fails_a_consumer(tmp_path, pinload_bin,
         agent.wait()
     assert consumer.returncode == 0, err
     assert out.split()[0] == th.reference_digest(ckpt)
+
+
+def test_trace_takes_the_documented_forms_without_root(tmp_path, run_pinload):
+    """`trace --template T -- CMD` (no --root) was a usage error: "The following arguments were
+    not expected". The command's exit status is trace's whether or not events are available."""
+    forms = [["--template", tmp_path / "a.pltemplate", "--", "sh", "-c", "exit 7"],
+             ["--template", tmp_path / "b.pltemplate", "sh", "-c", "exit 7"],
+             ["--template", tmp_path / "c.pltemplate", "--root", tmp_path, "--", "sh", "-c", "exit 7"],
+             # A "--" of the command's own stays the command's.
+             ["--template", tmp_path / "d.pltemplate", "--", "sh", "-c", 'exit $(($# + 5))', "sh", "--", "x"]]
+    for args in forms:
+        r = run_pinload("trace", *args)
+        assert r.returncode == 7, r
+    r = run_pinload("trace", "--template", tmp_path / "e.pltemplate", "--")
+    assert r.returncode == 2 and "no command to trace" in r.stderr, r
+
+
+def test_warm_refuses_what_it_cannot_warm(tmp_path, run_pinload):
+    """`warm http://…` printed "skipped" and exited 0, as did a local path that cannot be opened."""
+    for path in ("http://127.0.0.1:9/m.safetensors", "s3://bucket/m.safetensors"):
+        r = run_pinload("warm", path)
+        assert r.returncode == 1 and r.stderr.startswith(f"pinload: error: {path}: a remote object"), r
+    missing = tmp_path / "missing.safetensors"
+    r = run_pinload("warm", missing)
+    assert r.returncode == 1 and r.stderr.startswith(f"pinload: error: {missing}: cannot open"), r
