@@ -469,6 +469,9 @@ def load_files_batch(paths: Sequence[PathLike], device: Device = "cpu", *, retur
     if failed and not return_errors:
         first = next(iter(failed.values()))
         first.errors = failed  # type: ignore[attr-defined]
+        # The traceback holds this frame: the good members' tensors must not live on through it
+        # until the cycle collector runs.
+        del out, entries, entry
         raise first
     return out
 

@@ -127,3 +127,28 @@ def test_a_batch_larger_than_its_budget_stays_within_it(tmp_path):
     again = pt.load_files_batch(rest[:2], pool_bytes=budget)  # what was held is back in the pool
     for p in rest[:2]:
         _same(again[p], st.load_file(p))
+
+
+def test_a_failing_batch_holds_no_tensors(library, tmp_path):
+    """The raised error's traceback holds load_files_batch's frame: the good members' tensors were
+    kept alive through it (a reference cycle) until the cycle collector ran."""
+    import gc
+
+    from pl_helpers import in_use
+
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}      ")
+    gc.collect()
+    base = in_use()
+    gc.disable()
+    try:
+        for _ in range(3):
+            try:
+                pt.load_files_batch(library[:20] + [str(bad)], zero_copy="off")
+            except pinload.InvalidFileError as e:
+                assert str(bad) in str(e)
+            else:
+                pytest.fail("the bad file did not raise")
+            assert in_use() == base  # every good member's block back in the pool, without gc
+    finally:
+        gc.enable()
