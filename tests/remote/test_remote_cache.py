@@ -143,3 +143,37 @@ def test_part_files_of_a_killed_load_are_removed_later(pinload_bin, nginx, serve
     assert digests(later) == stfiles.expected_digest(other)
     assert parts(cache) == [], entries(cache)
     assert "left by a writer that died" in later.stderr, later.stderr
+
+
+def test_live_part_files_count_in_the_budget(pinload_bin, nginx, served_root, tmp_path):
+    """The budget holds entries and the .part files of loads in progress: with one load stalled
+    mid-object (its .part file holds 512 KiB), a new entry evicts the older one, which the two
+    entries alone would not."""
+    files = {}
+    for seed, name in ((37, "old-entry"), (38, "in-progress"), (39, "new-entry")):
+        files[name] = big_file(tmp_path / f"{name}.safetensors", 1, seed=seed)
+        served_copy(files[name], served_root, f"{name}.safetensors")
+    size = os.path.getsize(files["old-entry"])
+    cache = tmp_path / "cache"
+    env = {"PINLOAD_CACHE_DIR": str(cache), "PINLOAD_CACHE_BYTES": str(2 * size + 200_000)}
+    assert digests(run(pinload_bin, "load", "--digest", nginx.url + "/old-entry.safetensors", env=env))
+    [old_entry] = entries(cache)
+    # Two data ranges of 256 KiB arrive, then every range stalls.
+    proxy = FaultProxy(nginx.port, lambda r: {"stall_after": 0, "for": 30}
+                       if r["range"] and r["range"][0] > 0 and r["n"] > 3 else None)
+    full = {**{k: v for k, v in os.environ.items() if not k.startswith("AWS_")}, **env}
+    proc = subprocess.Popen([pinload_bin, "load", "--digest", "--block-size", "256K", "--connections", "1",
+                             proxy.url + "/in-progress.safetensors"], env=full, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not any(
+                os.stat(cache / p).st_blocks * 512 >= 512 << 10 for p in parts(cache)):
+            time.sleep(0.05)
+        assert digests(run(pinload_bin, "load", "--digest", nginx.url + "/new-entry.safetensors", env=env))
+        assert old_entry not in entries(cache), entries(cache)
+        assert len(parts(cache)) == 1  # the live one is not swept
+    finally:
+        proc.kill()
+        proc.wait()
+        proxy.stop()
