@@ -9,7 +9,6 @@
 #include <utility>
 
 #include "base/log.h"
-
 #include "io/remote/remote_client.h"
 #include "pinload/error.h"
 #include "pinload/remote.h"
