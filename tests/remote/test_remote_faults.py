@@ -258,3 +258,40 @@ def test_a_server_that_stalls_every_range_fails_in_bounded_time(pinload_bin, ngi
     ends = [r["range"][1] for r in proxy.log if data_request(r)]
     assert max(ends.count(e) for e in ends) == 3, proxy.log
     assert elapsed < 15, elapsed
+
+
+def test_last_modified_alone_is_checked_on_every_answer(pinload_bin, nginx, served_root, tmp_path):
+    """A server that sends Last-Modified but no ETag: an object overwritten mid-load (same size,
+    another second) is an error, not a mix; one that sends neither gets a warning."""
+    v1 = big_file(tmp_path / "l1.safetensors", 2, seed=43)
+    v2 = big_file(tmp_path / "l2.safetensors", 2, seed=44)
+    target = served_root / "no-etag.safetensors"
+    shutil.copy(v1, target)
+    os.utime(target, (time.time() - 60, time.time() - 60))
+    data_seen = []
+
+    def overwrite():
+        shutil.copy(v2, target)  # in place, mtime now
+
+    def fault(r):
+        if data_request(r):
+            data_seen.append(1)
+            if len(data_seen) == 2:
+                return {"drop_headers": ["etag"], "before": overwrite}
+        return {"drop_headers": ["etag"]}
+
+    proxy = FaultProxy(nginx.port, fault)
+    try:
+        line = one_error(run(pinload_bin, "load", "--digest", "--block-size", "256K", "--connections", "1",
+                             proxy.url + "/no-etag.safetensors", env=FAST_RETRIES), proxy.url)
+    finally:
+        proxy.stop()
+    assert "changed" in line and "Last-Modified" in line, line
+
+    proxy = FaultProxy(nginx.port, lambda r: {"drop_headers": ["etag", "last-modified"]})
+    try:
+        proc = load_via(pinload_bin, proxy, "/no-etag.safetensors")
+    finally:
+        proxy.stop()
+    assert digests(proc) == stfiles.expected_digest(v2)
+    assert "neither ETag nor Last-Modified" in proc.stderr, proc.stderr
