@@ -150,6 +150,39 @@ TEST(RemoteUrl, HttpDates) {
   EXPECT_EQ(parse_http_date("garbage"), 0);
 }
 
+TEST(RemoteUrl, SaysWhatIsWrongWithAContentRange) {
+  EXPECT_EQ(content_range_problem("bytes 0-7/100"), "");
+  EXPECT_EQ(content_range_problem("bytes 9-5/100"), "its last byte is before its first");
+  EXPECT_EQ(content_range_problem("bytes 0-100/100"), "its last byte is past the object's 100 bytes");
+  EXPECT_EQ(content_range_problem("items 0-1/2"), "its unit is not 'bytes'");
+  EXPECT_EQ(content_range_problem("bytes 0-x/2"), "its range is not FIRST-LAST in digits");
+  EXPECT_EQ(content_range_problem("bytes 0-1"), "it has no '/TOTAL'");
+  EXPECT_EQ(content_range_problem("bytes 0-1/x"), "its total is not a number");
+}
+
+// Note [Remote consistency]: which validators tell same-size versions apart.
+TEST(RemoteUrl, ClassifiesValidators) {
+  const std::int64_t mtime = 0x6565a3f1;  // nginx: "<hex mtime>-<hex size>"
+  EXPECT_EQ(classify_validator("\"6565a3f1-200008\"", mtime), Validator::kCoarse);
+  EXPECT_EQ(classify_validator("\"6565a3f1-200008\"", 0), Validator::kStrong);  // no Last-Modified to match
+  EXPECT_EQ(classify_validator("W/\"abc\"", mtime), Validator::kCoarse);
+  EXPECT_EQ(classify_validator("\"1700000000_42\"", 1700000000), Validator::kCoarse);  // decimal seconds
+  EXPECT_EQ(classify_validator("\"d41d8cd98f00b204e9800998ecf8427e\"", mtime), Validator::kStrong);  // S3 MD5
+  EXPECT_EQ(classify_validator("\"d41d8cd98f00b204e9800998ecf8427e-12\"", mtime), Validator::kStrong);  // multipart
+  EXPECT_EQ(classify_validator("\"2a-5e8c3b2c4d1f0\"", mtime), Validator::kStrong);  // Apache: size-mtime in µs
+  EXPECT_EQ(classify_validator("", mtime), Validator::kCoarse);  // Last-Modified alone
+  EXPECT_EQ(classify_validator("", 0), Validator::kNone);
+}
+
+TEST(RemoteUrl, SettlesCoarseValidators) {
+  EXPECT_EQ(settle_wait_ms(100, 102), 0);     // the modification second is over
+  EXPECT_EQ(settle_wait_ms(100, 500), 0);
+  EXPECT_EQ(settle_wait_ms(100, 101), 100);   // just over: a margin for coarse file clocks
+  EXPECT_EQ(settle_wait_ms(100, 100), 1100);  // the same second
+  EXPECT_EQ(settle_wait_ms(101, 100), 2100);
+  EXPECT_EQ(settle_wait_ms(103, 100), std::nullopt);  // far in the future: cannot wait
+}
+
 TEST(RemoteUrl, Connections) {
   RemoteOptions o;
   o.connections = 3;

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import io
 import os
-from typing import Any
+from typing import Any, Optional
 
 from ._core import InvalidFileError
 from .torch import Device, _error, safe_open
@@ -70,7 +70,7 @@ class safe_open_handle(safe_open):
         fd = _descriptor(f)
         # A descriptor of the handle's own: its /proc/self/fd path stays valid (and names the same
         # file) until close(), whatever happens to the object.
-        self._own_fd = os.dup(fd) if fd is not None else _copy_to_memory_file(f)
+        self._own_fd: Optional[int] = os.dup(fd) if fd is not None else _copy_to_memory_file(f)
         try:
             super().__init__(f"/proc/self/fd/{self._own_fd}", framework, device, **options)
         except BaseException:

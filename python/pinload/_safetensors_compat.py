@@ -54,8 +54,15 @@ def filename_of(filename: Any) -> str:
     raise TypeError(f"filename must be a str or os.PathLike, not {type(filename).__name__}")
 
 
+REMOTE_PREFIXES = ("s3://", "http://", "https://")
+
+
 def missing_file(e: NotFoundError, path: str) -> NotFoundError:
-    """The reference's error for a file that does not exist: 'No such file or directory: <path>'."""
+    """The reference's error for a file that does not exist: 'No such file or directory: <path>'.
+    A remote path keeps pinload's message, which has the server's reason (NoSuchKey, NoSuchBucket,
+    HTTP 404/410): the reference cannot open those at all."""
+    if path.startswith(REMOTE_PREFIXES):
+        return e
     if getattr(e, "tensor", None) is None and getattr(e, "file", None) == path:
         return error(NotFoundError, "no such file or folder", file=path, text=f"No such file or directory: {path}")
     return e

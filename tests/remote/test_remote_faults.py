@@ -5,6 +5,7 @@ rewrites Content-Range; objects overwritten mid-load; a server killed."""
 import os
 import shutil
 import subprocess
+import threading
 import time
 
 import pytest
@@ -194,3 +195,103 @@ def test_server_killed_mid_load(pinload_bin, tmp_path, model):
 
 
 import re  # noqa: E402
+
+
+def test_same_second_same_size_swap_over_http_is_never_mixed(pinload_bin, nginx, served_root, tmp_path):
+    """nginx's ETag is "<hex mtime in seconds>-<hex size>": a file renamed over the object within
+    the second it was written, of the same size, keeps ETag and Last-Modified (Note [Remote
+    consistency]). The load gives one version whole (or a typed error), never a mix."""
+    v1 = big_file(tmp_path / "v1.safetensors", 2, seed=41)
+    v2 = big_file(tmp_path / "v2.safetensors", 2, seed=42)
+    assert os.path.getsize(v1) == os.path.getsize(v2)
+    target, staged = served_root / "swapped.safetensors", served_root / "swapped.next"
+    time.sleep(1.02 - time.time() % 1)  # the start of a second
+    second = int(time.time())
+    shutil.copy(v1, target)
+    shutil.copy(v2, staged)
+    for p in (target, staged):
+        os.utime(p, (second, second))
+    # The swap, in that same second, while the load reads its chunks one at a time (each held).
+    swap = threading.Timer(second + 0.6 - time.time(), os.rename, (staged, target))
+    proxy = FaultProxy(nginx.port, lambda r: {"before": lambda: time.sleep(0.15)} if data_request(r) else None)
+    try:
+        swap.start()
+        proc = run(pinload_bin, "load", "--digest", "--block-size", "256K", "--connections", "1",
+                   proxy.url + "/swapped.safetensors", env=FAST_RETRIES)
+        swap.join()
+    finally:
+        proxy.stop()
+    if proc.returncode == 0:
+        assert digests(proc) in (stfiles.expected_digest(v1), stfiles.expected_digest(v2)), "a mixed result"
+    else:
+        assert "changed" in one_error(proc, proxy.url)
+
+
+def test_invalid_content_range_says_what_is_wrong(pinload_bin, nginx, model):
+    _, url_path = model
+    for bad, why in (("bytes 900-100/8389000", "last byte is before its first"),
+                     ("bytes 0-10/5", "past the object's 5 bytes"),
+                     ("octets 0-10/50", "unit is not 'bytes'")):
+        proxy = FaultProxy(nginx.port, lambda r: {"content_range": bad} if data_request(r) else None)
+        try:
+            line = one_error(load_via(pinload_bin, proxy, url_path), proxy.url + url_path)
+        finally:
+            proxy.stop()
+        assert f'invalid Content-Range "{bad}"' in line and why in line, line
+
+
+def test_a_server_that_stalls_every_range_fails_in_bounded_time(pinload_bin, nginx, model):
+    """Each range sends 1000 bytes, then stalls: progress must not restart the count of stalls
+    (Note [Remote faults]); retries=2 gives up after 3 attempts of the range, in seconds."""
+    _, url_path = model
+    proxy = FaultProxy(nginx.port, lambda r: {"stall_after": 1000, "for": 30} if data_request(r) else None)
+    try:
+        start = time.monotonic()
+        proc = run(pinload_bin, "load", "--digest", "--block-size", "256K", "--connections", "1",
+                   proxy.url + url_path, env={"PINLOAD_REMOTE_RETRIES": "2", "PINLOAD_REMOTE_RETRY_BASE_MS": "10",
+                                              "PINLOAD_REMOTE_LOW_SPEED_TIME": "1"})
+        elapsed = time.monotonic() - start
+        line = one_error(proc, proxy.url + url_path)
+    finally:
+        proxy.stop()
+    assert "stalled" in line and "after 3 attempts" in line, line
+    ends = [r["range"][1] for r in proxy.log if data_request(r)]
+    assert max(ends.count(e) for e in ends) == 3, proxy.log
+    assert elapsed < 15, elapsed
+
+
+def test_last_modified_alone_is_checked_on_every_answer(pinload_bin, nginx, served_root, tmp_path):
+    """A server that sends Last-Modified but no ETag: an object overwritten mid-load (same size,
+    another second) is an error, not a mix; one that sends neither gets a warning."""
+    v1 = big_file(tmp_path / "l1.safetensors", 2, seed=43)
+    v2 = big_file(tmp_path / "l2.safetensors", 2, seed=44)
+    target = served_root / "no-etag.safetensors"
+    shutil.copy(v1, target)
+    os.utime(target, (time.time() - 60, time.time() - 60))
+    data_seen = []
+
+    def overwrite():
+        shutil.copy(v2, target)  # in place, mtime now
+
+    def fault(r):
+        if data_request(r):
+            data_seen.append(1)
+            if len(data_seen) == 2:
+                return {"drop_headers": ["etag"], "before": overwrite}
+        return {"drop_headers": ["etag"]}
+
+    proxy = FaultProxy(nginx.port, fault)
+    try:
+        line = one_error(run(pinload_bin, "load", "--digest", "--block-size", "256K", "--connections", "1",
+                             proxy.url + "/no-etag.safetensors", env=FAST_RETRIES), proxy.url)
+    finally:
+        proxy.stop()
+    assert "changed" in line and "Last-Modified" in line, line
+
+    proxy = FaultProxy(nginx.port, lambda r: {"drop_headers": ["etag", "last-modified"]})
+    try:
+        proc = load_via(pinload_bin, proxy, "/no-etag.safetensors")
+    finally:
+        proxy.stop()
+    assert digests(proc) == stfiles.expected_digest(v2)
+    assert "neither ETag nor Last-Modified" in proc.stderr, proc.stderr

@@ -254,3 +254,11 @@ def test_missing_object_and_bucket_are_not_found(pinload_bin, weed, nginx):
                      (f"{nginx.url}/no/such.safetensors", {})):
         line = one_error(run(pinload_bin, "load", "--digest", url, env={**env, **FAST_RETRIES}), url)
         assert "404" in line or "no such" in line, line
+
+
+def test_weed_listens_only_on_ports_the_tests_chose(weed):
+    """No SeaweedFS port is left at its default (iceberg 8181, lance 9101, ...): a second SeaweedFS
+    on the machine could otherwise make the test server exit."""
+    listening = servers.listening_ports(weed.proc.pid)
+    assert weed.port in listening
+    assert listening <= set(weed.ports.values()), sorted(listening - set(weed.ports.values()))

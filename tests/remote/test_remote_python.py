@@ -135,3 +135,27 @@ def test_no_leaks_after_200_failing_loads(remote_model, nginx):
     finally:
         os.environ.pop("PINLOAD_REMOTE_RETRIES", None)
         proxy.stop()
+
+
+def test_safe_open_takes_remote_paths(remote_model, s3_env, nginx):
+    expected = reference_load(str(remote_model))
+    for url in (f"s3://{BUCKET}/py/model.safetensors", f"{nginx.url}/py.safetensors"):
+        with pinload.safe_open(url, framework="pt") as f:  # the top-level name, as the issue used it
+            assert list(f.keys()) == list(expected)
+            for name in f.keys():
+                assert torch.equal(f.get_tensor(name), expected[name]), (url, name)
+        with pt.safe_open(url, framework="np") as f:
+            name = next(iter(expected))
+            assert (f.get_tensor(name) == expected[name].numpy()).all()
+
+
+def test_python_remote_errors_keep_the_servers_reason(remote_model, s3_env, nginx):
+    for url, reason in ((f"s3://{BUCKET}/no/such.safetensors", "NoSuchKey"),
+                        ("s3://no-such-bucket-x/m.safetensors", "NoSuchBucket"),
+                        (f"{nginx.url}/no/such.safetensors", "HTTP 404")):
+        for call in (pt.load_file, pinload.safe_open):
+            with pytest.raises(pinload.NotFoundError) as info:
+                call(url)
+            assert reason in str(info.value) and "No such file or directory" not in str(info.value), \
+                (call, str(info.value))
+            assert info.value.file == url

@@ -2,18 +2,28 @@
 //
 // Note [Remote cache]
 // With RemoteOptions::cache_dir set, each remote file a load reads is also
-// written, range by range as its chunks arrive, to "<dir>/<key>.part-<id>"
+// written, range by range as its chunks arrive, to "<dir>/<key>.part-<pid>-<n>"
 // (pwrite at the chunk's offset), so nothing is fetched twice. When every
 // byte has arrived, the header bytes before the first chunk are fetched, the
-// file is fsynced and renamed to "<dir>/<key>.safetensors": a crashed or
-// failed load leaves only a .part file, never a torn cache entry. The key
-// hashes the path, the ETag and the size, so an object that changes on the
-// server misses. A later load still reads the header from the server (that
-// is what says which version is current) and then reads the data from the
-// cached file like any local file (O_DIRECT under DirectIo::kAuto). Entries
-// are evicted oldest-used first (mtime, touched on each hit) once the folder
-// holds more than cache_bytes. A cache that cannot be written is logged and
-// skipped; it never fails a load.
+// file is fsynced, its SHA-256 digests (one per kPieceBytes piece, hashed in
+// parallel) are written to "<dir>/<key>.safetensors.sha256", and the file is
+// renamed to "<dir>/<key>.safetensors": a crashed or failed load leaves only a
+// .part file, never a torn cache entry. The key hashes the path, the ETag and
+// the size, so an object that changes on the server misses. A later load still
+// reads the header from the server (that is what says which version is
+// current), then hashes the cached file and compares it with its recorded
+// digests: an entry changed on local disk (or without digests) is dropped
+// with a warning and the object is read from the server again. A verified
+// entry is read like any local file (O_DIRECT under DirectIo::kAuto).
+//
+// A writer holds an exclusive flock on its .part file for as long as it
+// writes, so a .part file whose lock can be taken belongs to a process that
+// died (kill -9, a signal's default action): every new writer and every
+// eviction removes those (a lock, not the pid in the name, so a reused pid
+// cannot keep one alive). Entries are evicted oldest-used first (mtime,
+// touched on each hit) once entries and live .part files together hold more
+// than cache_bytes. A cache that cannot be written is logged and skipped; it
+// never fails a load.
 #pragma once
 
 #include <atomic>
@@ -31,7 +41,8 @@ class ObjectCache {
  public:
   ObjectCache(std::string dir, std::uint64_t budget_bytes);
 
-  // The cached file holding `object`'s version, or "" (touched for the LRU).
+  // The cached file holding `object`'s version, verified against its
+  // recorded digests, or "" (touched for the LRU).
   std::string lookup(const ObjectInfo& object) const;
 
   // Collects the bytes [first, object.size) of `object` as they arrive.
@@ -53,7 +64,7 @@ class ObjectCache {
     ObjectInfo object_;
     std::uint64_t first_;
     std::string part_, final_;
-    int fd_;
+    int fd_;  // read-write, flock'ed
     std::atomic<std::uint64_t> arrived_{0};
     std::atomic<bool> failed_{false};
     bool committed_ = false;
@@ -61,9 +72,15 @@ class ObjectCache {
   // A writer for `object`, or null where the cache cannot be written.
   std::unique_ptr<Writer> begin(const ObjectInfo& object, std::uint64_t first) const;
 
+  // Digests are of kPieceBytes pieces, so that many threads hash one file.
+  static constexpr std::uint64_t kPieceBytes = 64ull << 20;
+
  private:
   std::string key_path(const ObjectInfo& object) const;
+  // Removes the .part files of dead writers; returns the bytes of live ones.
+  std::uint64_t sweep() const;
   void evict(const std::string& keep) const;
+  void drop(const std::string& entry) const;
   std::string dir_;
   std::uint64_t budget_;
 };

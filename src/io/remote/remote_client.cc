@@ -32,6 +32,16 @@ void init_curl_once() {
   if (rc != CURLE_OK) throw IoError(std::string("cannot initialise libcurl: ") + curl_easy_strerror(rc));
 }
 
+// A header's value for a message: at most 120 bytes, control bytes as '?'.
+std::string printable(std::string_view v) {
+  std::string out(v.substr(0, 120));
+  for (char& c : out) {
+    if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) c = '?';
+  }
+  if (v.size() > 120) out += "...";
+  return out;
+}
+
 bool iequals_prefix(std::string_view line, std::string_view name) {
   if (line.size() < name.size()) return false;
   for (std::size_t i = 0; i < name.size(); ++i) {
@@ -66,14 +76,21 @@ struct Transfer {
   std::string error_body;
   std::string etag;
   std::optional<ContentRange> content_range;
+  std::string content_range_text;  // as sent, when there is one
   std::optional<std::uint64_t> content_length;
   std::int64_t mtime_ns = 0;
+  std::int64_t date_s = 0;
 
   void decide() {
     decided = true;
     if (status == 206 && ranged) {
-      if (!content_range || !content_range->satisfied) {
+      if (content_range_text.empty()) {
         refused = "206 without a Content-Range";
+      } else if (!content_range) {
+        refused = "invalid Content-Range \"" + printable(content_range_text) + "\" (" +
+                  content_range_problem(content_range_text) + ")";
+      } else if (!content_range->satisfied) {
+        refused = "Content-Range \"" + printable(content_range_text) + "\" names no range in a 206 answer";
       } else if (content_range->first != first || (!probe && content_range->last != last) ||
                  (probe && content_range->last > last)) {
         refused = "Content-Range is bytes " + std::to_string(content_range->first) + "-" +
@@ -99,16 +116,21 @@ struct Transfer {
       t->status = sp == std::string_view::npos ? 0 : std::atol(std::string(line.substr(sp + 1, 3)).c_str());
       t->etag.clear();
       t->content_range.reset();
+      t->content_range_text.clear();
       t->content_length.reset();
       t->mtime_ns = 0;
+      t->date_s = 0;
     } else if (iequals_prefix(line, "etag:")) {
       t->etag = std::string(header_value(line, "etag:"));
     } else if (iequals_prefix(line, "content-range:")) {
-      t->content_range = parse_content_range(header_value(line, "content-range:"));
+      t->content_range_text = std::string(header_value(line, "content-range:"));
+      t->content_range = parse_content_range(t->content_range_text);
     } else if (iequals_prefix(line, "content-length:")) {
       t->content_length = std::strtoull(std::string(header_value(line, "content-length:")).c_str(), nullptr, 10);
     } else if (iequals_prefix(line, "last-modified:")) {
       t->mtime_ns = parse_http_date(header_value(line, "last-modified:"));
+    } else if (iequals_prefix(line, "date:")) {
+      t->date_s = parse_http_date(header_value(line, "date:")) / 1'000'000'000;
     }
     return size * n;
   }
@@ -320,11 +342,12 @@ ObjectInfo RemoteClient::get_range(const std::string& path, std::uint64_t offset
   Request req;
   req.url = request_url(path);
   req.s3 = path.starts_with("s3://");
-  if (expect != nullptr) req.if_match = expect->etag;
+  // W/ never matches If-Match (RFC 9110 compares strongly): such answers are compared below.
+  if (expect != nullptr && !expect->etag.starts_with("W/")) req.if_match = expect->etag;
   ObjectInfo info;
   info.path = path;
   std::uint64_t done = 0;
-  unsigned failures = 0, attempts = 0;
+  unsigned failures = 0, attempts = 0, stalls = 0;
   std::string last_cause;
   Lease lease(this);
   for (;;) {
@@ -342,10 +365,16 @@ ObjectInfo RemoteClient::get_range(const std::string& path, std::uint64_t offset
     if (!t.refused.empty()) throw IoError(t.refused, where);
     if (t.accepted) {
       if (expect != nullptr && !expect->etag.empty() && !t.etag.empty() && t.etag != expect->etag) {
-        throw IoError("object changed while loading (ETag " + t.etag + ", was " + expect->etag + ")", where);
+        throw IoError("object changed while loading (ETag " + printable(t.etag) + ", was " + expect->etag + ")", where);
+      }
+      // Note [Remote consistency]: the second of a coarse validator.
+      if (expect != nullptr && expect->mtime_ns != 0 && t.mtime_ns != 0 && t.mtime_ns != expect->mtime_ns) {
+        throw IoError("object changed while loading (Last-Modified " + std::to_string(t.mtime_ns / 1'000'000'000) +
+                      " s, was " + std::to_string(expect->mtime_ns / 1'000'000'000) + " s since the epoch)", where);
       }
       if (info.etag.empty()) info.etag = t.etag;
       if (t.mtime_ns != 0) info.mtime_ns = t.mtime_ns;
+      if (t.date_s != 0) info.date_s = t.date_s;
       if (t.content_range && t.content_range->total) info.size = *t.content_range->total;
       done += t.got;
     }
@@ -376,14 +405,19 @@ ObjectInfo RemoteClient::get_range(const std::string& path, std::uint64_t offset
         throw IoError(msg, where);
       }
       last_cause = status_message(t.status, t.error_body);
+    } else if (rc == CURLE_OPERATION_TIMEDOUT && t.status != 0) {
+      last_cause = "stalled (under 1 KiB/s for " + std::to_string(std::max(options_.low_speed_time_s, 1u)) + " s)";
     } else if (retryable_curl(rc)) {
       last_cause = curl_easy_strerror(rc);
     } else {
       throw IoError(std::string("GET failed: ") + curl_easy_strerror(rc), where);
     }
-    // Retry: a range that made progress starts its count again.
-    failures = t.got > 0 ? 0 : failures + 1;
-    if (failures > options_.retries || attempts > 4 * (options_.retries + 1)) {
+    // Retry: a range that made progress starts its count again, unless it
+    // stalled: every stall counts (Note [Remote faults]).
+    const bool stalled = rc == CURLE_OPERATION_TIMEDOUT;
+    stalls += stalled ? 1 : 0;
+    failures = t.got > 0 && !stalled ? 0 : failures + 1;
+    if (failures > options_.retries || stalls > options_.retries || attempts > 4 * (options_.retries + 1)) {
       throw IoError(last_cause + " (gave up after " + std::to_string(attempts) + " attempts)", where);
     }
     log::debug("{}: bytes {}-{}: {}, retrying", shown, offset + done, end, last_cause);

@@ -13,16 +13,42 @@
 //
 // Note [Remote faults]
 // Every response is checked: a 206 whose Content-Range is not the range asked
-// (or whose total is not the object's size), a body longer or shorter than
-// it, or a 200 to a ranged request (a server that ignores Range) is an
-// IoError at once, as are 4xx (404/410: NotFoundError; 412: the object changed
-// since its header was read), TLS failures and an ETag other than the one the
+// (or whose total is not the object's size, or which does not parse: the
+// message says what is wrong with it), a body longer or shorter than it, or a
+// 200 to a ranged request (a server that ignores Range) is an IoError at once,
+// as are 4xx (404/410: NotFoundError; 412: the object changed since its header
+// was read), TLS failures and an ETag or Last-Modified other than the one the
 // header was read at. 500/502/503/504/429, connection failures, resets and
 // stalls (under 1 KiB/s for low_speed_time_s) are retried `retries` times
 // with exponential backoff; a reset mid-body asks again for the missing tail
-// only (the bytes that arrived are kept). Errors name the URL (without
-// credentials or query) and the byte range; no message or log line holds a
-// credential.
+// only (the bytes that arrived are kept), and a range that made progress
+// starts its count of failures again, except for stalls: every stall of a
+// range counts, so a server that stalls each range after a few bytes fails
+// the range after retries + 1 stalls, not after the cap of 4 * (retries + 1)
+// attempts (the bound on a load's time to failure in docs/remote.md). Errors
+// name the URL (without credentials or query) and the byte range; no message
+// or log line holds a credential.
+//
+// Note [Remote consistency]
+// A load reads one version of each object. How depends on the validator the
+// server sends (classify_validator in remote_url.h):
+// - a strong ETag: every chunk is asked with If-Match, and an answer with
+//   another ETag is an error;
+// - a coarse one (nginx's ETag is "<hex mtime in seconds>-<hex size>"; a weak
+//   W/ ETag; Last-Modified alone): If-Match (not for W/, which never matches)
+//   and the ETag and Last-Modified of every answer compared with the header's.
+//   That tells versions apart only when they differ in size or modification
+//   second, so the header is not trusted until the server's clock has passed
+//   the object's modification second: read_remote_checkpoint_file waits for
+//   that (settle_wait_ms: at most about 2 s, only for an object modified in
+//   the last two seconds) and reads the header again. From then on, a file
+//   written after the header was read has a later modification time, so
+//   every chunk of another version fails the comparison. What stays invisible
+//   is a file of the same size whose modification time falls in the same
+//   second, renamed over the object after its header was read (written in
+//   that second and renamed later, or copied with its times preserved);
+// - none: nothing can tell versions apart: a warning says so.
+// docs/remote.md states these promises per kind of server.
 #pragma once
 
 #include <cstddef>
@@ -43,7 +69,9 @@ struct ObjectInfo {
   std::string path;  // s3://bucket/key or the URL, as named
   std::uint64_t size = 0;
   std::string etag;  // "" when the server sends none
-  std::int64_t mtime_ns = 0;
+  std::int64_t mtime_ns = 0;  // Last-Modified; 0 when the server sends none
+  std::int64_t date_s = 0;    // the server's clock (Date) when it answered; 0: none
+  Validator validator() const { return classify_validator(etag, mtime_ns / 1'000'000'000); }
 };
 
 class ObjectCache;  // object_cache.h

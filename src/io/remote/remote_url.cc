@@ -171,6 +171,25 @@ std::optional<ContentRange> parse_content_range(std::string_view value) {
   return r;
 }
 
+std::string content_range_problem(std::string_view value) {
+  if (parse_content_range(value)) return {};
+  std::string_view v = trim(value);
+  if (!v.starts_with("bytes ")) return "its unit is not 'bytes'";
+  v = trim(v.substr(6));
+  const std::size_t slash = v.find('/');
+  if (slash == std::string_view::npos) return "it has no '/TOTAL'";
+  const std::string_view span = v.substr(0, slash), total_text = v.substr(slash + 1);
+  const std::optional<std::uint64_t> total = parse_u64(total_text);
+  if (total_text != "*" && !total) return "its total is not a number";
+  const std::size_t dash = span.find('-');
+  if (dash == std::string_view::npos) return "its range is not FIRST-LAST";
+  const auto first = parse_u64(span.substr(0, dash)), last = parse_u64(span.substr(dash + 1));
+  if (!first || !last) return "its range is not FIRST-LAST in digits";
+  if (*last < *first) return "its last byte is before its first";
+  if (total && *last >= *total) return "its last byte is past the object's " + std::to_string(*total) + " bytes";
+  return "it does not parse";
+}
+
 ListPage parse_list_page(std::string_view xml) {
   if (xml.find("<ListBucketResult") == std::string_view::npos) {
     throw InvalidFileError("bucket listing is not a ListBucketResult");
@@ -302,6 +321,50 @@ std::int64_t parse_http_date(std::string_view value) {
   const std::string text(trim(value));
   if (strptime(text.c_str(), "%a, %d %b %Y %H:%M:%S", &tm) == nullptr) return 0;
   return static_cast<std::int64_t>(timegm(&tm)) * 1'000'000'000;
+}
+
+Validator classify_validator(std::string_view etag, std::int64_t last_modified_s) {
+  etag = trim(etag);
+  if (etag.empty()) return last_modified_s != 0 ? Validator::kCoarse : Validator::kNone;
+  if (etag.starts_with("W/")) return Validator::kCoarse;
+  if (last_modified_s > 0) {
+    std::string_view opaque = etag;
+    if (opaque.size() >= 2 && opaque.front() == '"' && opaque.back() == '"') opaque = opaque.substr(1, opaque.size() - 2);
+    // nginx: "%xT-%xO"; others join inode, size and mtime with '-' or '_'.
+    std::size_t start = 0;
+    while (start <= opaque.size()) {
+      std::size_t end = opaque.find_first_of("-_", start);
+      if (end == std::string_view::npos) end = opaque.size();
+      const std::string_view part = opaque.substr(start, end - start);
+      for (const int base : {16, 10}) {
+        std::uint64_t v = 0;
+        auto [p, ec] = std::from_chars(part.data(), part.data() + part.size(), v, base);
+        if (!part.empty() && ec == std::errc{} && p == part.data() + part.size() &&
+            v == static_cast<std::uint64_t>(last_modified_s)) {
+          return Validator::kCoarse;
+        }
+      }
+      start = end + 1;
+    }
+  }
+  return Validator::kStrong;
+}
+
+const char* validator_name(Validator v) {
+  switch (v) {
+    case Validator::kStrong: return "strong ETag";
+    case Validator::kCoarse: return "validator of one-second resolution";
+    case Validator::kNone: return "no validator";
+  }
+  return "?";
+}
+
+std::optional<std::int64_t> settle_wait_ms(std::int64_t last_modified_s, std::int64_t date_s) {
+  // A write at or after server time L + 1 (a coarse file clock may lag a
+  // tick: 100 ms of margin) gets another modification second than L.
+  if (date_s >= last_modified_s + 2) return 0;
+  if (last_modified_s - date_s > kMaxSettleSeconds) return std::nullopt;
+  return (last_modified_s + 1 - date_s) * 1000 + 100;
 }
 
 static unsigned effective_connections_from(const char* env_value, unsigned option) {

@@ -40,6 +40,9 @@ struct ContentRange {
   std::optional<std::uint64_t> total;
 };
 std::optional<ContentRange> parse_content_range(std::string_view value);
+// What is wrong with a Content-Range that parse_content_range refuses, for
+// messages ("" where it parses).
+std::string content_range_problem(std::string_view value);
 
 // One page of a ListObjectsV2 answer.
 struct ListPage {
@@ -87,5 +90,29 @@ std::string s3_list_url(const S3Config& config, const std::string& bucket, const
 
 // "Tue, 01 Dec 2026 15:51:16 GMT" as nanoseconds since the epoch; 0 if unparsable.
 std::int64_t parse_http_date(std::string_view value);
+
+// How well an object's validators tell its versions apart (Note [Remote
+// consistency] in remote_client.h):
+//   kStrong: an ETag that is neither weak (W/) nor made of the modification
+//            time in seconds (S3's MD5s, most object stores);
+//   kCoarse: a weak ETag, an ETag with a component equal to Last-Modified in
+//            seconds (nginx's "<hex mtime>-<hex size>", lighttpd's and others'),
+//            or Last-Modified alone: two versions of the same size written in
+//            the same second look the same;
+//   kNone:   neither ETag nor Last-Modified.
+// `etag` as sent (quotes and W/ included, "" for none); `last_modified_s`:
+// seconds since the epoch, 0 for none.
+enum class Validator { kStrong, kCoarse, kNone };
+Validator classify_validator(std::string_view etag, std::int64_t last_modified_s);
+const char* validator_name(Validator v);
+
+// How long to wait before a coarse validator pins the version read
+// (Note [Remote consistency]): `last_modified_s` the object's modification
+// second, `date_s` the server's clock when it answered (its Date header; the
+// client's clock where it sends none). 0: pinned already (the second is over
+// by a safe margin); nullopt: the modification time is more than
+// kMaxSettleSeconds ahead of the server's clock (cannot wait for it).
+inline constexpr std::int64_t kMaxSettleSeconds = 1;
+std::optional<std::int64_t> settle_wait_ms(std::int64_t last_modified_s, std::int64_t date_s);
 
 }  // namespace pinload::remote
