@@ -31,6 +31,7 @@ weight, so a failed switch leaves the model as it was.
 from __future__ import annotations
 
 import collections
+import itertools
 import json
 import os
 import threading
@@ -77,17 +78,28 @@ def _identity(path: str) -> Tuple[int, int, int, int]:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
+def _size_class(n: int) -> int:
+    """The pool block a request of n bytes takes (Note [Size classes] in include/pinload/pool.h): 4 KiB
+    granules up to 64 KiB, then 8 classes per power of two."""
+    if n <= 64 << 10:
+        return max(4096, -(-n // 4096) * 4096)
+    step = (1 << ((n - 1).bit_length() - 1)) // 8
+    return -(-n // step) * step
+
+
 class LoraAdapter:
     """One adapter file in memory: its tensors as stored (views of a pool block), its metadata,
     and the key conversions already made for the models it was fused into."""
 
     def __init__(self, path: str, identity: Tuple[int, int, int, int], tensors: Dict[str, torch.Tensor],
-                 metadata: Optional[Dict[str, str]]) -> None:
+                 metadata: Optional[Dict[str, str]], data_bytes: Optional[int] = None) -> None:
         self.path = path
         self.identity = identity
         self.tensors = tensors
         self.metadata = metadata or {}
-        self.nbytes = identity[2]  # the file's size: what its pool block holds
+        # The pool block that holds the file's data section, read as an aligned superset of it (a
+        # header can be a tenth of a LoRA file).
+        self.nbytes = _size_class(identity[2] if data_bytes is None else data_bytes)
         self._resolved: Dict[Any, List["_Entry"]] = {}
         self._lock = threading.Lock()
 
@@ -102,13 +114,16 @@ class LoraLibrary:
     the file's identity (device, inode, size, mtime) is unchanged; the misses of one call are read
     in one ``load_files_batch`` sweep. An adapter larger than the whole budget is returned but not
     kept. ``device``: where the tensors are loaded ("cpu", "sim", "cuda:N"). Load options as for
-    ``load_files_batch``. Thread-safe.
+    ``load_files_batch``; ``zero_copy`` is "off" unless given, so that the adapters are in pool
+    blocks (not file mappings, Note [Zero-copy loads] in loader.h). Thread-safe.
     """
 
     def __init__(self, budget_bytes: Union[int, str], *, device: Any = "cpu", options: Optional[LoadOptions] = None,
                  **load_options: "Unpack[LoadKwargs]") -> None:
         self._budget = size(budget_bytes, "budget_bytes")
         self._device = device
+        if options is None:  # in the pool, where the budget counts them: not as file mappings
+            load_options.setdefault("zero_copy", "off")  # type: ignore[typeddict-item]
         self._options = request(options=options, **load_options).options
         self._entries: "collections.OrderedDict[Tuple[int, int, int, int], LoraAdapter]" = collections.OrderedDict()
         self._bytes = 0
@@ -195,7 +210,11 @@ class LoraLibrary:
             for name in names:
                 with safe_open(name) as f:  # the header alone: metadata (alphas, ranks of PEFT files)
                     metadata = f.metadata()
-                fresh[name] = LoraAdapter(name, missing[name], loaded[name], metadata)
+                with open(name, "rb") as raw:
+                    header = int.from_bytes(raw.read(8), "little")
+                # Direct reads take an aligned superset of the data section (loader.h): the block's request.
+                data = -(-missing[name][2] // 4096) * 4096 - (8 + header) // 4096 * 4096
+                fresh[name] = LoraAdapter(name, missing[name], loaded[name], metadata, data)
             with self._lock:
                 for name, a in fresh.items():
                     if a.nbytes > self._budget:
@@ -274,6 +293,9 @@ def _comfy_to_kohya(sd: Dict[str, torch.Tensor], file: str) -> Dict[str, torch.T
     return out
 
 
+_TOKENS = itertools.count()
+
+
 class _Target:
     """What a fuser fuses into: flat name -> live tensor, and the components those names fall in."""
 
@@ -284,6 +306,7 @@ class _Target:
         self.unet_config = unet_config
         self.has_text_model = has_text_model
         self.single = len(components) == 1
+        self.token = next(_TOKENS)  # what an adapter's resolved keys are cached under
         # kohya-style module names ('.' -> '_'), per component: the generic mapping ComfyUI uses too.
         self._underscored: Dict[str, Dict[str, str]] = {}
 
@@ -651,7 +674,7 @@ class LoraFuser:
 
     def __init__(self, model: Any, base: Optional[Mapping[str, torch.Tensor]] = None, *,
                  library: Optional[LoraLibrary] = None, component: Optional[str] = None,
-                 unet_config: Any = None, verify_base: bool = True, chunk_bytes: int = 4 << 20) -> None:
+                 unet_config: Any = None, verify_base: bool = True, chunk_bytes: int = 16 << 20) -> None:
         self._target = _flatten(model, component)
         if unet_config is not None:  # a state dict has no config: SGM block names need layers_per_block
             if isinstance(unet_config, Mapping):
@@ -683,7 +706,7 @@ class LoraFuser:
         """The adapter's pairs against this model (cached per adapter and model); raises
         LoraKeyError / LoraShapeError naming the key."""
         a = self._adapter(adapter)
-        key = id(self._target)
+        key = self._target.token
         with a._lock:
             entries = a._resolved.get(key)
             if entries is None:

@@ -10,6 +10,7 @@ against a float64 reference (tolerances below, per dtype) and against diffusers'
 from __future__ import annotations
 
 import copy
+import gc
 import json
 import random
 
@@ -30,6 +31,16 @@ from pl_helpers import DEVICES  # noqa: E402
 #: one rounding to the weight's dtype (half an ulp, 2^-9 for bf16, 2^-12 for fp16) allowed as a full
 #: ulp, and for fp32 the float32 accumulation of a rank-r product (r * 2^-24, r <= 16) with margin.
 TOL = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11, torch.float32: 2.0 ** -18}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny matrices: one intra-op thread. With two, each small matmul may wait for the other thread
+    to be scheduled, and on a loaded 2-core machine that made a test of 100 switches take minutes."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 # ---- a tiny SDXL-like pipeline ----
@@ -426,7 +437,8 @@ def test_unknown_key_and_shape_mismatch_leave_the_model_unchanged(tmp_path):
     before = _state(pipe)
 
     unknown = dict(good["pairs"])
-    unknown[("unet", "down_blocks.1.attentions.0.transformer_blocks.7.attn1.to_q", None)] = next(iter(unknown.values()))
+    unknown[("unet", "down_blocks.1.attentions.0.transformer_blocks.7.attn1.to_q", None)] = tuple(
+        t.clone() for t in next(iter(unknown.values())))
     pu = write_peft({"pairs": unknown, "alpha": 8.0, "rank": 4}, tmp_path / "unknown.safetensors")
     with pytest.raises(pl.LoraKeyError) as e:
         fuser.switch([(pgood, 0.5), (pu, 1.0)])
@@ -475,8 +487,12 @@ def test_library_lru_within_budget_and_file_identity(tmp_path):
     paths = [write_peft(make_adapter(unet, seed=i, text=False), tmp_path / f"{i}.safetensors") for i in range(4)]
     size = paths[0].stat().st_size
     lib = pl.LoraLibrary(int(size * 2.5))
+    gc.collect()
+    in_use = pinload.pool_stats()["in_use"]
     adapters = lib.get_many(paths[:2])  # one batch
     assert lib.stats()["misses"] == 2 and lib.stats()["entries"] == 2
+    # In pool blocks (not file mappings), and the library counts exactly those blocks.
+    assert pinload.pool_stats()["in_use"] - in_use == lib.stats()["cached_bytes"]
     assert lib.get(paths[0]) is adapters[0]  # a hit: the same tensors
     lib.get(paths[2])  # evicts the least recently used: paths[1]
     s = lib.stats()
