@@ -3,7 +3,7 @@
 
     PYTHONPATH=build/python:python python3 bench/lora_bench.py [--device cpu|cuda:0] [--ranks 32,128]
         [--adapters 10] [--switches 10] [--peer-switches 3] [--dtype bfloat16] [--config key=value ...]
-        [--dir DIR] [--json FILE]
+        [--threads N] [--dir DIR] [--json FILE]
 
 An SDXL-shaped UNet (diffusers' UNet2DConditionModel with SDXL base's published config, random
 weights written once to DIR) and, per rank, ``--adapters`` generated kohya-layout LoRA files (SGM
@@ -138,6 +138,7 @@ def main() -> int:
     ap.add_argument("--config", nargs="*", help="UNet config overrides, key=value")
     ap.add_argument("--dir", default="/tmp/pinload-lora-bench")
     ap.add_argument("--no-peer", action="store_true")
+    ap.add_argument("--threads", type=int, help="torch intra-op threads for both (default: torch's)")
     ap.add_argument("--json")
     args = ap.parse_args()
 
@@ -147,6 +148,8 @@ def main() -> int:
     import pinload.lora as pl
     from pinload.skip_init import empty_model, load_into
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     config = dict(SDXL_UNET, **_parse_config(args.config))
     os.makedirs(args.dir, exist_ok=True)
