@@ -17,8 +17,9 @@ of the transformer blocks. One switch moves from one adapter to the next:
   ``load_lora_weights`` + ``fuse_lora`` of the next (a pipeline around the same UNet; PEFT backend).
 
 Both run on the same model in the same process, pinload first. Reported per rank: the median
-switch of each, their ratio, and the floor a switch cannot beat: a copy of the touched weights'
-bytes (memcpy on the CPU, device-to-device on CUDA). Also: the library's bytes against its budget
+switch of each, their ratio, and the floors a switch cannot beat: a copy of the touched weights'
+bytes (memcpy on the CPU, device-to-device on CUDA), and the rank-r products alone (float32
+``up @ down`` for every touched weight of one adapter, into reused buffers). Also: the library's bytes against its budget
 and the pool memory it holds, and how far diffusers' weights drifted from the base after its
 switches (pinload's are bit-identical after ``unfuse``). ``--config`` overrides UNet config keys
 (``transformer_layers_per_block=[1,2,2]`` for a smaller model with SDXL's layer shapes).
@@ -238,6 +239,24 @@ def main() -> int:
             fuser.switch([(p, 1.0)])
             _sync(device)
             ours.append(time.perf_counter() - t)
+        # The floor of any fuse: the rank-r products alone (float32, into reused buffers), one adapter.
+        entries = fuser.resolve(paths[0])
+        ups = [(e.up.reshape(e.up.shape[0], -1).to(device).float(), e.down.reshape(e.down.shape[0], -1).to(device).float())
+               for e in entries]
+        outs = {}
+        products = []
+        for _ in range(2):
+            _sync(device)
+            t = time.perf_counter()
+            for u, d in ups:
+                o = outs.get((u.shape[0], d.shape[1]))
+                if o is None:
+                    o = outs[(u.shape[0], d.shape[1])] = torch.empty(u.shape[0], d.shape[1], device=u.device)
+                torch.mm(u, d, out=o)
+            _sync(device)
+            products.append(time.perf_counter() - t)
+        del ups, outs
+        product_s = min(products)
         fuser.unfuse()
         _sync(device)
         exact = all(torch.equal(v, base[k].to(v.device)) for k, v in unet.state_dict().items())
@@ -246,10 +265,12 @@ def main() -> int:
         row: Dict[str, Any] = {
             "pinload_switch_s": ours, "pinload_median_s": statistics.median(ours), "first_batch_read_s": first_read,
             "adapter_bytes": adapter_bytes, "library": lib_stats, "bit_exact_after_unfuse": exact,
-            "pool_in_use_growth": in_use,
+            "pool_in_use_growth": in_use, "products_s": product_s,
         }
         print(f"rank {rank}: pinload switch median {row['pinload_median_s']:.3f} s (min {min(ours):.3f}; "
-              f"{row['pinload_median_s'] / copy_s:.1f} x the copy of the touched bytes); 10 files read in one batch "
+              f"{row['pinload_median_s'] / copy_s:.1f} x the copy of the touched bytes, "
+              f"{row['pinload_median_s'] / product_s:.2f} x the rank-{rank} products alone ({product_s:.3f} s)); "
+              f"10 files read in one batch "
               f"{first_read:.3f} s; library {lib_stats['cached_bytes'] / 1e6:.1f} MB of a {budget / 1e6:.1f} MB budget, "
               f"pool growth {in_use / 1e6:.1f} MB; bit-exact after unfuse: {exact}", flush=True)
         del fuser, lib
