@@ -93,7 +93,7 @@ _LAZY = {
 }
 
 
-_SUBMODULES = ("torch", "numpy", "skip_init", "hooks", "cache")
+_SUBMODULES: "tuple[str, ...]" = ("torch", "numpy", "skip_init", "hooks", "cache")
 
 if TYPE_CHECKING:
     # What type checkers see: the lazy names above, with their real signatures (at run time they

@@ -225,7 +225,8 @@ class LoraLibrary:
                         self._bytes += a.nbytes
                     self._entries.move_to_end(a.identity)
                 self._evict_to(self._budget)
-            out = [o if o is not None else fresh[os.fsdecode(os.fspath(p))] for o, p in zip(out, paths)]
+            out = [o if o is not None else fresh[os.fsdecode(os.fspath(p))]  # type: ignore[arg-type]
+                   for o, p in zip(out, paths)]
         return out  # type: ignore[return-value]
 
     def _evict_to(self, limit: int) -> None:
@@ -373,7 +374,8 @@ def _resolve_kohya(sd: Dict[str, torch.Tensor], file: str, target: _Target,
         placed = _diffusers_kohya(modules, target)
     except Exception:  # noqa: BLE001 - a layout diffusers does not take: the generic map below
         placed = {}
-    out, skipped = [], []
+    out: List[Tuple[str, str, torch.Tensor, torch.Tensor, Optional[float]]] = []
+    skipped: List[str] = []
     for name, parts in modules.items():
         component, rest = _kohya_component(name)
         if component == "unet" and "unet" not in target.components:
@@ -473,7 +475,8 @@ def _resolve_peft(sd: Dict[str, torch.Tensor], file: str, target: _Target, metad
             groups.setdefault(head, {})[rest] = t
         else:
             groups.setdefault("", {})[key] = t
-    out, skipped = [], []
+    out: List[Tuple[str, str, torch.Tensor, torch.Tensor, Optional[float]]] = []
+    skipped: List[str] = []
     for component, part in groups.items():
         original = {id(t): k for k, t in part.items()}
         place = component or _denoiser(target)
@@ -690,7 +693,7 @@ class LoraFuser:
         self._chunk = int(chunk_bytes)
         self._active: List[Tuple[LoraAdapter, float]] = []
         self._touched: Dict[str, List[Tuple[_Entry, float]]] = {}
-        self._stream = None
+        self._stream: Any = None  # torch.cuda.Stream of the base copies, made on the first CUDA switch
         self.last_switch: Dict[str, int] = {}
 
     @property
@@ -875,9 +878,9 @@ class LoraFuser:
         for its own weight's copy: the restores of the old set overlap the new set's fuses."""
         weights = self._target.weights
         compute = torch.cuda.current_stream()
-        if self._stream is None:
-            self._stream = torch.cuda.Stream()
         copy = self._stream
+        if copy is None:
+            copy = self._stream = torch.cuda.Stream()
         copy.wait_stream(compute)  # earlier kernels that read the weights come first
         events = {}
         with torch.cuda.stream(copy):
