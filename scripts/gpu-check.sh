@@ -330,6 +330,18 @@ else
   log "skipping the other unit suites: $(remaining)s left"
 fi
 
+# ---- LoRA switching on cuda:0 (issue 35): bench/lora_bench.py, pinload.lora's switch against diffusers'
+# load_lora_weights + fuse_lora + unfuse_lora on the same UNet (SDXL's layer shapes, 2 of the 10
+# transformer layers of the last level, to fit the budget), rank 32 and 128; its JSON comes back as
+# $OUT/lora_bench.json (not part of the verdict)
+if (($(remaining) > 200)) && ls "$BUILD"/python/pinload/_core*.so >/dev/null 2>&1; then
+  run_step lora_bench 180 "$OUT/bench.log" env PYTHONPATH="$BUILD/python:$ROOT/python" LD_LIBRARY_PATH="$ORIG_LD_LIBRARY_PATH" \
+    python3 bench/lora_bench.py --device cuda:0 --switches 10 --peer-switches 3 \
+    --config "transformer_layers_per_block=[1,2,2]" --dir "$MODELS/lora-bench" --json "$OUT/lora_bench.json" || true
+else
+  log "lora_bench: skipped ($(remaining)s left or no Python module)"
+fi
+
 # ---- the benchmark driver's quick mode on cuda:0, with what is left of the budget
 # (its figures are not part of the verdict; peers that are not installed are skipped
 # with the reason in the JSON, and nothing is downloaded: --no-setup, then the small

@@ -93,7 +93,7 @@ _LAZY = {
 }
 
 
-_SUBMODULES = ("torch", "numpy", "skip_init", "hooks", "cache")
+_SUBMODULES: "tuple[str, ...]" = ("torch", "numpy", "skip_init", "hooks", "cache")
 
 if TYPE_CHECKING:
     # What type checkers see: the lazy names above, with their real signatures (at run time they
@@ -186,3 +186,12 @@ def convert(input, output, to: str = "fp8-e4m3fn", scale: str = "per-tensor", ke
 def cuda_available() -> tuple[bool, str]:
     """(available, reason): whether pinload itself can use a CUDA device, and why not."""
     return _core.cuda_available()
+
+
+# pinload.lora (docs/lora.md): LoRA adapters kept in the pool, fused in place, unfused by restoring.
+_LAZY.update(LoraLibrary="lora", LoraFuser="lora")
+_SUBMODULES += ("lora",)
+__all__ += ["LoraFuser", "LoraLibrary"]
+if TYPE_CHECKING:
+    from . import lora  # noqa: F401
+    from .lora import LoraFuser, LoraLibrary  # noqa: F401
