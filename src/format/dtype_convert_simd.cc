@@ -189,10 +189,15 @@ void arithmetic(const Run& r) {
   if constexpr (kOut == kF32) {
     drive(r, du, value, scalar);
   } else {
-    drive(r, d16, [&](std::uint64_t i) {
+    // Two vectors of 32-bit lanes make one of 16-bit outputs: whole
+    // vectors only (Highway 1.0's Stream of a half vector writes a whole one).
+    const hn::Repartition<std::uint16_t, decltype(du)> d16_full;
+    const std::uint64_t lanes = hn::Lanes(du);
+    auto half = [&](std::uint64_t i) {
       const auto v = value(i);
       return hn::DemoteTo(d16, hn::BitCast(di, kOut == kBF16 ? encode_bf16(du, v) : encode_f16(du, v)));
-    }, scalar);
+    };
+    drive(r, d16_full, [&](std::uint64_t i) { return hn::Combine(d16_full, half(i + lanes), half(i)); }, scalar);
   }
 }
 
