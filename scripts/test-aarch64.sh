@@ -3,8 +3,9 @@
 # and dtype_convert_test with Debian's cross compiler and runs the test
 # under qemu-user, where it forces every target the emulated CPU runs in
 # turn (SVE2, SVE, NEON, scalar) on the emulated CPU `max` (512-bit SVE2),
-# then Highway's SVE_256 target on `max` with 256-bit vectors, and NEON on a
-# NEON-only Cortex-A72; each run checks which target is the best.
+# then Highway's SVE_256 and SVE2_128 targets on `max` with 256- and 128-bit
+# vectors, and NEON on a NEON-only Cortex-A72; each run checks which target
+# is the best.
 # Installs what is missing (arm64 as a Debian multiarch architecture).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -56,11 +57,17 @@ run() {  # CPU, targets (PINLOAD_TEST_TARGETS), the best target expected
   echo "$log" | grep -E 'runnable|PASSED'
   echo "$log" | grep -q "(best: $3)" || { echo "test-aarch64: the best target is not $3"; return 1; }
 }
-# max: 512-bit SVE, SVE2; every target. Then the 256-bit SVE target only,
-# and the dispatch of a NEON-only CPU.
+sve_length() {  # `max` with SVE vectors of $1 bits only
+  local cpu="max,sve$1=on" bits
+  for bits in 128 256 384 512 640 768 896 1024 1152 1280 1408 1536 1664 1792 1920 2048; do
+    ((bits > $1)) && cpu+=",sve$bits=off"
+  done
+  echo "$cpu"
+}
+# max: 512-bit SVE2; every target. Then the targets of 256-bit SVE
+# (Graviton 3) and 128-bit SVE2 (Grace) only, and a NEON-only CPU.
 run max "" sve2
-sve256=max,sve256=on
-for bits in 384 512 640 768 896 1024 1152 1280 1408 1536 1664 1792 1920 2048; do sve256+=",sve$bits=off"; done
-run "$sve256" sve256 sve256
+run "$(sve_length 256)" sve256 sve256
+run "$(sve_length 128)" sve2_128 sve2_128
 run cortex-a72 neon neon
 echo "== aarch64: passed"
