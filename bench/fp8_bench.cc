@@ -9,7 +9,8 @@
 // DIR (default /tmp/pinload-fp8-bench) receives bf16.safetensors (N MiB of
 // transformer-shaped bf16 weights, random), fp8.safetensors (its `pinload
 // convert`) and fp32.safetensors (N MiB of fp32), made once and reused.
-// Cases, each cold (page cache dropped: drop_caches as root, else
+// Cases (wall time, and the process's CPU time: user + system), each cold
+// (page cache dropped: drop_caches as root, else
 // posix_fadvise DONTNEED after fsync), in rotated order, R rounds:
 //   bf16            the bf16 file as stored, pool kept (the kept cases
 //                   share one pool, filled and settled in huge pages before
@@ -29,7 +30,11 @@
 //   first-touch     mmap + touch of the bf16 bytes by T threads: the
 //                   fresh-memory limit
 // and, in memory: fp8->bf16 conversion by T threads against memcpy of the
-// same output bytes by T threads (best of R).
+// same output bytes by T threads (best of R); then, per SIMD target this
+// build and CPU run (each forced in turn, Note [SIMD targets]), fp8->bf16
+// and fp32->bf16 conversions of 64 MiB of output by T threads against the
+// same memcpy (best of R). The loads run on the best target, or on
+// PINLOAD_SIMD's.
 // With --device, the loads go to the device (kCached: FP8 crosses to the
 // device at half the bytes and the kernel converts it there), and
 // "pinned copy" is the bf16 bytes copied from a pinned pool block with one
@@ -39,6 +44,7 @@
 // out.
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -55,6 +61,7 @@
 
 #include "format/dtype_bits.h"
 #include "format/dtype_convert.h"
+#include "format/simd.h"
 #include "memory/huge_page_collapse.h"
 #include "pinload/convert.h"
 #include "pinload/device.h"
@@ -67,6 +74,15 @@ using namespace pinload;
 namespace {
 
 double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+// The process's CPU time (user + system) so far: what a load cost in CPU,
+// which other processes' load does not change as it does the wall time.
+double cpu_seconds() {
+  rusage u{};
+  ::getrusage(RUSAGE_SELF, &u);
+  return static_cast<double>(u.ru_utime.tv_sec + u.ru_stime.tv_sec) +
+         static_cast<double>(u.ru_utime.tv_usec + u.ru_stime.tv_usec) / 1e6;
+}
 
 // A transformer-like bf16 or fp32 checkpoint of about `bytes`: blocks of
 // q, k, v, o (3072 x 3072) and two MLP matrices, plus norms and biases.
@@ -273,7 +289,7 @@ int main(int argc, char** argv) {
       (void)c.loader->load({c.file});
     }
     detail::IdleBlocks::wait_idle();
-    std::map<std::string, Series> series;
+    std::map<std::string, Series> series, cpu_series;
     std::string drop_method;
     std::uint64_t bf16_bytes = 0;
     for (int r = 0; r < rounds; ++r) {
@@ -281,6 +297,7 @@ int main(int argc, char** argv) {
         const Case& c = cases[(k + static_cast<std::size_t>(r)) % cases.size()];
         drop_method = drop_cache({bf16, fp8, fp32});
         const auto t = Clock::now();
+        const double cpu = cpu_seconds();
         std::uint64_t total = 0;
         if (c.loader != nullptr) {
           total = c.loader->load({c.file}).total_bytes();
@@ -289,6 +306,7 @@ int main(int argc, char** argv) {
           total = fresh.load({c.file}).total_bytes();
         }
         series[c.name].seconds.push_back(seconds_since(t));
+        cpu_series[c.name].seconds.push_back(cpu_seconds() - cpu);
         if (c.name == "bf16") bf16_bytes = total;
       }
       if (!only_cases.empty()) continue;
@@ -344,13 +362,64 @@ int main(int argc, char** argv) {
       series["memcpy (memory)"].seconds.push_back(seconds_since(t));
     }
 
+    // Per SIMD target: the same conversion, and fp32 -> bf16, on fewer
+    // elements (its fp32 source is 4 bytes each), against memcpy of their
+    // output (best of 3 x R each).
+    const std::string load_target = simd::target();
+    struct TargetFigures {
+      double fp8_gbps = 0, fp32_gbps = 0, memcpy_gbps = 0;
+    };
+    std::vector<std::pair<std::string, TargetFigures>> per_target;
+    if (memory_rounds > 0) {
+      const std::size_t m = std::min<std::size_t>(elements, 32u << 20);
+      std::vector<float> f32(m);
+      for (std::size_t i = 0; i < m; ++i) f32[i] = bits::bf16_to_f32(static_cast<std::uint16_t>(0x3C00 + (i * 2654435761u >> 20) % 0x600));
+      // Rounds interleave the targets (and memcpy beside each), so that
+      // another process's burst weighs on all of them alike; best of
+      // 3 x R rounds each.
+      auto timed = [&](auto fn) {
+        const auto t = Clock::now();
+        on_threads(threads, [&](unsigned i) {
+          const std::size_t part = m / threads;
+          const std::size_t begin = part * i, n = i + 1 == threads ? m - begin : part;
+          fn(begin, n);
+        });
+        return static_cast<double>(m) * 2 / 1e9 / seconds_since(t);
+      };
+      for (const std::string& target : simd::runnable_targets()) per_target.emplace_back(target, TargetFigures{});
+      for (int r = 0; r < 3 * memory_rounds; ++r) {
+        for (auto& [target, f] : per_target) {
+          simd::set_target(target);
+          f.fp8_gbps = std::max(f.fp8_gbps, timed([&](std::size_t begin, std::size_t n) {
+            convert_elements(ElementConversion{DType::kF8_E4M3, DType::kBF16, n, 0.01f}, src.data() + begin,
+                             out.data() + begin);
+          }));
+          f.fp32_gbps = std::max(f.fp32_gbps, timed([&](std::size_t begin, std::size_t n) {
+            convert_elements(ElementConversion{DType::kF32, DType::kBF16, n, 1.0f}, f32.data() + begin,
+                             out.data() + begin);
+          }));
+          f.memcpy_gbps = std::max(f.memcpy_gbps, timed([&](std::size_t begin, std::size_t n) {
+            std::memcpy(copy_dst.data() + begin, copy_src.data() + begin, n * 2);
+          }));
+        }
+      }
+      simd::set_target(load_target);
+    }
+
     const double out_gb = static_cast<double>(elements) * 2 / 1e9;
     std::printf("fp8-bench: %s%s%s, %llu MiB bf16 model, %d rounds, %u threads, cold by %s%s\n", dir.c_str(),
                 device ? " to " : "", device ? device->description().c_str() : "",
                 static_cast<unsigned long long>(size_mib), rounds, threads, drop_method.c_str(),
                 convert_seconds > 0 ? (", converted in " + std::to_string(convert_seconds) + " s").c_str() : "");
-    std::printf("%-28s %10s %10s\n", "case", "best s", "median s");
-    for (const auto& [name, s] : series) std::printf("%-28s %10.3f %10.3f\n", name.c_str(), s.best(), s.median());
+    std::printf("SIMD target of the loads: %s (runnable here:", load_target.c_str());
+    for (const std::string& t : simd::runnable_targets()) std::printf(" %s", t.c_str());
+    std::printf("; PINLOAD_SIMD forces one)\n");
+    std::printf("%-28s %10s %10s %10s\n", "case", "best s", "median s", "cpu s");
+    for (const auto& [name, s] : series) {
+      std::printf("%-28s %10.3f %10.3f", name.c_str(), s.best(), s.median());
+      if (cpu_series.contains(name)) std::printf(" %10.3f", cpu_series[name].median());
+      std::printf("\n");
+    }
     // A ratio of two series' medians (and the median of their same-round
     // ratios), where both ran.
     auto have = [&](const char* name) { return series.contains(name); };
@@ -376,9 +445,16 @@ int main(int argc, char** argv) {
     if (memory_rounds > 0) {
       const double convert_vs_memcpy = series["memcpy (memory)"].best() / series["convert fp8->bf16 (memory)"].best();
       ratios["convert_over_memcpy"] = convert_vs_memcpy;
-      std::printf("conversion / memcpy throughput %.3f  (target >= 0.8; %.2f vs %.2f GB/s of output)\n",
+      std::printf("conversion / memcpy throughput %.3f  (target >= 1.0; %.2f vs %.2f GB/s of output)\n",
                   convert_vs_memcpy, out_gb / series["convert fp8->bf16 (memory)"].best(),
                   out_gb / series["memcpy (memory)"].best());
+    }
+    for (const auto& [target, f] : per_target) {
+      ratios["simd"][target] = {{"fp8_bf16_gbps", f.fp8_gbps}, {"fp32_bf16_gbps", f.fp32_gbps},
+                                {"memcpy_gbps", f.memcpy_gbps}};
+      std::printf("  %-11s fp8->bf16 %6.2f GB/s (%.2f x memcpy), fp32->bf16 %6.2f GB/s (%.2f x), memcpy %6.2f GB/s\n",
+                  target.c_str(), f.fp8_gbps, f.fp8_gbps / f.memcpy_gbps, f.fp32_gbps, f.fp32_gbps / f.memcpy_gbps,
+                  f.memcpy_gbps);
     }
     if (have("fp32->bf16") && have("fp32")) {
       ratios["load_fp32_bf16_over_fp32"] = median_ratio("fp32->bf16", "fp32");
@@ -416,7 +492,9 @@ int main(int argc, char** argv) {
       j["threads"] = threads;
       j["cold_method"] = drop_method;
       j["device"] = device ? device->description() : "host";
+      j["simd_target"] = load_target;
       for (const auto& [name, s] : series) j["series"][name] = s.seconds;
+      for (const auto& [name, s] : cpu_series) j["cpu_seconds"][name] = s.seconds;
       if (!only_cases.empty()) j["cases"] = only_cases.substr(1, only_cases.size() - 2);
       j["ratios"] = ratios;
       std::ofstream(json_path) << j.dump(2) << "\n";

@@ -20,6 +20,7 @@ PACKAGES=(
   libgtest-dev libgmock-dev       # GTest (GTestTargets lists gmock's files too)
   libbenchmark-dev libbenchmark1debian  # Google Benchmark (bench/)
   libssl-dev libssl3              # OpenSSL::Crypto (the CLI's checksums)
+  libhwy-dev libhwy1              # Highway: the host conversions' SIMD kernels
 )
 
 if [[ ${1:-} == --force ]]; then

@@ -8,7 +8,8 @@ cd "$(dirname "$0")/.."
 APT_PACKAGES=(cmake ninja-build g++ clang libclang-rt-14-dev pkg-config
               libgtest-dev libgmock-dev libbenchmark-dev nlohmann-json3-dev libspdlog-dev libssl-dev
               liburing-dev libnuma-dev pybind11-dev libdlpack-dev libcli11-dev fio
-              libcurl4-openssl-dev nginx-light bindfs fuse3)  # remote sources and their test servers
+              libcurl4-openssl-dev nginx-light bindfs fuse3  # remote sources and their test servers
+              libhwy-dev)  # the conversions' SIMD kernels (Highway)
 # torch (the PyPI wheel, CUDA build) and the Hugging Face libraries are for
 # the Python package's tests; each is installed only when it does not import.
 PY_PACKAGES=(numpy safetensors pytest ml_dtypes tqdm mypy torch diffusers transformers accelerate boto3

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every test: set up and build, run the whole suite (unit, Python, install
-# consumer), then the ASan+UBSan build with a short fuzz run, then the TSan
-# build of the unit suites.
+# consumer), the conversion test cross-built for aarch64 under qemu
+# (scripts/test-aarch64.sh), then the ASan+UBSan build with a short fuzz
+# run, then the TSan build of the unit suites.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
@@ -9,6 +10,9 @@ JOBS=${JOBS:-$(nproc)}
 
 echo "== tests (build/)"
 (cd build && ctest --output-on-failure -j "$JOBS")
+
+echo "== aarch64 conversions under qemu (build-aarch64/)"
+scripts/test-aarch64.sh
 
 echo "== ASan + UBSan + fuzz (build-asan/, clang)"
 if [[ ! -f build-asan/build.ninja ]]; then

@@ -2,15 +2,13 @@
 
 #include <algorithm>
 #include <cmath>
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
 #include <cstring>
 #include <string>
 #include <type_traits>
 
 #include "base/streaming_copy.h"
 #include "format/dtype_bits.h"
+#include "format/dtype_convert_simd.h"
 #include "pinload/error.h"
 
 namespace pinload {
@@ -44,76 +42,22 @@ struct F32 {
   static void put(std::uint8_t* p, std::uint64_t i, float f) { store_raw<float>(p, i, f); }
 };
 
-#if defined(__x86_64__)
 // Note [Streaming stores]
 // A conversion's output is written once and not read again soon (it is a
 // loaded tensor: hundreds of MiB, far beyond the caches). Plain stores first
 // read every output line for ownership, so a fp8 -> bf16 conversion moved
 // in + 2 x out bytes through memory, more than memcpy (which streams large
 // copies past the cache). Runs of at least kStreamOutBytes of output are
-// therefore written with non-temporal stores: the conversion loops write
-// tiles of kTileElements into a cache-resident buffer, which goes out with
-// _mm_stream_si128 (SSE2: every x86-64), and the VBMI loop streams directly.
-// The values are those of the same loops (bit for bit); an sfence at the end
-// of convert_elements orders the stores before whatever the caller does next
-// (handing the memory to another thread). Short runs keep plain stores: their
-// output may well be read from the cache.
+// therefore written with non-temporal stores: the SIMD kernels stream their
+// vectors (hwy::Stream: movnt on x86, stnt1 on SVE) from the first
+// vector-aligned output on, and the plain loops write tiles of
+// kTileElements into a cache-resident buffer, which goes out with
+// streaming_copy. The values are those of the same loops (bit for bit); an
+// sfence at the end of convert_elements orders the stores before whatever
+// the caller does next (handing the memory to another thread). Short runs
+// keep plain stores: their output may well be read from the cache.
 constexpr std::uint64_t kStreamOutBytes = 256u << 10;
 constexpr std::uint64_t kTileElements = 4096;  // 16 KiB of fp32 output at most
-
-// 64 fp8 codes to 64 16-bit outputs per step with AVX-512 VBMI byte
-// permutes: the table's low and high bytes are each two 128-entry halves
-// (permutex2var picks by the low 7 bits, the sign bit picks the half).
-// kStream: dst + 2 * (returned count) steps are 64-byte aligned by the
-// caller, and the stores are non-temporal (Note [Streaming stores]).
-template <bool kStream>
-__attribute__((target("avx512f,avx512bw,avx512vbmi"))) std::uint64_t lookup16_vbmi(const std::uint16_t* table,
-                                                                                    const std::uint8_t* src,
-                                                                                    std::uint8_t* dst,
-                                                                                    std::uint64_t n) {
-  alignas(64) std::uint8_t lo[256], hi[256];
-  for (int i = 0; i < 256; ++i) {
-    lo[i] = static_cast<std::uint8_t>(table[i] & 0xFF);
-    hi[i] = static_cast<std::uint8_t>(table[i] >> 8);
-  }
-  const __m512i lo0 = _mm512_load_si512(lo), lo1 = _mm512_load_si512(lo + 64);
-  const __m512i lo2 = _mm512_load_si512(lo + 128), lo3 = _mm512_load_si512(lo + 192);
-  const __m512i hi0 = _mm512_load_si512(hi), hi1 = _mm512_load_si512(hi + 64);
-  const __m512i hi2 = _mm512_load_si512(hi + 128), hi3 = _mm512_load_si512(hi + 192);
-  std::uint64_t i = 0;
-  for (; i + 64 <= n; i += 64) {
-    const __m512i idx = _mm512_loadu_si512(src + i);
-    const __mmask64 upper = _mm512_movepi8_mask(idx);
-    const __m512i l = _mm512_mask_blend_epi8(upper, _mm512_permutex2var_epi8(lo0, idx, lo1),
-                                             _mm512_permutex2var_epi8(lo2, idx, lo3));
-    const __m512i h = _mm512_mask_blend_epi8(upper, _mm512_permutex2var_epi8(hi0, idx, hi1),
-                                             _mm512_permutex2var_epi8(hi2, idx, hi3));
-    // Interleave low and high bytes within 128-bit lanes, then put the
-    // lanes back in element order.
-    const __m512i a = _mm512_unpacklo_epi8(l, h);  // lanes: e0-7, e16-23, e32-39, e48-55
-    const __m512i b = _mm512_unpackhi_epi8(l, h);  // lanes: e8-15, e24-31, e40-47, e56-63
-    const __m512i first = _mm512_permutex2var_epi64(a, _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0), b);
-    const __m512i second = _mm512_permutex2var_epi64(a, _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4), b);
-    if constexpr (kStream) {
-      _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i * 2), first);
-      _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i * 2 + 64), second);
-    } else {
-      _mm512_storeu_si512(dst + i * 2, first);
-      _mm512_storeu_si512(dst + i * 2 + 64, second);
-    }
-  }
-  return i;
-}
-
-bool have_vbmi() {
-  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                          __builtin_cpu_supports("avx512vbmi");
-  return yes;
-}
-#else
-constexpr std::uint64_t kStreamOutBytes = UINT64_MAX;  // plain stores only
-constexpr std::uint64_t kTileElements = 4096;
-#endif
 
 // Runs `convert(src_element, count, out)` over n elements in tiles written
 // to a cache-resident buffer, each then streamed to dst (Note [Streaming
@@ -128,6 +72,8 @@ void tiled(const std::uint8_t* src, std::uint8_t* dst, std::uint64_t n, Convert 
   }
 }
 
+// The plain loops: the "scalar" SIMD target (Note [SIMD targets] in
+// dtype_convert_simd.cc), and any run the kernels leave to them.
 // FP8 sources: 256 encodings, so each call first converts every encoding
 // once (with the scalar forms, so rounding is theirs) into a table of output
 // elements, then the loop is one table load per element.
@@ -155,23 +101,6 @@ void convert_run(const std::uint8_t* src, std::uint8_t* dst, std::uint64_t n, fl
     const std::uint8_t b = static_cast<std::uint8_t>(code);
     Out::put(reinterpret_cast<std::uint8_t*>(table), code, In::get(&b, 0) * scale);
   }
-#if defined(__x86_64__)
-  if constexpr (kOut == 2) {
-    if (have_vbmi()) {
-      std::uint64_t i = 0;
-      if (stream && (reinterpret_cast<std::uintptr_t>(dst) & 1) == 0) {
-        // Plain lookups up to the first 64-byte boundary, then streamed.
-        const std::uint64_t head = std::min<std::uint64_t>(n, ((64 - (reinterpret_cast<std::uintptr_t>(dst) & 63)) & 63) / 2);
-        lookup_loop(table, src, dst, head);
-        i = head + lookup16_vbmi<true>(table, src + head, dst + head * 2, n - head);
-      } else {
-        i = lookup16_vbmi<false>(table, src, dst, n);
-      }
-      lookup_loop(table, src + i, dst + i * 2, n - i);
-      return;
-    }
-  }
-#endif
   if (stream) {
     tiled<1, kOut>(src, dst, n, [&](const std::uint8_t* s, std::uint64_t m, std::uint8_t* t) {
       lookup_loop(table, s, t, m);
@@ -188,48 +117,16 @@ void cast_loop(const std::uint8_t* src, std::uint8_t* dst, std::uint64_t n) {
   for (std::uint64_t i = 0; i < n; ++i) Out::put(dst, i, In::get(src, i));
 }
 
-#if defined(__x86_64__)
-// The same loop compiled for AVX-512 and for AVX2: 16 or 8 lanes of the
-// branch-free forms (the plain build targets baseline x86-64, SSE2).
-template <class In, class Out>
-__attribute__((target("avx512f,avx512bw"))) void cast_loop_avx512(const std::uint8_t* src, std::uint8_t* dst,
-                                                                 std::uint64_t n) {
-  for (std::uint64_t i = 0; i < n; ++i) Out::put(dst, i, In::get(src, i));
-}
-template <class In, class Out>
-__attribute__((target("avx2,fma"))) void cast_loop_avx2(const std::uint8_t* src, std::uint8_t* dst, std::uint64_t n) {
-  for (std::uint64_t i = 0; i < n; ++i) Out::put(dst, i, In::get(src, i));
-}
-
-bool have_avx512() {
-  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
-  return yes;
-}
-bool have_avx2() {
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return yes;
-}
-#endif
-
-template <class In, class Out>
-void cast_any(const std::uint8_t* src, std::uint8_t* dst, std::uint64_t n) {
-#if defined(__x86_64__)
-  if (have_avx512()) return cast_loop_avx512<In, Out>(src, dst, n);
-  if (have_avx2()) return cast_loop_avx2<In, Out>(src, dst, n);
-#endif
-  cast_loop<In, Out>(src, dst, n);
-}
-
 template <class In, class Out>
 void cast_run(const std::uint8_t* src, std::uint8_t* dst, std::uint64_t n, float, bool stream) {
   constexpr unsigned kIn = std::is_same_v<In, F32> ? 4 : 2;
   constexpr unsigned kOut = std::is_same_v<Out, F32> ? 4 : 2;
   if (stream) {
     tiled<kIn, kOut>(src, dst, n, [](const std::uint8_t* s, std::uint64_t m, std::uint8_t* t) {
-      cast_any<In, Out>(s, t, m);
+      cast_loop<In, Out>(s, t, m);
     });
   } else {
-    cast_any<In, Out>(src, dst, n);
+    cast_loop<In, Out>(src, dst, n);
   }
 }
 
@@ -294,12 +191,15 @@ bool is_convertible(DType from, DType to) noexcept { return run_for(from, to) !=
 float fp8_max(DType fp8) { return fp8 == DType::kF8_E5M2 ? 57344.0f : 448.0f; }
 
 void convert_elements(const ElementConversion& c, const void* src_v, void* dst_v) {
-  const Run run = run_for(c.from, c.to);
-  if (run == nullptr) throw_unsupported("conversion", c.from, c.to);
+  const Run plain = run_for(c.from, c.to);
+  if (plain == nullptr) throw_unsupported("conversion", c.from, c.to);
   const auto* src = static_cast<const std::uint8_t*>(src_v);
   auto* dst = static_cast<std::uint8_t*>(dst_v);
   const unsigned in = element_bytes(c.from), out = element_bytes(c.to);
   const bool stream = c.elements >= kStreamOutBytes / out;  // Note [Streaming stores]
+  auto run = [&](const std::uint8_t* s, std::uint8_t* d, std::uint64_t n, float scale, bool streamed) {
+    if (!simd::convert_run(simd::Run{c.from, c.to, s, d, n, scale, streamed})) plain(s, d, n, scale, streamed);
+  };
   if (c.row_scales == nullptr || c.row_elements == 0) {
     run(src, dst, c.elements, c.scale, stream);
   } else {
