@@ -62,7 +62,7 @@ class EncodeResult:
     embeddings: Any  # torch.Tensor [n, L, d]
     attention_mask: Any  # torch.Tensor [n, L] int64
     pooled: Any = None  # torch.Tensor [n, p] (CLIP) or None
-    metadata: Dict[str, str] = field(default_factory=dict)
+    metadata: Dict[str, Any] = field(default_factory=dict)  # encoder (identity), dtype, max_length, padding
     local: bool = False  # made by the fallback encoder, not the server
 
 
@@ -167,12 +167,15 @@ class EncoderClient:
         spec = EncodeSpec(max_length=max_length or encoder.model_max_length, **options)
         out = stack(encoder.encode(prompts, spec))
         return EncodeResult(out["embeddings"], out["attention_mask"], out.get("pooled"),
-                            {"encoder": encoder.identity, "dtype": encoder.dtype}, local=True)
+                            {"encoder": encoder.identity, "dtype": encoder.dtype, "max_length": spec.max_length,
+                             "padding": spec.padding}, local=True)
 
 
-def _metadata(data: bytes) -> Dict[str, str]:
+def _metadata(data: bytes) -> Dict[str, Any]:
+    """The answer's "pinload.encoder" metadata: encoder (identity), dtype, max_length, padding."""
     n = int.from_bytes(data[:8], "little")
-    return json.loads(data[8:8 + n]).get("__metadata__", {})
+    metadata = json.loads(data[8:8 + n]).get("__metadata__") or {}
+    return json.loads(metadata.get("pinload.encoder", "{}"))
 
 
 def _error(r: Any, path: str) -> EncoderError:

@@ -339,8 +339,10 @@ def make_app(state: State):
         except Overloaded as ex:
             m.rejected.inc()
             return _error(429, "overloaded", str(ex), headers={"Retry-After": "1"})
-        metadata = {"encoder": e.identity, "dtype": e.dtype, "max_length": str(spec.max_length),
-                    "padding": spec.padding}  # no per-answer fields: the same request gets the same bytes
+        # One metadata key: safetensors writes a metadata map in no fixed order, and the same request
+        # must get the same bytes. Nothing in it varies between answers (cache hits go in a header).
+        info = {"encoder": e.identity, "dtype": e.dtype, "max_length": spec.max_length, "padding": spec.padding}
+        metadata = {"pinload.encoder": json.dumps(info, sort_keys=True)}
         payload = await asyncio.get_running_loop().run_in_executor(None, _serialize, items, metadata)
         m.latency.observe(time.perf_counter() - t0)
         return web.Response(body=payload, content_type="application/octet-stream",
