@@ -54,7 +54,8 @@ def test_clip_through_the_same_path(models):
 
 def test_identity_tells_encoders_apart(models, tmp_path):
     t5 = Encoder.load(str(models["t5"]))
-    other = Encoder.load(str(models["t5_other"]))  # same config and headers, other weights
+    other = Encoder.load(str(models["t5_other"]))  # same config, headers and tokenizer; other weights
+    assert other.tokenizer_identity == Encoder.load(str(models["t5"])).tokenizer_identity
     copy = tmp_path / "copy"
     shutil.copytree(models["t5"], copy)
     same = Encoder.load(str(copy))

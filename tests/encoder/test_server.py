@@ -288,7 +288,8 @@ def test_client_survives_server_restart(servers):
         i = 0
         while not done.is_set():
             try:
-                answers.append((time.monotonic(), client.encode([f"during restart {i}"], max_length=16)))
+                out = client.encode([f"during restart {i}"], max_length=16)
+                answers.append((time.monotonic(), out))  # when it returned
             except Exception as e:  # noqa: BLE001
                 errors.append(e)
             i += 1
