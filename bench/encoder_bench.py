@@ -9,8 +9,9 @@ Models are generated (tests/encoder/tiny_models.py, random weights, tokenizers t
   cost is what batching shares on a CPU; 16 client threads, prompts drawn from a list so that 30%
   of requests repeat an earlier prompt (answered by the cache in both modes);
 - memory and switching: a T5 of T5-base's shape (d_model 768, 12 layers; 85 M parameters, 340 MB
-  in fp32), next to stand-ins of the other pipeline files scaled by the FLUX/SDXL ratios of
-  docs/MODELS (transformer 2.5 x T5, CLIP-L 0.026 x; SDXL UNet 0.54 x).
+  in fp32), next to stand-ins of the other pipeline files scaled by the real files' sizes relative
+  to T5-XXL's 9.52 GB (FLUX.1-dev transformer 23.8 GB, CLIP-L 0.246, VAE 0.168; SDXL UNet 5.1,
+  CLIP-G 1.39).
 Every figure is from one run; the ratios are the result. ``uptime`` load is printed (the machine
 is shared).
 """
@@ -222,8 +223,8 @@ def memory(model: Path, args, tmp: Path) -> dict:
 
 
 def make_standin(path: Path, nbytes: int, seed: int) -> None:
-    """A safetensors file of bf16 tensors of 16 MiB (random bytes): the reads a pipeline switch makes."""
-    if path.exists():
+    """A safetensors file of bf16 tensors of 16 MiB (random values): the reads a pipeline switch makes."""
+    if path.exists() and path.with_suffix(".done").exists():
         return
     import torch
     from safetensors.torch import save_file
@@ -232,39 +233,43 @@ def make_standin(path: Path, nbytes: int, seed: int) -> None:
     tensors, n, i = {}, 0, 0
     while n < nbytes:
         t = torch.randn(4096, 2048, generator=g).to(torch.bfloat16)
-        tensors[f"blocks.{i}.weight"] = t
+        tensors[f"{path.stem}.blocks.{i}.weight"] = t
         n += t.numel() * 2
         i += 1
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path))
+    path.with_suffix(".done").touch()
 
 
 SWITCH = r"""
 import sys, time, json, gc
-mode, t5, url, flux, sdxl = sys.argv[1:6]
+mode, t5, url, flux, sdxl, tag = sys.argv[1:7]
 import torch, pinload
 from pinload.encoder.model import Encoder, EncodeSpec
 from pinload.encoder import EncoderClient
-client = EncoderClient(url) if url else None
-def to_flux():
+client = EncoderClient(url, timeout=600) if url else None
+def to_flux(step):
     t0 = time.perf_counter()
     weights = pinload.load_files(flux)                         # transformer, CLIP-L, VAE stand-ins
+    t1 = time.perf_counter()
+    enc = Encoder.load(t5) if mode == "local" else None        # T5 with pinload (skip-init), or nothing
+    t2 = time.perf_counter()
+    prompt = f"a cat on a chair, {tag} {step}"                 # never cached: the server computes it
     if mode == "local":
-        enc = Encoder.load(t5)                                  # T5 loaded with pinload (skip-init)
-        emb = enc.encode(["a cat on a chair"], EncodeSpec(max_length=512))[0]
+        emb = enc.encode([prompt], EncodeSpec(max_length=512))[0]
     else:
-        enc = None
-        emb = client.encode(["a cat on a chair"], max_length=512).embeddings
-    return time.perf_counter() - t0, (weights, enc)
-def to_sdxl():
+        emb = client.encode([prompt], max_length=512).embeddings
+    t3 = time.perf_counter()
+    return {"weights": t1 - t0, "t5": t2 - t1, "encode": t3 - t2, "switch": t2 - t0}, (weights, enc)
+def to_sdxl(step):
     t0 = time.perf_counter()
     weights = pinload.load_files(sdxl)
-    return time.perf_counter() - t0, (weights,)
+    return {"weights": time.perf_counter() - t0, "switch": time.perf_counter() - t0}, (weights,)
 times = {}
 held = None
 for step, fn in (("flux", to_flux), ("sdxl", to_sdxl), ("flux again", to_flux)):
     held = None; gc.collect()
-    times[step], held = fn()
+    times[step], held = fn(step)
 print(json.dumps(times))
 """
 
@@ -272,7 +277,7 @@ print(json.dumps(times))
 def switching(t5: Path, args, tmp: Path) -> dict:
     t5_bytes = sum(p.stat().st_size for p in t5.glob("*.safetensors"))
     flux, sdxl = tmp / "flux", tmp / "sdxl"
-    make_standin(flux / "transformer.safetensors", int(t5_bytes * 23.8 / 9.52), 1)  # MODELS.md ratios
+    make_standin(flux / "transformer.safetensors", int(t5_bytes * 23.8 / 9.52), 1)  # the real sizes' ratios
     make_standin(flux / "clip_vae.safetensors", int(t5_bytes * (0.246 + 0.168) / 9.52), 2)
     make_standin(sdxl / "unet.safetensors", int(t5_bytes * 5.1 / 9.52), 3)
     make_standin(sdxl / "clip_vae.safetensors", int(t5_bytes * (0.246 + 1.39 + 0.168) / 9.52), 4)
@@ -281,18 +286,23 @@ def switching(t5: Path, args, tmp: Path) -> dict:
     out = {}
     for mode in ("local", "remote", "local ", "remote "):  # twice each, alternating: the page cache is warm
         r = subprocess.run([sys.executable, "-c", SWITCH, mode.strip(), str(t5), server.url if "remote" in mode else "",
-                            str(flux), str(sdxl)], capture_output=True, text=True, timeout=900)
+                            str(flux), str(sdxl), f"{mode}{len(out.get(mode.strip(), []))}"], capture_output=True,
+                           text=True, timeout=900)
         if r.returncode:
             raise RuntimeError(r.stderr)
         times = json.loads(r.stdout.strip().splitlines()[-1])
-        out.setdefault(mode.strip(), []).append({k: round(v, 3) for k, v in times.items()})
+        out.setdefault(mode.strip(), []).append({k: {p: round(x, 3) for p, x in v.items()} for k, v in times.items()})
         print(json.dumps({mode: times, "load": load_average()}), flush=True)
     server.stop()
-    best = {m: min(r["flux again"] for r in runs) for m, runs in out.items()}
-    out["flux_again_best_s"] = best
-    out["ratio_remote_over_local"] = round(best["remote"] / best["local"], 3)
-    out["bytes"] = {"t5": t5_bytes, "flux": sum(p.stat().st_size for p in flux.iterdir()),
-                    "sdxl": sum(p.stat().st_size for p in sdxl.iterdir())}
+    # "switch": the pipeline is loaded and can take prompts (T5 loaded, or the server's); "encode":
+    # then one 512-token prompt (on the worker's CPU, or the server's).
+    best = {m: min((r["flux again"] for r in runs), key=lambda r: r["switch"]) for m, runs in out.items()}
+    out["flux_again_best"] = best
+    out["ratio_switch_remote_over_local"] = round(best["remote"]["switch"] / best["local"]["switch"], 3)
+    out["ratio_switch_and_encode_remote_over_local"] = round(
+        (best["remote"]["switch"] + best["remote"]["encode"]) / (best["local"]["switch"] + best["local"]["encode"]), 3)
+    out["bytes"] = {"t5": t5_bytes, "flux": sum(p.stat().st_size for p in flux.glob("*.safetensors")),
+                    "sdxl": sum(p.stat().st_size for p in sdxl.glob("*.safetensors"))}
     return out
 
 
