@@ -89,6 +89,15 @@ class EncoderClient:
         self._fallback_lock = threading.Lock()
         self.fallback_used = 0
 
+    def set_fallback(self, fallback: Union[None, Any, Callable[[], Any]]) -> None:
+        """An ``Encoder``, or a function returning one, used when the server cannot answer."""
+        with self._fallback_lock:
+            self._fallback = fallback
+
+    @property
+    def has_fallback(self) -> bool:
+        return self._fallback is not None
+
     def close(self) -> None:
         self._http.clear()
 

@@ -76,8 +76,8 @@ def load_pipeline(path: str, client: EncoderClient, *, pipeline_class: Any = Non
     with patch_diffusers():
         pipe = (pipeline_class or DiffusionPipeline).from_pretrained(path, **{component: None, tokenizer: None},
                                                                      **kwargs)
-    if fallback and client._fallback is None:
-        client._fallback = _lazy_local(path, component, kwargs.get("dtype", kwargs.get("torch_dtype")))
+    if fallback and not client.has_fallback:
+        client.set_fallback(_lazy_local(path, component, kwargs.get("dtype", kwargs.get("torch_dtype"))))
     return attach(pipe, client)
 
 

@@ -26,11 +26,15 @@ import hashlib
 import json
 import os
 import struct
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 __all__ = ["Encoder", "EncodeSpec", "encoder_identity", "tokenizer_identity", "resolve_model"]
+
+# The server tokenizes on its own threads; the tokenizers library's thread pool is not needed.
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                     "spiece.model", "vocab.json", "merges.txt", "vocab.txt")
@@ -152,6 +156,10 @@ class Encoder:
     load_path: str  # "skip_init" (empty_model + load_into) or "from_pretrained" (patched)
     load_seconds: float = 0.0
     info: Dict[str, Any] = field(default_factory=dict)
+    # A fast tokenizer sets its padding and truncation state on each call, and two threads calling
+    # it at once can fail ("Already borrowed", huggingface/tokenizers#537; not reproduced here with
+    # tokenizers 0.23). The server checks lengths on its loop and encodes on another thread.
+    _tokenizer_lock: Any = field(default_factory=threading.Lock, repr=False)
 
     @classmethod
     def load(cls, path: str, *, component: Optional[str] = None, tokenizer: Optional[str] = None,
@@ -217,7 +225,8 @@ class Encoder:
 
     def token_lengths(self, prompts: Sequence[str]) -> List[int]:
         """The number of tokens of each prompt, special tokens included, untruncated."""
-        ids = self.tokenizer(list(prompts), padding=False, truncation=False)["input_ids"]
+        with self._tokenizer_lock:
+            ids = self.tokenizer(list(prompts), padding=False, truncation=False)["input_ids"]
         return [len(x) for x in ids]
 
     def encode(self, prompts: Sequence[str], spec: EncodeSpec) -> List[Dict[str, Any]]:
@@ -227,8 +236,9 @@ class Encoder:
         import torch
 
         longest = spec.padding == "longest"
-        enc = self.tokenizer(list(prompts), padding="longest" if longest else "max_length",
-                             max_length=spec.max_length, truncation=spec.truncation, return_tensors="pt")
+        with self._tokenizer_lock:
+            enc = self.tokenizer(list(prompts), padding="longest" if longest else "max_length",
+                                 max_length=spec.max_length, truncation=spec.truncation, return_tensors="pt")
         ids = enc["input_ids"]
         mask = enc["attention_mask"].to(torch.int64)
         device = next(self.model.parameters()).device
@@ -300,5 +310,3 @@ def stack(items: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
 def nbytes(item: Dict[str, Any]) -> int:
     return sum(int(t.numel() * t.element_size()) for t in item.values()) + 256
 
-
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
