@@ -13,7 +13,8 @@ APT_PACKAGES=(cmake ninja-build g++ clang libclang-rt-14-dev pkg-config
 # torch (the PyPI wheel, CUDA build) and the Hugging Face libraries are for
 # the Python package's tests; each is installed only when it does not import.
 PY_PACKAGES=(numpy safetensors pytest ml_dtypes tqdm mypy torch diffusers transformers accelerate boto3
-             peft)  # peft: diffusers' LoRA loading, the peer of tests/python/test_lora.py
+             peft  # diffusers' LoRA loading, the peer of tests/python/test_lora.py
+             aiohttp prometheus_client)  # the text-encoder server (docs/encoder.md)
 
 missing=()
 for p in "${APT_PACKAGES[@]}"; do

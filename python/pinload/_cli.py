@@ -1,6 +1,7 @@
 """The ``pinload`` console script (pyproject.toml [project.scripts]): runs the C++ command-line
 program shipped in the wheel (``pinload/bin/pinload``), or the one of a build tree
 (``<build>/pinload`` next to ``<build>/python/pinload/_core*.so``). ``python -m pinload`` runs it too.
+``pinload encoder ...`` is the Python text-encoder server instead (pinload.encoder.server).
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ def binary() -> Optional[Path]:
 def main(argv: Optional[List[str]] = None) -> int:
     """Replaces this process with the pinload program (its exit code and output are the program's)."""
     args = sys.argv[1:] if argv is None else argv
+    if args and args[0] == "encoder":  # the text-encoder server is Python (docs/encoder.md)
+        from .encoder.server import main as encoder_main
+
+        return encoder_main(args[1:])
     path = binary()
     if path is None:
         sys.stderr.write("pinload: error: the pinload program is not installed next to the Python package\n")
