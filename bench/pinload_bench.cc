@@ -33,6 +33,9 @@
 //             the hits made (both should be 0); with --device, a hit to the device
 //             (get_on) against a bare upload() of the same bytes. Only when named in
 //             --phases.
+//   verify    cold loads checked against a manifest (Note [Verified loads] in
+//             manifest.h) and plain cold loads, alternating in --repeat rounds into
+//             the same pool: the cost of verification. --verify adds it.
 //
 // fio's buffers are malloc'ed 4 KiB pages: a 2 MiB direct read then needs 512
 // scatter-gather segments, more than many virtual disks take in one request
@@ -127,6 +130,8 @@ constexpr const char* kUsage =
     "  --chunk-size B         bytes per copy (default 8M)\n"
     "  --staging-bytes B      host budget of the streaming load (default 256M)\n"
     "  --sweep                add the threads x block-size sweep\n"
+    "  --verify               add the verify phase: cold loads checked against a manifest\n"
+    "                         (Note [Verified loads]) and plain ones, alternating, same pool\n"
     "  --sweep-threads LIST   default 1,2,4,8,16\n"
     "  --sweep-blocks LIST    default 256K,1M,2M,8M\n"
     "  --sweep-repeat N       runs per sweep point (default 1)\n"
@@ -239,10 +244,12 @@ Args parse_args(int argc, char** argv) {
       a.phases = split(value());
       for (const auto& p : a.phases) {
         if (p != "memcpy" && p != "fio" && p != "buffered" && p != "cold" && p != "warm" && p != "pool" &&
-            p != "sweep" && p != "device" && p != "switch" && p != "cached-read") {
+            p != "sweep" && p != "device" && p != "switch" && p != "cached-read" && p != "verify") {
           throw UsageError("unknown phase '" + p + "'");
         }
       }
+    } else if (s == "--verify") {
+      a.phases.push_back("verify");
     } else if (s == "--sweep") {
       if (!a.has("sweep")) a.phases.push_back("sweep");
     } else if (s == "--sweep-threads") {
@@ -958,6 +965,52 @@ void pool_phase(BenchRun& run, LoadPool& loads) {
             << fmt(static_cast<double>(ft.reserved_bytes) / total_s / 1e9) << " GB/s\n";
 }
 
+// verify: the cost of checking a load against a manifest (Note [Verified
+// loads] in manifest.h). The manifest is made first (not timed); then
+// --repeat rounds of a cold plain load and a cold verified load into the
+// kept pool, alternating which goes first, so that both see the same storage
+// weather. Adds results["verify"]; the ratio is of the medians of the
+// per-round verified/plain time.
+std::optional<double> verify_phase(BenchRun& run, LoadPool& loads) {
+  const Args& args = run.args;
+  const auto t0 = Clock::now();
+  pinload::ManifestOptions mo;
+  mo.variant = args.load.resolve.variant;
+  auto manifest = std::make_shared<const pinload::Manifest>(pinload::make_manifest(args.paths, mo));
+  std::cerr << "[verify] manifest of " << run.files.size() << " file(s) in " << fmt(seconds_since(t0)) << " s; "
+            << args.repeat << " x (cold plain, cold verified), alternating\n";
+  pinload::LoadOptions verified = args.load;
+  verified.verify.manifest = manifest;
+  Series plain, checked;
+  std::vector<double> per_round;
+  for (std::size_t r = 0; r < static_cast<std::size_t>(std::max(args.repeat, 1)); ++r) {
+    double plain_s = 0, checked_s = 0;
+    auto run_plain = [&] {
+      run.drop();
+      Sample s = pinload_load(args.paths, args.load, loads.pool);
+      log_sample("cold, plain", s);
+      plain_s = s.seconds;
+      plain.runs.push_back(std::move(s));
+    };
+    auto run_checked = [&] {
+      run.drop();
+      Sample s = pinload_load(args.paths, verified, loads.pool);
+      log_sample("cold, verified", s);
+      checked_s = s.seconds;
+      checked.runs.push_back(std::move(s));
+    };
+    in_rotated_order(r, {run_plain, run_checked});
+    per_round.push_back(checked_s / plain_s);
+  }
+  const double ratio = median_of(per_round);
+  run.results["verify"] = {{"plain", plain.to_json()},
+                           {"verified", checked.to_json()},
+                           {"verified_over_plain_time_per_round", per_round},
+                           {"piece_bytes", manifest->piece_bytes}};
+  std::cerr << "  verified / plain time, median of rounds: " << fmt(ratio, 3) << "\n";
+  return ratio;
+}
+
 // ---- after the phases ----
 
 // What the phases measured, for the ratios and the table.
@@ -969,6 +1022,7 @@ struct Measured {
   Series cold_reused;
   std::optional<double> switch_ratio;
   std::optional<DevicePhase> device;
+  std::optional<double> verify_ratio;  // verified / plain cold load time
 };
 
 // out["ratios"] and out["targets"] from what was measured.
@@ -1017,6 +1071,10 @@ void ratios_and_targets(const Measured& m, const LoadPool& loads, const json& re
   if (m.device) {
     ratios.update(m.device->ratios);
     targets.update(m.device->targets);
+  }
+  if (m.verify_ratio) {
+    ratios["verify_cold_time_over_plain_same_round_median"] = *m.verify_ratio;
+    targets["verify_cost_le_10pct_cold"] = *m.verify_ratio <= 1.10;
   }
   if (m.switch_ratio) {
     ratios["switch_hit_over_cold"] = *m.switch_ratio;
@@ -1151,6 +1209,7 @@ int run(const Args& args) {
   m.cold_reused = summarize_loads(run, loads);
   if (args.has("sweep")) sweep_phase(run, loads);
   if (args.has("switch")) m.switch_ratio = switch_phase(run, loads, target_device.get());
+  if (args.has("verify")) m.verify_ratio = verify_phase(run, loads);
   // Before the pool phase, which gives the run's pool back.
   if (run.results.contains("pool_memory")) {  // Note [Huge pages for a kept pool]: what the idle pool became
     run.results["pool_memory"]["collapsed_bytes_at_end"] = loads.pool->stats().collapsed_bytes;

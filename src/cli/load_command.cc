@@ -15,6 +15,7 @@
 #include "pinload/device.h"
 #include "pinload/error.h"
 #include "pinload/loader.h"
+#include "pinload/manifest.h"
 
 namespace pinload::cli {
 namespace {
@@ -25,6 +26,8 @@ struct LoadArgs {
   std::string device = "cpu";  // cpu: host memory only; sim: the CPU stand-in device
   std::uint64_t staging_bytes = 0;
   std::string dtype;  // --dtype: "" as stored
+  std::string verify;  // --verify: a manifest
+  std::vector<std::string> sha256;  // --sha256 FILE=HEX
   LoadOptions load;
 };
 
@@ -77,6 +80,13 @@ void run_load(const LoadArgs& args) {
   }
   if (!args.dtype.empty()) options.dtype.to = parse_dtype_arg(args.dtype);  // checked by CLI11
   if (!options.dtype.keep.empty() && !options.dtype.to) throw UsageError("--keep needs --dtype");
+  // Note [Verified loads] (manifest.h).
+  if (!args.verify.empty()) options.verify.manifest = std::make_shared<Manifest>(load_manifest(args.verify));
+  for (const std::string& pair : args.sha256) {
+    const std::size_t eq = pair.rfind('=');
+    if (eq == std::string::npos || eq == 0) throw UsageError("--sha256 takes FILE=HEX, not '" + pair + "'");
+    options.verify.file_sha256.emplace_back(pair.substr(0, eq), pair.substr(eq + 1));
+  }
   if (!spec.is_host()) {
     device = open_device(spec);
     options.target.device = device.get();
@@ -153,6 +163,14 @@ void add_load_command(CLI::App& app) {
   command->add_option("--pool-bytes", args->load.pool_bytes, "cap the host (or pinned) pool at this many bytes")
       ->transform(size_range(1, std::uint64_t{1} << 50))
       ->type_name("SIZE");
+  command->add_option("--verify", args->verify,
+                      "check every byte read against this manifest (pinload manifest); a mismatch fails the load")
+      ->type_name("MANIFEST");
+  command->add_option("--sha256", args->sha256,
+                      "check the whole file named FILE (its path's last components) against this published sha256")
+      ->type_name("FILE=HEX")
+      ->take_all()
+      ->expected(1);
   add_paths(*command, &args->paths);
   command->callback([args] { run_load(*args); });
 }

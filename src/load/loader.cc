@@ -19,6 +19,7 @@
 #include "load/convert_on_load.h"
 #include "load/load_counters.h"
 #include "load/prefetch_handover.h"
+#include "load/verify.h"
 #include "load/zero_copy.h"
 #include "pinload/error.h"
 #include "pinload/io_template.h"
@@ -491,7 +492,7 @@ StateDict Loader::run(const Checkpoint& checkpoint, const LoadRequest& request, 
   const std::stop_token& stop = request.stop;
   // Note [Zero-copy loads]: host files handed out as leased mappings.
   if (may_map && options_.zero_copy != ZeroCopy::kOff && options_.target.device == nullptr &&
-      !options_.dtype.active() && request.adopt == nullptr && request.record == nullptr && env_ == default_env()) {
+      !options_.dtype.active() && !options_.verify.active() && request.adopt == nullptr && request.record == nullptr && env_ == default_env()) {
     auto hand_out = [&](std::vector<Tensor> ready) {
       if (counters->ready != nullptr) counters->ready->push(std::move(ready));
     };
@@ -531,6 +532,9 @@ StateDict Loader::run(const Checkpoint& checkpoint, const LoadRequest& request, 
     return opened;
   }, counters);
   ReadSession& s = *session;
+  // Note [Verified loads] (manifest.h): headers checked before any memory is taken.
+  std::optional<detail::Verifier> verifier;
+  if (options_.verify.active()) verifier.emplace(env_, options_.verify, checkpoint, s.plan(), s.streaming());
   s.allocate_blocks(*pool_, stop);
   std::optional<DevicePipeline> pipeline;
   if (device != nullptr) pipeline.emplace(*device, options_.target.copy, checkpoint);
@@ -567,6 +571,8 @@ StateDict Loader::run(const Checkpoint& checkpoint, const LoadRequest& request, 
   // its tensors that became ready and its copy to the device.
   auto on_read = [&](std::size_t i, std::shared_ptr<Block> block, std::size_t block_offset) {
     const ReadChunk& c = s.plan().chunks[i];
+    // Verified before anything uses the chunk: no tensor is handed out unchecked.
+    if (verifier) verifier->landed(c, block, block_offset);
     // HandOut::kStream: the file's tensors are all out and no reader
     // touches its block again, so the callers' tensors alone hold it.
     if (hand_out.arrived(c, block) && counters->stream) s.release_block(c.file);
@@ -593,6 +599,7 @@ StateDict Loader::run(const Checkpoint& checkpoint, const LoadRequest& request, 
     if (host_conversions && conversions.staged) gate = [&](std::stop_token t) { host_conversions->admit(t); };
     s.execute(s.pending(), options_.threads, stop, counters, numa_.cpus, on_read, gate);
     if (host_conversions) host_conversions->finish();
+    if (verifier) verifier->finish();
   } catch (...) {
     error = std::current_exception();
   }
