@@ -179,7 +179,7 @@ TEST_F(ManifestTest, VerifiedLoadsOfEveryKindSucceed) {
 // no block.
 TEST_F(ManifestTest, ACorruptedByteNamesItsTensorInEveryLoadKind) {
   auto m = std::make_shared<const Manifest>(make_manifest({path}));
-  for (const std::string& name : {"big", "d", "a", "scalar"}) {
+  for (const std::string name : {"big", "d", "a", "scalar"}) {
     write_model(path);
     const auto [begin, end] = range_of(image, *m, name);
     const std::uint64_t at = name == "big" ? begin + 2 * MiB + 100 : begin + (end - begin) / 2;
@@ -208,7 +208,9 @@ TEST_F(ManifestTest, ACorruptedByteNamesItsTensorInEveryLoadKind) {
         EXPECT_LE(*e.context().end, end);
       }
       EXPECT_EQ(loader.pool()->stats().live_blocks, 0u);
-      if (loader.staging_pool()) EXPECT_EQ(loader.staging_pool()->stats().live_blocks, 0u);
+      if (loader.staging_pool()) {
+        EXPECT_EQ(loader.staging_pool()->stats().live_blocks, 0u);
+      }
     }
   }
 }
