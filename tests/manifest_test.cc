@@ -258,8 +258,10 @@ TEST_F(ManifestTest, PublishedFileDigests) {
       EXPECT_EQ(e.context().end, bytes.size());
     }
     EXPECT_EQ(loader.pool()->stats().live_blocks, 0u);
-    o.verify.file_sha256 = {{"model.safetensors", right}};
-    corrupt(path, data_offset(image) + 3);  // in the data section
+    if (corrupted == 0) {
+      o.verify.file_sha256 = {{"model.safetensors", right}};
+      corrupt(path, data_offset(image) + 3);  // in the data section
+    }
   }
   // A manifest of file digests alone is checked the same way.
   auto only_file = std::make_shared<Manifest>();

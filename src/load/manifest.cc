@@ -20,7 +20,8 @@ namespace pinload {
 
 namespace {
 
-using nlohmann::json;
+// Ordered: "format" and "version" first, files and tensors in load order, kept across a round trip.
+using json = nlohmann::ordered_json;
 
 constexpr const char* kFormat = "pinload.manifest";
 constexpr std::size_t kReadBytes = 16u << 20;
@@ -256,7 +257,12 @@ Manifest make_manifest(const std::vector<std::string>& paths, const ManifestOpti
   }
   ResolveOptions resolve;
   resolve.variant = options.variant;
-  const Checkpoint checkpoint = open_checkpoint(env, paths, resolve);
+  // Each path on its own: unrelated checkpoints (which may share tensor
+  // names) can share a manifest.
+  Checkpoint checkpoint;
+  for (const std::string& p : paths) {
+    for (CheckpointFile& f : open_checkpoint(env, {p}, resolve).files) checkpoint.files.push_back(std::move(f));
+  }
   const std::string root = common_folder(checkpoint.files);
   Manifest m;
   m.piece_bytes = options.piece_bytes;
