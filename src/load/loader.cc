@@ -531,10 +531,12 @@ StateDict Loader::run(const Checkpoint& checkpoint, const LoadRequest& request, 
     }
     return opened;
   }, counters);
-  ReadSession& s = *session;
   // Note [Verified loads] (manifest.h): headers checked before any memory is taken.
   std::optional<detail::Verifier> verifier;
-  if (options_.verify.active()) verifier.emplace(env_, options_.verify, checkpoint, s.plan(), s.streaming());
+  if (options_.verify.active()) {
+    verifier.emplace(env_, options_.verify, checkpoint, session->plan(), session->streaming());
+  }
+  ReadSession& s = *session;
   s.allocate_blocks(*pool_, stop);
   std::optional<DevicePipeline> pipeline;
   if (device != nullptr) pipeline.emplace(*device, options_.target.copy, checkpoint);
