@@ -12,6 +12,7 @@
 #include <string>
 
 #include "load/sha256.h"
+#include "load/verify.h"
 #include "pinload/checkpoint.h"
 #include "pinload/error.h"
 #include "pinload/remote.h"
@@ -228,12 +229,15 @@ std::string sha256_hex(const void* bytes, std::size_t size) {
   return h.final_hex();
 }
 
+bool detail::file_named(std::string_view path, std::string_view name) noexcept {
+  return !name.empty() && (path == name || (path.size() > name.size() && path.ends_with(name) &&
+                                            path[path.size() - name.size() - 1] == '/'));
+}
+
 const ManifestFile* Manifest::find(std::string_view path) const noexcept {
   const ManifestFile* best = nullptr;
   for (const ManifestFile& f : files) {
-    const std::string_view n = f.name;
-    const bool match = path == n || (path.size() > n.size() && path.ends_with(n) && path[path.size() - n.size() - 1] == '/');
-    if (match && (best == nullptr || n.size() > best->name.size())) best = &f;
+    if (detail::file_named(path, f.name) && (best == nullptr || f.name.size() > best->name.size())) best = &f;
   }
   return best;
 }

@@ -17,11 +17,6 @@ std::string lower(std::string s) {
   return s;
 }
 
-bool names_file(const std::string& path, const std::string& name) {
-  return path == name ||
-         (path.size() > name.size() && path.ends_with(name) && path[path.size() - name.size() - 1] == '/');
-}
-
 std::string shape_text(const std::vector<std::uint64_t>& shape) {
   std::string out = "[";
   for (std::size_t i = 0; i < shape.size(); ++i) out += (i ? "," : "") + std::to_string(shape[i]);
@@ -110,7 +105,7 @@ Verifier::Verifier(Env* env, const VerifyOptions& options, const Checkpoint& che
       f.end_piece = pieces_.size();
     }
     for (std::size_t k = 0; k < options.file_sha256.size(); ++k) {
-      if (!names_file(cf.path, options.file_sha256[k].first)) continue;
+      if (!file_named(cf.path, options.file_sha256[k].first)) continue;
       sha_used[k] = true;
       const std::string expected = lower(options.file_sha256[k].second);
       if (!f.whole_expected.empty() && f.whole_expected != expected) {

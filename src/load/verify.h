@@ -19,6 +19,10 @@
 
 namespace pinload::detail {
 
+// Whether `name` ("model.safetensors", "vae/model.safetensors") names the
+// file at `path`: `path` is `name` or ends with '/' + name (manifest.cc).
+bool file_named(std::string_view path, std::string_view name) noexcept;
+
 class Verifier {
  public:
   // Checks every file's header against the manifest before any read

@@ -88,6 +88,15 @@ def test_published_sha256(tmp_path, run_pinload):
     # A streaming device load cannot check a whole file: it says so instead of skipping it.
     r = run_pinload("load", "--no-progress", "--device", "sim", "--sha256", f"model.safetensors={right}", path)
     assert r.returncode == 1 and "cannot be checked" in r.stderr, r
+    # Several PATHs: each load checks the digests of its own files.
+    other = tmp_path / "other.safetensors"
+    _model(other, seed=5)
+    r = run_pinload("load", "--no-progress", "--sha256", f"model.safetensors={right}", path, other)
+    assert r.returncode == 0, r
+    r = run_pinload("load", "--no-progress", "--sha256", f"model.safetensors={wrong}", other, path)
+    assert r.returncode == 1 and "the file's sha256 is" in r.stderr and "other.safetensors:" in r.stderr, r
+    r = run_pinload("load", "--no-progress", "--sha256", f"third.safetensors={right}", path, other)
+    assert r.returncode == 2 and "no file of any PATH is named 'third.safetensors'" in r.stderr, r
     _flip(path, size - 1)
     r = run_pinload("load", "--no-progress", "--sha256", f"model.safetensors={right}", path)
     assert r.returncode == 1 and "the file's sha256 is" in r.stderr, r
@@ -109,3 +118,16 @@ def test_usage_and_bad_manifests(tmp_path, run_pinload):
     assert run_pinload("manifest", "-o", manifest, other).returncode == 0
     r = run_pinload("load", "--verify", manifest, path)
     assert r.returncode == 1 and "not in the manifest" in r.stderr, r
+
+
+def test_repeatable_options_leave_the_paths_alone(tmp_path, run_pinload):
+    """`--sha256 F=H A B` and `--keep P A B` load both A and B: the PATHs after a repeatable option
+    are not its values (CLI11 gave them to the option: only B was loaded)."""
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    _model(a, seed=1)
+    _model(b, seed=2)
+    digest = hashlib.sha256(a.read_bytes()).hexdigest()
+    for opts in (["--sha256", f"a.safetensors={digest}"], ["--dtype", "bf16", "--keep", "w"]):
+        r = run_pinload("load", "--no-progress", *opts, a, b)
+        assert r.returncode == 0, r
+        assert f"{a}: 3 tensors" in r.stderr and f"{b}: 3 tensors" in r.stderr, r
