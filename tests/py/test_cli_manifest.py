@@ -108,6 +108,8 @@ def test_usage_and_bad_manifests(tmp_path, run_pinload):
     assert run_pinload("load", "--sha256", "nohex", path).returncode == 2
     r = run_pinload("load", "--sha256", "model.safetensors=12", path)
     assert r.returncode == 1 and "64 hex digits" in r.stderr, r
+    r = run_pinload("manifest", "s3://bucket/model.safetensors")
+    assert r.returncode == 1 and "a manifest is made of local files" in r.stderr, r
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"format": "pinload.manifest", "version": 9, "piece_bytes": 2**20, "files": {}}))
     r = run_pinload("load", "--verify", bad, path)
