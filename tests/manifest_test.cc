@@ -15,6 +15,7 @@
 
 #include "pinload/error.h"
 #include "pinload/loader.h"
+#include "pinload/prefetch.h"
 #include "test_files.h"
 
 namespace pinload {
@@ -233,6 +234,28 @@ TEST_F(ManifestTest, NoUnverifiedTensorIsHandedOut) {
   }
   EXPECT_EQ(std::count(seen.begin(), seen.end(), "big"), 0);
   EXPECT_THROW((void)h.wait(), IntegrityError);
+}
+
+// What a prefetch read is verified when the load adopts it, as its chunks
+// are handed over, in both destination modes.
+TEST_F(ManifestTest, AnAdoptedPrefetchIsVerified) {
+  auto m = std::make_shared<const Manifest>(make_manifest({path}));
+  EXPECT_EQ(Loader(small_blocks(m)).load({path}).size(), specs().size());
+  corrupt(path, range_of(image, *m, "d").first + 11);
+  auto device = make_sim_device();
+  for (int streaming = 0; streaming < 2; ++streaming) {
+    LoadOptions o = small_blocks(m);
+    if (streaming) o.target.device = device.get(), o.target.mode = DeviceMode::kStreaming;
+    Loader loader(o);
+    Prefetch p = prefetch(loader, {path});
+    p.wait();
+    try {
+      (void)loader.load(p);
+      FAIL() << "no error";
+    } catch (const IntegrityError& e) {
+      EXPECT_EQ(e.context().tensor, "d");
+    }
+  }
 }
 
 // A published whole-file sha256: a wrong one, and a corrupted file against
