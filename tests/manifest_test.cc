@@ -236,6 +236,28 @@ TEST_F(ManifestTest, NoUnverifiedTensorIsHandedOut) {
   EXPECT_THROW((void)h.wait(), IntegrityError);
 }
 
+// With a whole-file digest, no tensor of the file is handed out before the
+// whole file is hashed; a load that keeps nothing (HandOut::kStream) cannot
+// wait for that and is refused.
+TEST_F(ManifestTest, NoTensorBeforeItsFilesDigest) {
+  const std::vector<std::uint8_t> bytes = image.bytes();
+  LoadOptions o = small_blocks(nullptr);
+  o.verify.file_sha256 = {{"model.safetensors", sha256_hex(bytes.data(), bytes.size())}};
+  corrupt(path, bytes.size() - 1);  // the last byte: every other chunk arrives intact
+  Loader loader(o);
+  LoadHandle h = loader.load_async({path});
+  std::size_t seen = 0;
+  try {
+    for (std::vector<Tensor> ready = h.next_ready(); !ready.empty(); ready = h.next_ready()) seen += ready.size();
+    FAIL() << "no error";
+  } catch (const IntegrityError& e) {
+    EXPECT_TRUE(e.context().tensor.empty());
+  }
+  EXPECT_EQ(seen, 0u);
+  LoadHandle streamed = loader.load_async({path}, HandOut::kStream);
+  EXPECT_THROW((void)streamed.next_ready(), InvalidArgumentError);
+}
+
 // What a prefetch read is verified when the load adopts it, as its chunks
 // are handed over, in both destination modes.
 TEST_F(ManifestTest, AnAdoptedPrefetchIsVerified) {

@@ -37,8 +37,9 @@
 //     converting load's before their conversion. Verification turns zero-copy
 //     handing-out off (a mapped file would never pass through a reader).
 //   - A tensor is handed out (LoadHandle::next_ready, iter_tensors) only after
-//     every piece of it has been verified; a load that fails returns nothing,
-//     and its blocks go back to the pool.
+//     every piece of it has been verified, or with a whole-file digest at the
+//     end of the load (HandOut::kStream, which keeps nothing, refuses those); a
+//     load that fails returns nothing, and its blocks go back to the pool.
 #pragma once
 
 #include <cstdint>

@@ -535,6 +535,12 @@ StateDict Loader::run(const Checkpoint& checkpoint, const LoadRequest& request, 
   std::optional<detail::Verifier> verifier;
   if (options_.verify.active()) {
     verifier.emplace(env_, options_.verify, checkpoint, session->plan(), session->streaming());
+    if (counters->stream && verifier->checks_whole_files()) {
+      throw InvalidArgumentError(
+          "verify: a load that hands tensors out as they arrive and keeps none (iter_tensors) cannot wait for a "
+          "whole-file sha256; verify against a manifest with tensor digests (pinload manifest)",
+          ErrorContext{checkpoint.files.empty() ? std::string() : checkpoint.files.front().path});
+    }
   }
   ReadSession& s = *session;
   s.allocate_blocks(*pool_, stop);
@@ -544,7 +550,9 @@ StateDict Loader::run(const Checkpoint& checkpoint, const LoadRequest& request, 
   const std::vector<std::shared_ptr<DeviceBuffer>>& device_buffers = pipeline ? pipeline->buffers() : kNoBuffers;
   const ConvertedMemory converted = allocate_converted(conversions, checkpoint, device, *pool_, stop);
   TensorIndex index = index_tensors(checkpoint, s, device_buffers, conversions, converted);
-  TensorHandOut hand_out(s.plan(), checkpoint, index.tensors, *counters, device == nullptr && conversions.empty(),
+  // A whole file's digest is known at the end only: its tensors go out then.
+  const bool by_chunk = device == nullptr && conversions.empty() && !(verifier && verifier->checks_whole_files());
+  TensorHandOut hand_out(s.plan(), checkpoint, index.tensors, *counters, by_chunk,
                          !conversions.empty(), s.budgeted() ? &s : nullptr);
   // Device conversions run as the copies of their tensors complete (Note
   // [Device conversion pipeline] in convert_on_load.h).

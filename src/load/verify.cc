@@ -251,4 +251,8 @@ void Verifier::finish() {
   }
 }
 
+bool Verifier::checks_whole_files() const noexcept {
+  return std::any_of(files_.begin(), files_.end(), [](const std::unique_ptr<File>& f) { return !f->whole_expected.empty(); });
+}
+
 }  // namespace pinload::detail

@@ -42,6 +42,10 @@ class Verifier {
   // After the last chunk: throws IntegrityError for anything not verified.
   void finish();
 
+  // Whether some file's whole digest is checked: its tensors can only be
+  // handed out once the whole file is hashed, at the end of the load.
+  bool checks_whole_files() const noexcept;
+
  private:
   struct Piece {
     std::uint64_t begin = 0, end = 0;  // in the file

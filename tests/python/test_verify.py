@@ -92,3 +92,6 @@ def test_published_sha256(tmp_path):
         pt.load_files(index, verify={name: "xyz"})
     with pytest.raises(TypeError):
         pt.load_files(index, verify=42)
+    # iter_tensors hands tensors out before a whole file could be hashed: refused, not skipped.
+    with pytest.raises(pinload.InvalidArgumentError, match="whole-file sha256"):
+        list(pt.iter_tensors([index], verify=digests))
