@@ -33,6 +33,9 @@
 //             the hits made (both should be 0); with --device, a hit to the device
 //             (get_on) against a bare upload() of the same bytes. Only when named in
 //             --phases.
+//   verify    cold loads checked against a manifest (Note [Verified loads] in
+//             manifest.h) and plain cold loads, alternating in --repeat rounds into
+//             the same pool: the cost of verification. --verify adds it.
 //
 // fio's buffers are malloc'ed 4 KiB pages: a 2 MiB direct read then needs 512
 // scatter-gather segments, more than many virtual disks take in one request
@@ -127,6 +130,8 @@ constexpr const char* kUsage =
     "  --chunk-size B         bytes per copy (default 8M)\n"
     "  --staging-bytes B      host budget of the streaming load (default 256M)\n"
     "  --sweep                add the threads x block-size sweep\n"
+    "  --verify               add the verify phase: cold loads checked against a manifest\n"
+    "                         (Note [Verified loads]) and plain ones, alternating, same pool\n"
     "  --sweep-threads LIST   default 1,2,4,8,16\n"
     "  --sweep-blocks LIST    default 256K,1M,2M,8M\n"
     "  --sweep-repeat N       runs per sweep point (default 1)\n"
@@ -239,10 +244,12 @@ Args parse_args(int argc, char** argv) {
       a.phases = split(value());
       for (const auto& p : a.phases) {
         if (p != "memcpy" && p != "fio" && p != "buffered" && p != "cold" && p != "warm" && p != "pool" &&
-            p != "sweep" && p != "device" && p != "switch" && p != "cached-read") {
+            p != "sweep" && p != "device" && p != "switch" && p != "cached-read" && p != "verify") {
           throw UsageError("unknown phase '" + p + "'");
         }
       }
+    } else if (s == "--verify") {
+      a.phases.push_back("verify");
     } else if (s == "--sweep") {
       if (!a.has("sweep")) a.phases.push_back("sweep");
     } else if (s == "--sweep-threads") {
@@ -958,6 +965,59 @@ void pool_phase(BenchRun& run, LoadPool& loads) {
             << fmt(static_cast<double>(ft.reserved_bytes) / total_s / 1e9) << " GB/s\n";
 }
 
+// verify: the cost of checking a load against a manifest (Note [Verified
+// loads] in manifest.h). The manifest is made first (not timed); then
+// --repeat rounds of three cold loads into the kept pool (plain, against the
+// manifest, against the files' whole sha256), in rotated order, so that all
+// see the same storage weather. Adds results["verify"]; the ratio is the
+// median of the per-round verified/plain times.
+std::optional<double> verify_phase(BenchRun& run, LoadPool& loads) {
+  const Args& args = run.args;
+  const auto t0 = Clock::now();
+  pinload::ManifestOptions mo;
+  mo.variant = args.load.resolve.variant;
+  auto manifest = std::make_shared<const pinload::Manifest>(pinload::make_manifest(args.paths, mo));
+  std::cerr << "[verify] manifest of " << run.files.size() << " file(s) in " << fmt(seconds_since(t0)) << " s; "
+            << args.repeat << " x (cold: plain, against the manifest, against whole-file sha256), rotated\n";
+  pinload::LoadOptions verified = args.load;
+  verified.verify.manifest = manifest;
+  // The whole files' digests alone, as a hub publishes them: hashed in file order.
+  pinload::LoadOptions published = args.load;
+  for (const pinload::ManifestFile& f : manifest->files) published.verify.file_sha256.emplace_back(f.name, f.sha256);
+  // The pool is filled once first (untimed), so that no round pays its OS reservations.
+  if (loads.pool->stats().reserved_bytes == 0) {
+    run.drop();
+    log_sample("cold, filling the pool (not counted)", pinload_load(args.paths, args.load, loads.pool));
+  }
+  Series plain, checked, whole;
+  std::vector<double> per_round, whole_per_round;
+  for (std::size_t r = 0; r < static_cast<std::size_t>(std::max(args.repeat, 1)); ++r) {
+    double plain_s = 0, checked_s = 0, whole_s = 0;
+    auto cold = [&](const char* what, const pinload::LoadOptions& options, Series* series, double* seconds) {
+      run.drop();
+      Sample s = pinload_load(args.paths, options, loads.pool);
+      log_sample(what, s);
+      *seconds = s.seconds;
+      series->runs.push_back(std::move(s));
+    };
+    in_rotated_order(r, {[&] { cold("cold, plain", args.load, &plain, &plain_s); },
+                         [&] { cold("cold, verified (manifest)", verified, &checked, &checked_s); },
+                         [&] { cold("cold, verified (whole-file sha256)", published, &whole, &whole_s); }});
+    per_round.push_back(checked_s / plain_s);
+    whole_per_round.push_back(whole_s / plain_s);
+  }
+  const double ratio = median_of(per_round);
+  run.results["verify"] = {{"plain", plain.to_json()},
+                           {"verified", checked.to_json()},
+                           {"file_sha256", whole.to_json()},
+                           {"verified_over_plain_time_per_round", per_round},
+                           {"file_sha256_over_plain_time_per_round", whole_per_round},
+                           {"piece_bytes", manifest->piece_bytes}};
+  std::cerr << "  time over plain, median of rounds: manifest " << fmt(ratio, 3) << ", whole-file sha256 "
+            << fmt(median_of(whole_per_round), 3) << "\n";
+  return ratio;
+}
+
 // ---- after the phases ----
 
 // What the phases measured, for the ratios and the table.
@@ -969,6 +1029,7 @@ struct Measured {
   Series cold_reused;
   std::optional<double> switch_ratio;
   std::optional<DevicePhase> device;
+  std::optional<double> verify_ratio;  // verified / plain cold load time
 };
 
 // out["ratios"] and out["targets"] from what was measured.
@@ -1018,6 +1079,10 @@ void ratios_and_targets(const Measured& m, const LoadPool& loads, const json& re
     ratios.update(m.device->ratios);
     targets.update(m.device->targets);
   }
+  if (m.verify_ratio) {
+    ratios["verify_cold_time_over_plain_same_round_median"] = *m.verify_ratio;
+    targets["verify_cost_le_10pct_cold"] = *m.verify_ratio <= 1.10;
+  }
   if (m.switch_ratio) {
     ratios["switch_hit_over_cold"] = *m.switch_ratio;
     targets["switch_hit_le_0.01_cold"] = *m.switch_ratio <= 0.01;
@@ -1055,6 +1120,15 @@ void print_table(const BenchRun& run, const Measured& m, const LoadPool& loads, 
   }
   const std::string cfg = std::to_string(args.load.threads) + " thr, " + size_name(args.load.block_size) + ", direct " +
                           direct_arg_name(args.load.direct);
+  if (results.contains("verify")) {
+    const json& v = results["verify"];
+    for (const char* k : {"plain", "verified", "file_sha256"}) {
+      row(std::string("pinload cold, ") + (std::string(k) == "plain" ? "plain" : std::string(k) == "verified"
+                                                                           ? "verified against a manifest"
+                                                                           : "verified against whole-file sha256"),
+          v[k]["best_gbps"].get<double>(), v[k]["median_gbps"].get<double>(), v[k]["runs"].size());
+    }
+  }
   if (!loads.cold.empty()) {
     if (loads.cold.runs.front().extra.value("fresh_pool", false)) {
       row("pinload cold, fresh pool (" + cfg + ")", loads.cold.runs.front().gbps, 0, 1);
@@ -1151,6 +1225,7 @@ int run(const Args& args) {
   m.cold_reused = summarize_loads(run, loads);
   if (args.has("sweep")) sweep_phase(run, loads);
   if (args.has("switch")) m.switch_ratio = switch_phase(run, loads, target_device.get());
+  if (args.has("verify")) m.verify_ratio = verify_phase(run, loads);
   // Before the pool phase, which gives the run's pool back.
   if (run.results.contains("pool_memory")) {  // Note [Huge pages for a kept pool]: what the idle pool became
     run.results["pool_memory"]["collapsed_bytes_at_end"] = loads.pool->stats().collapsed_bytes;

@@ -13,10 +13,11 @@ from safetensors.numpy import save_file
 rng = np.random.default_rng(0)
 save_file({f"layers.{i}.weight": rng.integers(0, 1 << 16, 4 << 20, dtype=np.uint16) for i in range(3)}, sys.argv[1])
 PY
-"$bench" --repeat 1 --phases memcpy,buffered,cold,warm,pool --pool-settle 0 --memcpy-bytes 8M \
+"$bench" --repeat 1 --phases memcpy,buffered,cold,warm,verify,pool --pool-settle 0 --memcpy-bytes 8M \
   --json "$dir/out.json" "$dir/model.safetensors"
 python3 - "$dir/out.json" <<'PY'
 import json, sys
 results = json.load(open(sys.argv[1]))["results"]
 assert "pool_reserve" in results, f"pinload-bench results lack pool_reserve: {sorted(results)}"
+assert len(results["verify"]["verified"]["runs"]) == 1, f"pinload-bench's verify phase: {results.get('verify')}"
 PY

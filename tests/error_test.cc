@@ -115,7 +115,13 @@ TEST(ErrorTest, InvalidArgumentIsItsOwnCode) {
   expect_throw_error_maps<InvalidArgumentError>(ErrorCode::kInvalidArgument);
   const InvalidArgumentError e("threads must be 1..1024, not 0");
   EXPECT_EQ(dynamic_cast<const InvalidFileError*>(static_cast<const Error*>(&e)), nullptr);
-  EXPECT_EQ(static_cast<int>(ErrorCode::kInvalidArgument) + 1, kErrorCodeCount);
+}
+
+// A digest mismatch (manifest.h) has a code of its own.
+TEST(ErrorTest, IntegrityIsItsOwnCode) {
+  EXPECT_STREQ(error_code_name(ErrorCode::kIntegrity), "integrity");
+  expect_throw_error_maps<IntegrityError>(ErrorCode::kIntegrity);
+  EXPECT_EQ(static_cast<int>(ErrorCode::kIntegrity) + 1, kErrorCodeCount);
 }
 
 TEST(ErrorTest, ThrowErrorWithUnknownCodeStillThrowsError) {

@@ -22,9 +22,10 @@ enum class ErrorCode : std::uint8_t {
   kCancelled,        // the caller cancelled the operation
   kInvalidArgument,  // a caller's mistake: an option out of range, an object
                      // of another device, a call out of order
+  kIntegrity,        // bytes that differ from their expected digest (manifest.h)
 };
 
-inline constexpr int kErrorCodeCount = 7;
+inline constexpr int kErrorCodeCount = 8;
 
 // Stable lowercase name of a code ("invalid_file", "io", ...).
 const char* error_code_name(ErrorCode code) noexcept;
@@ -65,6 +66,7 @@ PINLOAD_DEFINE_ERROR(OutOfMemoryError, kOutOfMemory)
 PINLOAD_DEFINE_ERROR(DeviceError, kDevice)
 PINLOAD_DEFINE_ERROR(CancelledError, kCancelled)
 PINLOAD_DEFINE_ERROR(InvalidArgumentError, kInvalidArgument)
+PINLOAD_DEFINE_ERROR(IntegrityError, kIntegrity)
 #undef PINLOAD_DEFINE_ERROR
 
 // Throws the subclass of Error that matches `code`.

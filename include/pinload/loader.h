@@ -121,6 +121,7 @@
 #include "pinload/copy_engine.h"
 #include "pinload/device.h"
 #include "pinload/env.h"
+#include "pinload/manifest.h"
 #include "pinload/numa.h"
 #include "pinload/pool.h"
 #include "pinload/state_dict.h"
@@ -203,6 +204,11 @@ struct LoadOptions {
   // memory_limit.h: a load that cannot fit it, or the process's memory
   // limit, fails with OutOfMemoryError before reading.
   std::uint64_t pool_bytes = 0;
+  // Check the stored bytes against a manifest's digests, or whole files
+  // against published sha256 digests, as the readers land them (Note
+  // [Verified loads] in manifest.h): a mismatch is an IntegrityError and the
+  // load returns nothing.
+  VerifyOptions verify;
 
   // Throws InvalidArgumentError naming the first option out of range (its
   // Python name: "threads", "block_size", "streams", ...) and its value.

@@ -17,7 +17,9 @@ Every error pinload raises is a :class:`pinload.Error`:
 - :class:`IoError` (also an ``OSError``): the OS failed a read, open or stat;
 - :class:`OutOfMemoryError` (also a ``MemoryError``): the OS or the pool's budget refused memory;
 - :class:`DeviceError`: the accelerator failed or is unavailable;
-- :class:`CancelledError`: the load was cancelled (Ctrl-C).
+- :class:`CancelledError`: the load was cancelled (Ctrl-C);
+- :class:`IntegrityError`: bytes that differ from a manifest's digests or a file's published sha256
+  (``verify=``, docs/manifest.md); nothing of that load is returned.
 
 Each carries ``.file``, ``.tensor``, ``.begin``, ``.end`` (None where they do not apply), ``.code``
 and ``.message``.
@@ -37,6 +39,7 @@ from ._core import (  # noqa: E402
     CancelledError,
     DeviceError,
     Error,
+    IntegrityError,
     InvalidArgumentError,
     InvalidFileError,
     IoError,
@@ -58,6 +61,7 @@ __all__ = [
     "CancelledError",
     "DeviceError",
     "Error",
+    "IntegrityError",
     "InvalidArgumentError",
     "InvalidFileError",
     "IoError",
@@ -78,6 +82,7 @@ __all__ = [
     "prefetch",
     "safe_open",
     "trim_pool",
+    "write_manifest",
 ]
 
 # Names served by submodules that import torch (or diffusers / transformers) on first use.
@@ -181,6 +186,25 @@ def convert(input, output, to: str = "fp8-e4m3fn", scale: str = "per-tensor", ke
         keep = [keep]
     return _core.convert(os.fsencode(os.fspath(input)), os.fsencode(os.fspath(output)), to=to, scale=scale,
                          keep=[str(k) for k in keep], threads=threads, variant=variant)
+
+
+def write_manifest(paths: Any, output: Any = None, *, variant: str = "",
+                   piece_bytes: Any = None) -> Optional[str]:
+    """The manifest of ``paths`` (files, indexes, folders; local): the SHA-256 of every file, of
+    every tensor and of each 1 MiB piece of larger tensors, with the header's dtypes, shapes and
+    byte ranges (docs/manifest.md). Written atomically to ``output`` (returns None), or returned as
+    JSON text. A load given ``verify=<that file>`` checks every byte it reads against it and raises
+    :class:`IntegrityError`, returning nothing, on a mismatch.
+    """
+    import os
+
+    if isinstance(paths, (str, bytes, os.PathLike)):
+        paths = [paths]
+    names = [os.fsencode(os.fspath(p)) for p in paths]
+    if not names:
+        raise ValueError("no path given")
+    out = None if output is None else os.fsencode(os.fspath(output))
+    return _core.write_manifest(names, out, variant=variant, piece_bytes=piece_bytes)
 
 
 def cuda_available() -> tuple[bool, str]:

@@ -31,6 +31,7 @@ const char* error_code_name(ErrorCode code) noexcept {
     case ErrorCode::kDevice: return "device";
     case ErrorCode::kCancelled: return "cancelled";
     case ErrorCode::kInvalidArgument: return "invalid_argument";
+    case ErrorCode::kIntegrity: return "integrity";
   }
   return "unknown";
 }
@@ -50,6 +51,7 @@ void throw_error(ErrorCode code, std::string message, ErrorContext context) {
     case ErrorCode::kDevice: throw DeviceError(std::move(message), std::move(context));
     case ErrorCode::kCancelled: throw CancelledError(std::move(message), std::move(context));
     case ErrorCode::kInvalidArgument: throw InvalidArgumentError(std::move(message), std::move(context));
+    case ErrorCode::kIntegrity: throw IntegrityError(std::move(message), std::move(context));
   }
   throw Error(code, std::move(message), std::move(context));
 }

@@ -29,6 +29,7 @@ struct UsageError : std::runtime_error {
 void add_inspect_command(CLI::App& app);
 void add_load_command(CLI::App& app);
 void add_convert_command(CLI::App& app);  // convert_command.cc
+void add_manifest_command(CLI::App& app);  // manifest_command.cc
 // The page-cache commands (docs/trace.md). Their callbacks end by throwing
 // CLI::RuntimeError(status) when the status is not 0.
 void add_trace_command(CLI::App& app);

@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <iostream>
 #include <memory>
+#include <optional>
 #include <thread>
 
 #include "cli/command.h"
@@ -15,6 +16,8 @@
 #include "pinload/device.h"
 #include "pinload/error.h"
 #include "pinload/loader.h"
+#include "load/verify.h"  // detail::file_named
+#include "pinload/manifest.h"
 
 namespace pinload::cli {
 namespace {
@@ -25,6 +28,8 @@ struct LoadArgs {
   std::string device = "cpu";  // cpu: host memory only; sim: the CPU stand-in device
   std::uint64_t staging_bytes = 0;
   std::string dtype;  // --dtype: "" as stored
+  std::string verify;  // --verify: a manifest
+  std::vector<std::string> sha256;  // --sha256 FILE=HEX
   LoadOptions load;
 };
 
@@ -77,14 +82,43 @@ void run_load(const LoadArgs& args) {
   }
   if (!args.dtype.empty()) options.dtype.to = parse_dtype_arg(args.dtype);  // checked by CLI11
   if (!options.dtype.keep.empty() && !options.dtype.to) throw UsageError("--keep needs --dtype");
+  // Note [Verified loads] (manifest.h).
+  if (!args.verify.empty()) options.verify.manifest = std::make_shared<Manifest>(load_manifest(args.verify));
+  for (const std::string& pair : args.sha256) {
+    const std::size_t eq = pair.rfind('=');
+    if (eq == std::string::npos || eq == 0) throw UsageError("--sha256 takes FILE=HEX, not '" + pair + "'");
+    options.verify.file_sha256.emplace_back(pair.substr(0, eq), pair.substr(eq + 1));
+  }
   if (!spec.is_host()) {
     device = open_device(spec);
     options.target.device = device.get();
   }
   Loader loader(options);
-  for (const std::string& path : args.paths) {
+  // Each PATH is its own load, and a load refuses a --sha256 that names none
+  // of its files: with several PATHs, each gets the digests of its own files.
+  std::vector<std::optional<Loader>> own(args.paths.size());
+  if (!options.verify.file_sha256.empty() && args.paths.size() > 1) {
+    std::vector<bool> used(options.verify.file_sha256.size(), false);
+    for (std::size_t i = 0; i < args.paths.size(); ++i) {
+      LoadOptions mine = options;
+      mine.verify.file_sha256.clear();
+      for (const CheckpointFile& f : open_checkpoint(default_env(), {args.paths[i]}, options.resolve).files) {
+        for (std::size_t k = 0; k < used.size(); ++k) {
+          if (!detail::file_named(f.path, options.verify.file_sha256[k].first)) continue;
+          mine.verify.file_sha256.push_back(options.verify.file_sha256[k]);
+          used[k] = true;
+        }
+      }
+      own[i].emplace(mine, loader.pool(), nullptr, loader.staging_pool());
+    }
+    for (std::size_t k = 0; k < used.size(); ++k) {
+      if (!used[k]) throw UsageError("--sha256: no file of any PATH is named '" + options.verify.file_sha256[k].first + "'");
+    }
+  }
+  for (std::size_t i = 0; i < args.paths.size(); ++i) {
+    const std::string& path = args.paths[i];
     const auto start = std::chrono::steady_clock::now();
-    LoadHandle handle = loader.load_async({path});
+    LoadHandle handle = (own[i] ? *own[i] : loader).load_async({path});
     ProgressBar bar(args.no_progress ? ProgressBar::kNever : ProgressBar::kOnTerminal);
     while (!handle.done()) {
       const LoadProgress p = handle.progress();
@@ -148,11 +182,21 @@ void add_load_command(CLI::App& app) {
   command->add_option("--keep", args->load.dtype.keep, "a tensor pattern (glob or dotted name) --dtype leaves as stored")
       ->type_name("PATTERN")
       ->take_all()
-      ->expected(1);
+      ->expected(1)
+      ->allow_extra_args(false);  // the PATHs after it are not patterns
   // Note [Memory limits] (memory_limit.h): a load that cannot fit fails before reading.
   command->add_option("--pool-bytes", args->load.pool_bytes, "cap the host (or pinned) pool at this many bytes")
       ->transform(size_range(1, std::uint64_t{1} << 50))
       ->type_name("SIZE");
+  command->add_option("--verify", args->verify,
+                      "check every byte read against this manifest (pinload manifest); a mismatch fails the load")
+      ->type_name("MANIFEST");
+  command->add_option("--sha256", args->sha256,
+                      "check the whole file named FILE (its path's last components) against this published sha256")
+      ->type_name("FILE=HEX")
+      ->take_all()
+      ->expected(1)
+      ->allow_extra_args(false);  // the PATHs after it are not its values
   add_paths(*command, &args->paths);
   command->callback([args] { run_load(*args); });
 }

@@ -51,6 +51,7 @@ int run(int argc, char** argv) {
   add_inspect_command(app);
   add_load_command(app);
   add_convert_command(app);
+  add_manifest_command(app);
   add_trace_command(app);
   add_warm_command(app);
   add_agent_command(app);

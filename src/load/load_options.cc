@@ -59,6 +59,7 @@ void LoadOptions::validate() const {
   if (!dtype.to && (!dtype.keep.empty() || dtype.keep_to)) {
     throw InvalidArgumentError("keep and keep_dtype need dtype: they name tensors not converted to it");
   }
+  verify.validate();
 }
 
 }  // namespace pinload

@@ -19,6 +19,7 @@
 #include "load/convert_on_load.h"
 #include "load/load_counters.h"
 #include "load/prefetch_handover.h"
+#include "load/verify.h"
 #include "load/zero_copy.h"
 #include "pinload/error.h"
 #include "pinload/io_template.h"
@@ -533,7 +534,7 @@ StateDict Loader::run(const Checkpoint& checkpoint, const LoadRequest& request, 
   const std::stop_token& stop = request.stop;
   // Note [Zero-copy loads]: host files handed out as leased mappings.
   if (may_map && options_.zero_copy != ZeroCopy::kOff && options_.target.device == nullptr &&
-      !options_.dtype.active() && request.adopt == nullptr && request.record == nullptr && env_ == default_env()) {
+      !options_.dtype.active() && !options_.verify.active() && request.adopt == nullptr && request.record == nullptr && env_ == default_env()) {
     auto hand_out = [&](std::vector<Tensor> ready) {
       if (counters->ready != nullptr) counters->ready->push(std::move(ready));
     };
@@ -572,6 +573,17 @@ StateDict Loader::run(const Checkpoint& checkpoint, const LoadRequest& request, 
     }
     return opened;
   }, counters);
+  // Note [Verified loads] (manifest.h): headers checked before any memory is taken.
+  std::optional<detail::Verifier> verifier;
+  if (options_.verify.active()) {
+    verifier.emplace(env_, options_.verify, checkpoint, session->plan(), session->streaming());
+    if (counters->stream && verifier->checks_whole_files()) {
+      throw InvalidArgumentError(
+          "verify: a load that hands tensors out as they arrive and keeps none (iter_tensors) cannot wait for a "
+          "whole-file sha256; verify against a manifest with tensor digests (pinload manifest)",
+          ErrorContext{checkpoint.files.empty() ? std::string() : checkpoint.files.front().path});
+    }
+  }
   ReadSession& s = *session;
   s.allocate_blocks(*pool_, stop, host_bytes_beside_blocks(checkpoint, conversions, device, options_, staging_pool_.get()));
   std::optional<DevicePipeline> pipeline;
@@ -580,7 +592,9 @@ StateDict Loader::run(const Checkpoint& checkpoint, const LoadRequest& request, 
   const std::vector<std::shared_ptr<DeviceBuffer>>& device_buffers = pipeline ? pipeline->buffers() : kNoBuffers;
   const ConvertedMemory converted = allocate_converted(conversions, checkpoint, device, *pool_, stop);
   TensorIndex index = index_tensors(checkpoint, s, device_buffers, conversions, converted);
-  TensorHandOut hand_out(s.plan(), checkpoint, index.tensors, *counters, device == nullptr && conversions.empty(),
+  // A whole file's digest is known at the end only: its tensors go out then.
+  const bool by_chunk = device == nullptr && conversions.empty() && !(verifier && verifier->checks_whole_files());
+  TensorHandOut hand_out(s.plan(), checkpoint, index.tensors, *counters, by_chunk,
                          !conversions.empty(), s.budgeted() ? &s : nullptr);
   // Device conversions run as the copies of their tensors complete (Note
   // [Device conversion pipeline] in convert_on_load.h).
@@ -609,6 +623,8 @@ StateDict Loader::run(const Checkpoint& checkpoint, const LoadRequest& request, 
   // its tensors that became ready and its copy to the device.
   auto on_read = [&](std::size_t i, std::shared_ptr<Block> block, std::size_t block_offset) {
     const ReadChunk& c = s.plan().chunks[i];
+    // Verified before anything uses the chunk: no tensor is handed out unchecked.
+    if (verifier) verifier->landed(c, block, block_offset);
     // HandOut::kStream: the file's tensors are all out and no reader
     // touches its block again, so the callers' tensors alone hold it.
     if (hand_out.arrived(c, block) && counters->stream) s.release_block(c.file);
@@ -635,6 +651,7 @@ StateDict Loader::run(const Checkpoint& checkpoint, const LoadRequest& request, 
     if (host_conversions && conversions.staged) gate = [&](std::stop_token t) { host_conversions->admit(t); };
     s.execute(s.pending(), options_.threads, stop, counters, numa_.cpus, on_read, gate);
     if (host_conversions) host_conversions->finish();
+    if (verifier) verifier->finish();
   } catch (...) {
     error = std::current_exception();
   }

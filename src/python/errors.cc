@@ -95,6 +95,9 @@ void register_errors(py::module_& m) {
       {ErrorCode::kInvalidArgument, "InvalidArgumentError", PyExc_ValueError,
        "A caller's mistake: an option out of range, an unknown device, a call out of order (also a ValueError). "
        "The message names the argument."},
+      {ErrorCode::kIntegrity, "IntegrityError", nullptr,
+       "Bytes that differ from their expected digest (a manifest, or a file's published sha256): names the file, "
+       "the tensor and the byte range."},
   };
   static_assert(sizeof(specs) / sizeof(specs[0]) == kErrorCodeCount, "one Python type per ErrorCode");
   for (const Spec& s : specs) {

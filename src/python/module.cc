@@ -21,6 +21,7 @@
 #include "pinload/dtype.h"
 #include "pinload/env.h"
 #include "pinload/loader.h"
+#include "pinload/manifest.h"
 #include "pinload/pool.h"
 #include "registry.h"
 
@@ -97,6 +98,30 @@ PYBIND11_MODULE(_core, m) {
         pool->trim();
       },
       py::arg("device") = "cpu", "Returns the idle memory of `device`'s pool to the OS.");
+  // Note [Verified loads] (manifest.h): `pinload manifest` from Python.
+  m.def(
+      "write_manifest",
+      [](const std::vector<std::string>& paths, std::optional<std::string> output, std::string variant,
+         py::object piece_bytes) -> py::object {
+        ManifestOptions options;
+        options.variant = std::move(variant);
+        if (!piece_bytes.is_none()) options.piece_bytes = size_from_python(piece_bytes, "piece_bytes");
+        std::string json;
+        {
+          py::gil_scoped_release release;
+          const Manifest manifest = make_manifest(paths, options);
+          if (output) {
+            save_manifest(manifest, *output);
+          } else {
+            json = manifest_to_json(manifest);
+          }
+        }
+        if (output) return py::none();
+        return py::str(json);
+      },
+      py::arg("paths"), py::arg("output") = py::none(), py::kw_only(), py::arg("variant") = "",
+      py::arg("piece_bytes") = py::none(),
+      "The manifest (docs/manifest.md) of `paths`: written atomically to `output`, or returned as JSON text.");
   m.def("dtype_names", [] {
     py::list out;
     for (int i = 0; i < kDTypeCount; ++i) out.append(py::str(std::string(dtype_name(static_cast<DType>(i)))));

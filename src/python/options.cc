@@ -86,11 +86,39 @@ std::vector<std::string> patterns_from_python(const py::handle& value, const cha
   return out;
 }
 
+// verify=: a manifest's path (str or os.PathLike), or {file name: sha256
+// hex} of whole files (Note [Verified loads] in manifest.h).
+VerifyOptions verify_from_python(const py::object& value) {
+  VerifyOptions out;
+  if (value.is_none()) return out;
+  if (PyDict_Check(value.ptr())) {
+    for (const auto& [name, digest] : value.cast<py::dict>()) {
+      if (!PyUnicode_Check(name.ptr()) || !PyUnicode_Check(digest.ptr())) {
+        type_error("verify", "a manifest path or a dict of file name -> sha256 hex (str -> str)", value);
+      }
+      out.file_sha256.emplace_back(name.cast<std::string>(), digest.cast<std::string>());
+    }
+    if (out.file_sha256.empty()) throw InvalidArgumentError("verify: an empty dict of digests checks nothing");
+    return out;
+  }
+  if (!PyUnicode_Check(value.ptr()) && !PyObject_HasAttrString(value.ptr(), "__fspath__")) {
+    type_error("verify", "a manifest path or a dict of file name -> sha256 hex", value);
+  }
+  const std::string path = py::module_::import("os").attr("fsdecode")(value).cast<std::string>();
+  Manifest manifest;
+  {
+    py::gil_scoped_release release;
+    manifest = load_manifest(path);
+  }
+  out.manifest = std::make_shared<const Manifest>(std::move(manifest));
+  return out;
+}
+
 PyLoadOptions make_options(const py::object& threads, const py::object& block_size, const py::object& direct,
                            const py::object& files_in_flight, const py::object& streams, const py::object& chunk_bytes,
                            const py::object& staging_bytes, const py::object& variant, const py::object& dtype,
                            const py::object& keep, const py::object& keep_dtype, const py::object& pool_bytes,
-                           const py::object& connections, const py::object& zero_copy) {
+                           const py::object& connections, const py::object& zero_copy, const py::object& verify) {
   PyLoadOptions o;
   o.load.threads = count_from_python<unsigned>(threads, "threads");
   o.load.block_size = size_from_python(block_size, "block_size");
@@ -120,6 +148,7 @@ PyLoadOptions make_options(const py::object& threads, const py::object& block_si
     if (o.load.resolve.remote.connections == 0) throw InvalidArgumentError("connections must be 1..1024, not 0");
   }
   o.load.zero_copy = zero_copy_from_python(zero_copy);
+  o.load.verify = verify_from_python(verify);
   o.load.validate();
   if (o.staging_bytes && *o.staging_bytes == 0) throw InvalidArgumentError("staging_bytes must be > 0, not 0");
   return o;
@@ -158,8 +187,10 @@ void register_options(py::module_& m) {
            py::arg("chunk_bytes") = kDefaultCopyChunkBytes, py::arg("staging_bytes") = py::none(),
            py::arg("variant") = py::none(), py::arg("dtype") = py::none(), py::arg("keep") = py::tuple(),
            py::arg("keep_dtype") = py::none(), py::arg("pool_bytes") = py::none(), py::arg("connections") = py::none(),
-           py::arg("zero_copy") = "auto",
-           "zero_copy ('auto', 'on', 'off'; or a bool): host files handed out as leased file mappings (Note "
+           py::arg("zero_copy") = "auto", py::arg("verify") = py::none(),
+           "verify: a manifest's path (pinload.write_manifest, `pinload manifest`) or a dict {file name: sha256} "
+           "of whole files, checked as the bytes are read; a mismatch raises IntegrityError and returns nothing "
+           "(docs/manifest.md). zero_copy ('auto', 'on', 'off'; or a bool): host files handed out as leased file mappings (Note "
            "[Zero-copy loads] in loader.h). dtype: converts floating tensors inside the load (torch.bfloat16, torch.float16, torch.float32 or "
            "their names; None: as stored), except names matching a `keep` pattern (those become `keep_dtype`, "
            "or stay as stored). pool_bytes: the budget of the pool the load's blocks come from (one shared pool "
@@ -187,6 +218,13 @@ void register_options(py::module_& m) {
       .def_property_readonly("pool_bytes", [](const PyLoadOptions& o) { return o.pool_bytes; })
       .def_property_readonly("zero_copy",
                              [](const PyLoadOptions& o) { return std::string(zero_copy_name(o.load.zero_copy)); })
+      .def_property_readonly("verify",
+                             [](const PyLoadOptions& o) -> std::optional<std::string> {
+                               if (o.load.verify.manifest) return "manifest";
+                               if (o.load.verify.active()) return "sha256";
+                               return std::nullopt;
+                             },
+                             "'manifest', 'sha256' (whole-file digests) or None: what the load is verified against")
       .def_property_readonly("connections",
                              [](const PyLoadOptions& o) -> std::optional<unsigned> {
                                const unsigned n = o.load.resolve.remote.connections;

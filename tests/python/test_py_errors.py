@@ -32,6 +32,7 @@ def test_hierarchy():
         pinload.DeviceError: ("device", None),
         pinload.CancelledError: ("cancelled", None),
         pinload.InvalidArgumentError: ("invalid_argument", ValueError),
+        pinload.IntegrityError: ("integrity", None),
     }
     for cls, (code, extra) in subclasses.items():
         assert issubclass(cls, pinload.Error)
