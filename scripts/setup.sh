@@ -11,7 +11,7 @@ APT_PACKAGES=(cmake ninja-build g++ clang libclang-rt-14-dev pkg-config
               libcurl4-openssl-dev nginx-light bindfs fuse3)  # remote sources and their test servers
 # torch (the PyPI wheel, CUDA build) and the Hugging Face libraries are for
 # the Python package's tests; each is installed only when it does not import.
-PY_PACKAGES=(numpy safetensors pytest ml_dtypes tqdm mypy torch diffusers transformers accelerate boto3)
+PY_PACKAGES=(numpy safetensors pytest ml_dtypes tqdm mypy torch diffusers transformers accelerate boto3 peft tokenizers)
 
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
