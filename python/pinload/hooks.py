@@ -323,7 +323,7 @@ def _route_module_reads(patch: Patch, options: Dict[str, Any]) -> None:
             continue
         d = getattr(module, "__dict__", {})
         counter = _LOADER_COUNTERS.get(name, "diffusers." + name.rsplit(".", 1)[-1])
-        current = d.get("safetensors")
+        current: Any = d.get("safetensors")
         if _is_package_or_view(current, safetensors):
             load_file = current.torch.load_file  # the real one, or a view's (nested patches)
             torch_view = _module_view(safetensors.torch, load_file=_routed_load_file(load_file, patch, options, counter))
