@@ -701,5 +701,13 @@ class safe_open:
 from ._file_handle import safe_open_handle  # noqa: E402
 
 
-def __getattr__(name: str) -> Any:  # TensorSpec: the reference's own, where it has one
-    return _compat.reference_object(__name__, name)
+# TensorSpec and SafetensorError: the reference's own classes, where the installed safetensors has
+# them (serialize takes TensorSpecs; pinload's errors are SafetensorErrors).
+try:
+    from safetensors import SafetensorError  # noqa: F401
+except ImportError:
+    pass
+try:
+    from safetensors import TensorSpec  # noqa: F401
+except ImportError:
+    pass
