@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# Quick start: set up, build, generate the default checkpoint (a scaled-down
-# FLUX-style pipeline with real tensor names and shapes, random bytes) once,
-# then inspect it and load it with pinload.
+# Quick start: set up, build, generate the default checkpoints (scaled-down FLUX and SDXL
+# pipelines with real tensor names and shapes, random bytes) once, then show what pinload is
+# for (scripts/demo.py): cold loads beside safetensors' on the same files, warm loads, and a
+# switch back to a model through pinload.ModelCache. Under a minute after the build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 MODELS=${PINLOAD_MODELS:-$HOME/.cache/pinload/models}
-python3 scripts/gen_checkpoints.py --scale small --out "$MODELS"
-MODEL="$MODELS/flux-dev-small"
-echo "== pinload inspect $MODEL (summary)"
-build/pinload inspect "$MODEL" | grep -E '^(/|total)'
-echo "== pinload load -v $MODEL"
-build/pinload load -v "$MODEL"
+python3 scripts/gen_checkpoints.py --scale small --out "$MODELS" >/dev/null
+echo "== pinload inspect $MODELS/flux-dev-small (summary)"
+build/pinload inspect "$MODELS/flux-dev-small" | grep -E '^(/|total)'
+echo "== scripts/demo.py: FLUX and SDXL, cold, warm, and a switch back"
+PYTHONPATH="build/python:python${PYTHONPATH:+:$PYTHONPATH}" \
+  python3 scripts/demo.py "$MODELS/flux-dev-small" "$MODELS/sdxl-base-small"

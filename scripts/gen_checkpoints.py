@@ -29,6 +29,12 @@ classes, built from the published configs (written below: nothing can be downloa
 on the meta device, and their state_dict gives the names, shapes and order. That needs
 torch, diffusers and transformers; the FLUX components need only numpy.
 
+Each pipeline folder also has what model_index.json names besides weights: the published
+scheduler config and tokenizers (the published kinds, trained here with the `tokenizers` package
+on this docstring, a small vocabulary), so that DiffusionPipeline.from_pretrained loads it whole.
+Every config.json is complete: diffusers and transformers load each component from it with no
+missing, unexpected or mismatched key (tests/python/test_gen_checkpoints.py).
+
 `--scale small` writes the same names and structure with fewer layers and narrower
 widths (about 0.2 GB for FLUX, 0.1 GB for SDXL) to <out>/flux-dev-small/ and
 <out>/sdxl-base-small/, for CI and quick runs.
@@ -255,48 +261,64 @@ def autoencoder_kl(channels=(128, 256, 512, 512), layers_per_block=2, latent=16,
     return ts
 
 
+def _clip_config(layers, width, mlp, heads):
+    return {"architectures": ["CLIPTextModel"], "model_type": "clip_text_model", "hidden_size": width,
+            "intermediate_size": mlp, "num_hidden_layers": layers, "num_attention_heads": heads, "vocab_size": 49408,
+            "max_position_embeddings": 77, "projection_dim": 768, "hidden_act": "quick_gelu",
+            "torch_dtype": "bfloat16"}
+
+
+def _t5_config(layers, d_model, d_ff, heads, d_kv):
+    return {"architectures": ["T5EncoderModel"], "model_type": "t5", "d_model": d_model, "d_ff": d_ff,
+            "d_kv": d_kv, "num_heads": heads, "num_layers": layers, "vocab_size": 32128,
+            "relative_attention_num_buckets": 32, "feed_forward_proj": "gated-gelu", "is_gated_act": True,
+            "dense_act_fn": "gelu_new", "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+
+
+def _flux_config(double, single, heads, joint_dim):
+    return {"_class_name": "FluxTransformer2DModel", "num_layers": double, "num_single_layers": single,
+            "attention_head_dim": 128, "num_attention_heads": heads, "in_channels": 64, "patch_size": 1,
+            "joint_attention_dim": joint_dim, "pooled_projection_dim": 768, "guidance_embeds": True}
+
+
+def _flux_vae_config(channels):
+    n = len(channels)
+    return {"_class_name": "AutoencoderKL", "latent_channels": 16, "block_out_channels": list(channels),
+            "down_block_types": ["DownEncoderBlock2D"] * n, "up_block_types": ["UpDecoderBlock2D"] * n,
+            "layers_per_block": 2, "in_channels": 3, "out_channels": 3, "norm_num_groups": 32, "act_fn": "silu",
+            "sample_size": 1024, "scaling_factor": 0.3611, "shift_factor": 0.1159, "use_quant_conv": False,
+            "use_post_quant_conv": False}
+
+
+# Each component's config.json is complete: the class built from it (diffusers' from_config,
+# transformers' config class) has exactly the tensors written, names and shapes (real_shapes;
+# tests/python/test_gen_checkpoints.py checks every component at every scale).
 def components(scale: str) -> list[Component]:
     if scale == "full":
         return [
             Component("clip-l", "text_encoder", "model", "transformers", "CLIPTextModel", clip_text(),
-                      config={"architectures": ["CLIPTextModel"], "hidden_size": 768, "intermediate_size": 3072,
-                              "num_hidden_layers": 12, "num_attention_heads": 12, "vocab_size": 49408,
-                              "max_position_embeddings": 77, "torch_dtype": "bfloat16"},
-                      expect_tensors=196, approx_bytes=246_000_000),
+                      config=_clip_config(12, 768, 3072, 12), expect_tensors=196, approx_bytes=246_000_000),
             Component("t5-xxl", "text_encoder_2", "model", "transformers", "T5EncoderModel", t5_encoder(),
-                      shards=2, max_shard_size=5_000_000_000,
-                      config={"architectures": ["T5EncoderModel"], "d_model": 4096, "d_ff": 10240, "d_kv": 64,
-                              "num_heads": 64, "num_layers": 24, "vocab_size": 32128,
-                              "feed_forward_proj": "gated-gelu", "torch_dtype": "bfloat16"},
+                      shards=2, max_shard_size=5_000_000_000, config=_t5_config(24, 4096, 10240, 64, 64),
                       expect_tensors=219, expect_bytes=9_524_621_312),
             Component("flux-dev", "transformer", "diffusion_pytorch_model", "diffusers", "FluxTransformer2DModel",
                       flux_transformer(), shards=3, max_shard_size=10_000_000_000,
-                      config={"_class_name": "FluxTransformer2DModel", "num_layers": 19, "num_single_layers": 38,
-                              "attention_head_dim": 128, "num_attention_heads": 24, "in_channels": 64,
-                              "joint_attention_dim": 4096, "pooled_projection_dim": 768, "guidance_embeds": True},
-                      expect_tensors=1160, expect_bytes=23_802_816_640),
+                      config=_flux_config(19, 38, 24, 4096), expect_tensors=1160, expect_bytes=23_802_816_640),
             Component("vae", "vae", "diffusion_pytorch_model", "diffusers", "AutoencoderKL", autoencoder_kl(),
-                      config={"_class_name": "AutoencoderKL", "latent_channels": 16,
-                              "block_out_channels": [128, 256, 512, 512], "layers_per_block": 2,
-                              "use_quant_conv": False, "use_post_quant_conv": False},
-                      expect_tensors=244, approx_bytes=168_000_000),
+                      config=_flux_vae_config((128, 256, 512, 512)), expect_tensors=244, approx_bytes=168_000_000),
         ]
     # small: same names and structure, fewer layers, narrower; ~0.2 GB in all
     return [
         Component("clip-l", "text_encoder", "model", "transformers", "CLIPTextModel",
-                  clip_text(layers=2, width=768, mlp=3072),
-                  config={"architectures": ["CLIPTextModel"], "hidden_size": 768, "num_hidden_layers": 2}),
+                  clip_text(layers=2, width=768, mlp=3072), config=_clip_config(2, 768, 3072, 12)),
         Component("t5-xxl", "text_encoder_2", "model", "transformers", "T5EncoderModel",
                   t5_encoder(layers=4, d_model=512, d_ff=1280, heads=8, d_kv=64), shards=2,
-                  config={"architectures": ["T5EncoderModel"], "d_model": 512, "d_ff": 1280, "num_layers": 4}),
+                  config=_t5_config(4, 512, 1280, 8, 64)),
         Component("flux-dev", "transformer", "diffusion_pytorch_model", "diffusers", "FluxTransformer2DModel",
                   flux_transformer(double=2, single=4, width=512, joint_dim=512), shards=3,
-                  config={"_class_name": "FluxTransformer2DModel", "num_layers": 2, "num_single_layers": 4,
-                          "attention_head_dim": 128, "num_attention_heads": 4, "joint_attention_dim": 512}),
+                  config=_flux_config(2, 4, 4, 512)),
         Component("vae", "vae", "diffusion_pytorch_model", "diffusers", "AutoencoderKL",
-                  autoencoder_kl(channels=(64, 128, 256, 256)),
-                  config={"_class_name": "AutoencoderKL", "latent_channels": 16,
-                          "block_out_channels": [64, 128, 256, 256]}),
+                  autoencoder_kl(channels=(64, 128, 256, 256)), config=_flux_vae_config((64, 128, 256, 256))),
     ]
 
 
@@ -436,45 +458,139 @@ SDXL_MODEL_INDEX = {
 }
 
 
+def real_shapes(c: Component) -> dict:
+    """name -> shape of the tensors that the real class, built on the meta device from the config
+    this script writes for `c`, loads: what diffusers and transformers expect to find in the files.
+    Needs torch, diffusers and transformers."""
+    import diffusers
+    import torch
+    import transformers
+
+    cfg = {k: v for k, v in c.config.items() if k not in ("_class_name", "architectures", "torch_dtype", "model_type")}
+    with torch.device("meta"):
+        if c.library == "diffusers":
+            m = getattr(diffusers, c.cls).from_config(cfg)
+        else:
+            conf = {"CLIPTextModel": transformers.CLIPTextConfig,
+                    "CLIPTextModelWithProjection": transformers.CLIPTextConfig,
+                    "T5EncoderModel": transformers.T5Config}[c.cls](**cfg)
+            m = getattr(transformers, c.cls)(conf)
+    real = {}
+    for k, v in m.state_dict().items():
+        if c.cls == "CLIPTextModel" and not k.startswith("text_model."):
+            k = "text_model." + k  # saved and loaded under text_model. (meta_tensors)
+        real[k] = tuple(v.shape)
+    if c.cls == "T5EncoderModel":
+        real.pop("encoder.embed_tokens.weight", None)  # tied to shared.weight, not saved
+    return real
+
+
+def compare_with_real_class(c: Component) -> tuple[list, list, list]:
+    """(missing, unexpected, mismatched shapes) of the written tensors against real_shapes(c)."""
+    real = real_shapes(c)
+    mine = {t.name: tuple(t.shape) for t in c.tensors}
+    return (sorted(set(real) - set(mine)), sorted(set(mine) - set(real)),
+            sorted(k for k in set(real) & set(mine) if real[k] != mine[k]))
+
+
 def flux_against_real_classes() -> list[str]:
-    """Compare the hand-coded FLUX components (full scale) with the real classes on
-    the meta device: names and shapes. Returns one line per component."""
+    """Compare the hand-coded FLUX components (full scale) with the real classes built from the
+    written configs on the meta device: names and shapes. Returns one line per component."""
     try:
         import diffusers  # noqa: F401
-        import torch
-        import transformers
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
     except ImportError as e:
         return [f"  (no comparison with the real classes: {e})"]
     lines = []
     for c in components("full"):
-        cfg = {k: v for k, v in c.config.items() if k not in ("_class_name", "architectures", "torch_dtype")}
-        if c.cls == "AutoencoderKL":  # the written config.json names only what differs from SD's VAE
-            n = len(cfg["block_out_channels"])
-            cfg.update(down_block_types=["DownEncoderBlock2D"] * n, up_block_types=["UpDecoderBlock2D"] * n)
-        with torch.device("meta"):
-            if c.library == "diffusers":
-                m = getattr(diffusers, c.cls).from_config(cfg)
-            else:
-                conf = {"CLIPTextModel": transformers.CLIPTextConfig,
-                        "T5EncoderModel": transformers.T5Config}[c.cls](**cfg)
-                m = getattr(transformers, c.cls)(conf)
-        real = {}
-        for k, v in m.state_dict().items():
-            if c.cls == "CLIPTextModel" and not k.startswith("text_model."):
-                k = "text_model." + k
-            real[k] = tuple(v.shape)
-        if c.cls == "T5EncoderModel":
-            real.pop("encoder.embed_tokens.weight", None)  # tied to shared.weight, not saved
-        mine = {t.name: tuple(t.shape) for t in c.tensors}
-        missing = sorted(set(real) - set(mine))
-        extra = sorted(set(mine) - set(real))
-        shape = sorted(k for k in set(real) & set(mine) if real[k] != mine[k])
+        missing, extra, shape = compare_with_real_class(c)
         if not (missing or extra or shape):
-            lines.append(f"  {c.key:9s} same {len(mine)} names and shapes as {c.library} {c.cls}  OK")
+            lines.append(f"  {c.key:9s} same {len(c.tensors)} names and shapes as {c.library} {c.cls}  OK")
         else:
             lines.append(f"  {c.key:9s} differs from {c.library} {c.cls}: {len(missing)} missing "
                          f"{missing[:3]}, {len(extra)} extra {extra[:3]}, {len(shape)} shapes {shape[:3]}")
     return lines
+
+
+# ---------------------------------------------------------------- scheduler and tokenizers
+
+# Published scheduler configs (black-forest-labs/FLUX.1-dev, stabilityai/stable-diffusion-xl-base-1.0).
+FLUX_SCHEDULER = {"_class_name": "FlowMatchEulerDiscreteScheduler", "base_image_seq_len": 256, "base_shift": 0.5,
+                  "max_image_seq_len": 4096, "max_shift": 1.15, "num_train_timesteps": 1000, "shift": 3.0,
+                  "use_dynamic_shifting": True}
+SDXL_SCHEDULER = {"_class_name": "EulerDiscreteScheduler", "beta_end": 0.012, "beta_schedule": "scaled_linear",
+                  "beta_start": 0.00085, "clip_sample": False, "interpolation_type": "linear",
+                  "num_train_timesteps": 1000, "prediction_type": "epsilon", "sample_max_value": 1.0,
+                  "set_alpha_to_one": False, "skip_prk_steps": True, "steps_offset": 1,
+                  "timestep_spacing": "leading", "trained_betas": None, "use_karras_sigmas": False}
+
+TOKENIZER_VOCAB = 1000  # tokens learned (at most); below every text encoder's vocab_size
+
+
+def _corpus() -> list[str]:
+    """Text to train the tokenizers on: this script's own docstring (nothing can be downloaded)."""
+    return [line for line in (__doc__ or "").splitlines() if line.strip()] * 4
+
+
+def tokenizer_files(kind: str) -> dict:
+    """file name -> text of a tokenizer folder that transformers loads (CLIPTokenizer for "clip",
+    T5TokenizerFast for "t5"), trained here with the `tokenizers` library on _corpus(): the
+    published tokenizers' model types (byte-pair with "</w>" for CLIP, unigram for T5), special
+    tokens and templates, a small vocabulary."""
+    try:
+        from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    except ImportError as e:
+        raise SystemExit(f"the pipelines' tokenizers are trained with the tokenizers package ({e})")
+    if kind == "clip":
+        tok = Tokenizer(models.BPE(unk_token="<|endoftext|>", end_of_word_suffix="</w>"))
+        tok.normalizer = normalizers.Sequence([normalizers.NFC(), normalizers.Lowercase()])
+        tok.pre_tokenizer = pre_tokenizers.Whitespace()
+        tok.decoder = decoders.BPEDecoder(suffix="</w>")
+        tok.train_from_iterator(_corpus(), trainers.BpeTrainer(
+            vocab_size=TOKENIZER_VOCAB, special_tokens=["<|startoftext|>", "<|endoftext|>"],
+            end_of_word_suffix="</w>", show_progress=False))
+        bos, eos = "<|startoftext|>", "<|endoftext|>"
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A {eos}", pair=f"{bos} $A {eos} $B {eos}",
+            special_tokens=[(bos, tok.token_to_id(bos)), (eos, tok.token_to_id(eos))])
+        config = {"tokenizer_class": "CLIPTokenizer", "bos_token": bos, "eos_token": eos, "unk_token": eos,
+                  "pad_token": eos, "model_max_length": 77}
+    else:
+        tok = Tokenizer(models.Unigram())
+        tok.normalizer = normalizers.NFKC()
+        tok.pre_tokenizer = pre_tokenizers.Metaspace()
+        tok.decoder = decoders.Metaspace()
+        tok.train_from_iterator(_corpus(), trainers.UnigramTrainer(
+            vocab_size=TOKENIZER_VOCAB, special_tokens=["<pad>", "</s>", "<unk>"], unk_token="<unk>",
+            show_progress=False))
+        tok.post_processor = processors.TemplateProcessing(
+            single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", tok.token_to_id("</s>"))])
+        config = {"tokenizer_class": "T5Tokenizer", "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>",
+                  "model_max_length": 512, "extra_ids": 0}
+    return {"tokenizer.json": tok.to_str(), "tokenizer_config.json": json.dumps(config, indent=2) + "\n"}
+
+
+def write_pipeline_files(root: str, model_index: dict) -> None:
+    """model_index.json and what it names besides the weights: the scheduler's config and the
+    tokenizers, so that DiffusionPipeline.from_pretrained loads the folder whole."""
+    write_text(os.path.join(root, "model_index.json"), model_index)
+    for name, entry in model_index.items():
+        if name.startswith("_") or not isinstance(entry, list):
+            continue
+        cls = entry[1]
+        if name == "scheduler":
+            scheduler = FLUX_SCHEDULER if cls == FLUX_SCHEDULER["_class_name"] else SDXL_SCHEDULER
+            os.makedirs(os.path.join(root, name), exist_ok=True)
+            write_text(os.path.join(root, name, "scheduler_config.json"), scheduler)
+        elif name.startswith("tokenizer"):
+            folder = os.path.join(root, name)
+            os.makedirs(folder, exist_ok=True)
+            for file, text in tokenizer_files("t5" if cls.startswith("T5") else "clip").items():
+                path = os.path.join(folder, file)
+                if not (os.path.isfile(path) and open(path).read() == text):
+                    with open(path, "w") as f:
+                        f.write(text)
 
 
 # ---------------------------------------------------------------- sharding
@@ -688,7 +804,7 @@ def main(argv=None):
             continue
         root = pipeline_root(a.out, pipe, a.scale)
         os.makedirs(root, exist_ok=True)
-        write_text(os.path.join(root, "model_index.json"), model_index)
+        write_pipeline_files(root, model_index)
         # One random stream per pipeline, so that adding a pipeline leaves the
         # bytes of the others as they were.
         rnd = RandomBytes(a.seed + seed_offset)

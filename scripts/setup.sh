@@ -12,7 +12,7 @@ APT_PACKAGES=(cmake ninja-build g++ clang libclang-rt-14-dev pkg-config
               libhwy-dev)  # the conversions' SIMD kernels (Highway)
 # torch (the PyPI wheel, CUDA build) and the Hugging Face libraries are for
 # the Python package's tests; each is installed only when it does not import.
-PY_PACKAGES=(numpy safetensors pytest ml_dtypes tqdm mypy torch diffusers transformers accelerate boto3
+PY_PACKAGES=(numpy safetensors pytest ml_dtypes tqdm mypy torch diffusers transformers accelerate boto3 tokenizers
              peft  # diffusers' LoRA loading, the peer of tests/python/test_lora.py
              aiohttp prometheus_client)  # the text-encoder server (docs/encoder.md)
 

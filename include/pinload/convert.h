@@ -116,7 +116,7 @@ struct ConvertStats {
   std::uint64_t files = 0;
   std::uint64_t tensors_quantized = 0;
   std::uint64_t tensors_kept = 0;
-  std::uint64_t bytes_in = 0;   // data sections read
+  std::uint64_t bytes_in = 0;   // input safetensors files, headers included (as bytes_out)
   std::uint64_t bytes_out = 0;  // output safetensors files, headers included
 };
 

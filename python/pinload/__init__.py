@@ -72,6 +72,7 @@ __all__ = [
     "OutOfMemoryError",
     "convert",
     "cuda_available",
+    "deserialize",
     "iter_tensors",
     "load_file",
     "load_files",
@@ -81,6 +82,8 @@ __all__ = [
     "pool_stats",
     "prefetch",
     "safe_open",
+    "serialize",
+    "serialize_file",
     "trim_pool",
     "write_manifest",
 ]
@@ -95,6 +98,10 @@ _LAZY = {
     "patch_diffusers": "hooks",
     "patch_transformers": "hooks",
     "ModelCache": "cache",
+    # safetensors' top-level API (no torch needed)
+    "serialize": "_safetensors_compat",
+    "serialize_file": "_safetensors_compat",
+    "deserialize": "_safetensors_compat",
 }
 
 
@@ -106,6 +113,7 @@ if TYPE_CHECKING:
     from . import cache, hooks, numpy, skip_init, torch  # noqa: F401
     from .cache import ModelCache
     from .hooks import patch_diffusers, patch_transformers
+    from ._safetensors_compat import deserialize, serialize, serialize_file
     from .torch import iter_tensors, load_file, load_files, load_files_batch, safe_open
 
 
@@ -115,8 +123,10 @@ def __getattr__(name: str):
     if name in _SUBMODULES:  # pinload.skip_init.empty_model(...) after a plain `import pinload`
         return importlib.import_module(f".{name}", __name__)
     module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'pinload' has no attribute {name!r}")
+    if module is None:  # TensorSpec, SafetensorError: the reference's own, where it has them
+        from ._safetensors_compat import reference_object
+
+        return reference_object(__name__, name)
     value = getattr(importlib.import_module(f".{module}", __name__), name)
     globals()[name] = value
     return value

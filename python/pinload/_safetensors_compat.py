@@ -10,8 +10,10 @@ src/python/errors.cc). Imports neither torch nor numpy.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Any, List, Optional, Tuple, Union
+import tempfile
+from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 from ._core import Error, InvalidFileError, NotFoundError
 
@@ -151,3 +153,89 @@ def reference_index(index: Any, shape: List[int]) -> Union[Tuple[Any, ...], List
                                  f"index {asked} out of bounds for tensor dimension #{i} of size {dim}")
         out.append(value if kind == "select" else slice(start, max(start, stop), value[2]))
     return tuple(reversed(out))
+
+
+# ---- bytes in memory (load(data), deserialize(data)) ----
+
+BYTES = "<bytes>"  # what errors name instead of the temporary file
+
+
+@contextlib.contextmanager
+def bytes_as_file(data: Any) -> Iterator[str]:
+    """A temporary file (in /dev/shm where it can) holding ``data``, removed on exit, for pinload's
+    reader and parser, which take paths. An error raised inside names ``<bytes>``, never the
+    temporary file: it is an internal name the caller never gave."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise TypeError(f"data must be bytes, not {type(data).__name__}")
+    folder = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+    fd, path = tempfile.mkstemp(suffix=".safetensors", prefix="pinload-", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        try:
+            yield path
+        except Error as e:
+            raise _renamed(e, path) from None
+    finally:
+        os.unlink(path)
+
+
+def _renamed(e: Error, path: str) -> Error:
+    text = str(e).replace(path, BYTES)
+    out = type(e)(text)
+    message = getattr(e, "message", None)
+    out.file = BYTES if getattr(e, "file", None) == path else getattr(e, "file", None)
+    out.tensor = getattr(e, "tensor", None)
+    out.message = message.replace(path, BYTES) if isinstance(message, str) else message
+    for attr in ("offset", "errno"):
+        if hasattr(e, attr):
+            setattr(out, attr, getattr(e, attr))
+    return out
+
+
+def deserialize(data: Any) -> List[Tuple[str, Dict[str, Any]]]:
+    """``safetensors.deserialize``: [(name, {"shape", "dtype", "data": bytearray})] in file order, the
+    header parsed and checked by pinload's parser (include/pinload/safetensors.h)."""
+    from . import _core
+
+    view = memoryview(data).cast("B") if not isinstance(data, (bytes, bytearray)) else data
+    with bytes_as_file(view) as path:
+        header = _core.read_header(os.fsencode(path))
+    start = header["data_offset"]
+    return [(name, {"shape": list(shape), "dtype": dtype, "data": bytearray(view[start + begin:start + end])})
+            for name, dtype, shape, begin, end in header["tensors"]]
+
+
+# ---- writers and the rest of the reference's API: the reference's own ----
+
+
+def serialize(tensor_dict: Dict[str, Any], metadata: Optional[Dict[str, str]] = None) -> bytes:
+    """``safetensors.serialize`` (the reference writes; needs safetensors)."""
+    from safetensors import serialize as reference
+
+    return reference(tensor_dict, metadata=metadata)
+
+
+def serialize_file(tensor_dict: Dict[str, Any], filename: Any, metadata: Optional[Dict[str, str]] = None) -> None:
+    """``safetensors.serialize_file`` (the reference writes; needs safetensors)."""
+    from safetensors import serialize_file as reference
+
+    return reference(tensor_dict, filename, metadata=metadata)
+
+
+#: Names of the reference's API served as the reference's own objects (classes), where the installed
+#: safetensors has them: module ``__getattr__``s of pinload, pinload.torch and pinload.numpy ask here.
+REFERENCE_OBJECTS = ("TensorSpec", "SafetensorError")
+
+
+def reference_object(module: str, name: str) -> Any:
+    """``safetensors.<name>``, or AttributeError naming ``module`` where safetensors lacks it."""
+    if name in REFERENCE_OBJECTS:
+        try:
+            import safetensors
+        except ImportError:
+            pass
+        else:
+            if hasattr(safetensors, name):
+                return getattr(safetensors, name)
+    raise AttributeError(f"module {module!r} has no attribute {name!r}")

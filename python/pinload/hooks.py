@@ -6,24 +6,29 @@
     undo = pinload.patch_transformers(threads=16)        # or a plain call; undo.undo() restores
     model = LlamaForCausalLM.from_pretrained("/models/llama")
 
-What is patched (checked against diffusers 0.42 and transformers 5.24; every module of the library
+What is patched (checked against diffusers 0.42 and transformers 5.25; every module of the library
 that imported the function by name gets the replacement, found by identity, after the modules
 that are known to import it have been imported):
 
 - diffusers: ``diffusers.models.model_loading_utils.load_state_dict`` (imported by name into
   ``models.modeling_utils`` and the ``loaders`` modules). ``ModelMixin.from_pretrained`` reads
-  every ``.safetensors`` checkpoint and shard through it, and ``DiffusionPipeline.from_pretrained``
-  loads each diffusers component with ``ModelMixin.from_pretrained``.
+  every ``.safetensors`` checkpoint and shard through it, ``DiffusionPipeline.from_pretrained``
+  loads each diffusers component with ``ModelMixin.from_pretrained``, and ``from_single_file``
+  (pipelines and models) reads the single file through it (``load_single_file_checkpoint`` is
+  wrapped to count those loads apart). The LoRA, textual-inversion and attention-processor loaders
+  call ``safetensors.torch.load_file`` through the module, and the IP-adapter loader ``safe_open``:
+  Note [Reads through the safetensors module].
 - transformers: ``safetensors.safe_open`` as imported by ``transformers.modeling_utils`` (the
   ``from_pretrained`` path: one handle per shard, ``get_slice(name)[...]`` per tensor, which a
   pinload handle serves from one parallel load of the whole shard), ``modeling_layers`` and
-  ``integrations.accelerate``; and ``transformers.modeling_utils.load_state_dict`` (safetensors
-  files).
+  ``integrations.accelerate``; ``transformers.modeling_utils.load_state_dict`` (safetensors
+  files); and ``PreTrainedModel._load_pretrained_model`` for the ``disable_mmap`` / hf-mount path,
+  where transformers would read each file whole and parse its bytes: pinload loads the files and
+  hands them in as the ``state_dict`` argument, which transformers then takes as it takes the
+  parsed bytes.
 
 Anything the replacement does not handle (another framework, a ``meta`` or unsupported
-device, a non-safetensors file) goes to the original function. Not patched: LoRA / textual
-inversion / IP-adapter loaders that call ``safetensors.torch.load_file`` through the module, and
-transformers' ``disable_mmap`` path (it parses bytes already read).
+device, a non-safetensors file) goes to the original function.
 
 Each patch counts its calls in ``.calls`` (a dict: replacement name -> calls served by pinload;
 ``files`` counts the files pinload actually loaded); ``.counts()`` adds those of included patches.
@@ -38,6 +43,7 @@ import inspect
 import os
 import sys
 import threading
+import types
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 __all__ = ["Patch", "patch_diffusers", "patch_transformers"]
@@ -50,6 +56,10 @@ _DIFFUSERS_MODULES = (
     "diffusers.loaders.unet",
     "diffusers.loaders.textual_inversion",
     "diffusers.loaders.ip_adapter",
+    "diffusers.loaders.lora_pipeline",
+    "diffusers.loaders.single_file",
+    "diffusers.loaders.single_file_model",
+    "diffusers.hooks.group_offloading",
 )
 _TRANSFORMERS_MODULES = (
     "transformers.modeling_utils",
@@ -177,7 +187,7 @@ def _routed_load_state_dict(original: Callable, patch: Patch, options: Dict[str,
                 from .torch import load_file
 
                 result = load_file(checkpoint, device=device, **_with_model_dtype(options))
-                patch.count(counter)
+                patch.count("diffusers.from_single_file" if _SINGLE_FILE.get() else counter)
                 patch.count("files")
                 return result
         return original(*args, **kwargs)
@@ -237,9 +247,96 @@ def _noting_from_pretrained(original: Any) -> Any:
     return classmethod(from_pretrained)
 
 
+# Note [Reads through the safetensors module]
+# diffusers' LoRA (``loaders.lora_base``), textual-inversion and attention-processor (``loaders.unet``)
+# loaders call ``safetensors.torch.load_file`` through the module (``import safetensors``), so no
+# name of theirs is the function. Replacing ``safetensors.torch.load_file`` itself would route every
+# library of the process through pinload, and undo could not tell our replacement from another's.
+# Instead the global ``safetensors`` of each diffusers module that holds the package is replaced by a
+# view of it (a module whose ``torch`` is a view of ``safetensors.torch`` with pinload's
+# ``load_file``; every other attribute is the real package's, PEP 562 ``__getattr__``). The
+# IP-adapter loader imports ``safe_open`` by name: that name gets pinload's handle, as in
+# transformers. Each counts under the loader's name (_LOADER_COUNTERS).
+_LOADER_COUNTERS = {
+    "diffusers.loaders.lora_base": "diffusers.lora",
+    "diffusers.loaders.textual_inversion": "diffusers.textual_inversion",
+    "diffusers.loaders.ip_adapter": "diffusers.ip_adapter",
+    "diffusers.loaders.unet": "diffusers.attn_procs",
+}
+
+# Set while diffusers' load_single_file_checkpoint runs: its load_state_dict call counts as
+# "diffusers.from_single_file".
+_SINGLE_FILE: "contextvars.ContextVar[bool]" = contextvars.ContextVar("pinload_single_file", default=False)
+
+
+def _noting_single_file(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def load_single_file_checkpoint(*args, **kwargs):
+        token = _SINGLE_FILE.set(True)
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _SINGLE_FILE.reset(token)
+
+    load_single_file_checkpoint._pinload_original = original  # type: ignore[attr-defined]
+    return load_single_file_checkpoint
+
+
+def _module_view(real: types.ModuleType, **overrides: Any) -> types.ModuleType:
+    """A module that is ``real`` but for ``overrides`` (Note [Reads through the safetensors module])."""
+    view = types.ModuleType(real.__name__, real.__doc__)
+    view.__dict__.update(overrides)
+    view.__dict__["__getattr__"] = lambda name: getattr(real, name)
+    view.__dict__["_pinload_view_of"] = real
+    return view
+
+
+def _routed_load_file(original: Callable, patch: Patch, options: Dict[str, Any], counter: str) -> Callable:
+    """``safetensors.torch.load_file(filename, device="cpu")`` through pinload, for the devices it serves."""
+
+    @functools.wraps(original)
+    def load_file(filename, device="cpu"):
+        if _pinload_device(device):
+            from .torch import load_file as pinload_load_file
+
+            result = pinload_load_file(filename, device=device, **options)
+            patch.count(counter)
+            patch.count("files")
+            return result
+        return original(filename, device=device)
+
+    load_file._pinload_original = original  # type: ignore[attr-defined]
+    return load_file
+
+
+def _is_package_or_view(value: Any, package: Any) -> bool:
+    return value is package or getattr(value, "_pinload_view_of", None) is package
+
+
+def _route_module_reads(patch: Patch, options: Dict[str, Any]) -> None:
+    """Note [Reads through the safetensors module], for every loaded diffusers module."""
+    import safetensors
+    import safetensors.torch
+
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.startswith("diffusers."):
+            continue
+        d = getattr(module, "__dict__", {})
+        counter = _LOADER_COUNTERS.get(name, "diffusers." + name.rsplit(".", 1)[-1])
+        current: Any = d.get("safetensors")
+        if _is_package_or_view(current, safetensors):
+            load_file = current.torch.load_file  # the real one, or a view's (nested patches)
+            torch_view = _module_view(safetensors.torch, load_file=_routed_load_file(load_file, patch, options, counter))
+            patch._replace(module, "safetensors", _module_view(safetensors, torch=torch_view))
+        current = d.get("safe_open")
+        if current is not None and (current is safetensors.safe_open or hasattr(current, "_pinload_original")):
+            patch._replace(module, "safe_open", _routed_safe_open(current, patch, options, counter))
+
+
 def patch_diffusers(*, transformers: bool = True, **options: Any) -> Patch:
     """Routes diffusers' safetensors loading (``ModelMixin.from_pretrained``, and so each model
-    component of ``DiffusionPipeline.from_pretrained``) through pinload; with ``transformers``
+    component of ``DiffusionPipeline.from_pretrained``; ``from_single_file``; the LoRA,
+    textual-inversion, attention-processor and IP-adapter loaders) through pinload; with ``transformers``
     (the default, when it is installed) also ``patch_transformers``, for a pipeline's text
     encoders. ``options`` are pinload load options (threads, block_size, direct, progress, ...).
     A model's ``torch_dtype`` and ``_keep_in_fp32_modules`` are honoured inside the load (Note
@@ -262,6 +359,14 @@ def patch_diffusers(*, transformers: bool = True, **options: Any) -> Patch:
 
         mixin = modeling_utils.ModelMixin
         patch._replace(mixin, "from_pretrained", _noting_from_pretrained(mixin.__dict__["from_pretrained"]))
+        try:
+            import diffusers.loaders.single_file_utils as sfu
+        except Exception:  # its own dependencies missing
+            pass
+        else:
+            single = sfu.load_single_file_checkpoint
+            _replace_everywhere(patch, "diffusers", "load_single_file_checkpoint", single, _noting_single_file(single))
+        _route_module_reads(patch, options)
         if transformers:
             try:
                 import transformers as _  # noqa: F401
@@ -278,7 +383,8 @@ def patch_diffusers(*, transformers: bool = True, **options: Any) -> Patch:
 # ---- transformers ----
 
 
-def _transformers_safe_open(original: Callable, patch: Patch, options: Dict[str, Any]) -> Callable:
+def _routed_safe_open(original: Callable, patch: Patch, options: Dict[str, Any],
+                      counter: str = "transformers.safe_open") -> Callable:
     from .torch import safe_open
 
     class _CountingSafeOpen(safe_open):
@@ -287,7 +393,7 @@ def _transformers_safe_open(original: Callable, patch: Patch, options: Dict[str,
 
     def patched_safe_open(filename, framework="pt", device="cpu", *args, **kwargs):
         if framework in ("pt", "torch", "pytorch") and not args and _pinload_device(device):
-            patch.count("transformers.safe_open")
+            patch.count(counter)
             kwargs.pop("backend", None)
             return _CountingSafeOpen(filename, framework=framework, device=device, **options)
         return original(filename, framework, device, *args, **kwargs)
@@ -295,6 +401,50 @@ def _transformers_safe_open(original: Callable, patch: Patch, options: Dict[str,
     patched_safe_open._pinload_original = original  # type: ignore[attr-defined]
     patched_safe_open.__doc__ = original.__doc__
     return patched_safe_open
+
+
+def _reads_whole_files(mu: Any, load_config: Any, files: List[Any]) -> bool:
+    """Whether transformers' _load_pretrained_model would read these files whole and parse their bytes
+    (its ``disable_mmap`` / hf-mount branch), rather than open them with safe_open."""
+    try:
+        from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+        if is_deepspeed_zero3_enabled():  # that branch goes through load_state_dict (patched)
+            return False
+    except ImportError:
+        pass
+    if getattr(load_config, "disable_mmap", None):
+        return True
+    on_mount = getattr(mu, "_is_on_hf_mount", None)
+    return on_mount is not None and all(on_mount(f) for f in files)
+
+
+def _routed_load_pretrained_model(mu: Any, original: Callable, patch: Patch, options: Dict[str, Any]) -> Callable:
+    """transformers' ``_load_pretrained_model(model, state_dict, checkpoint_files, load_config, ...)``
+    whose disable_mmap branch (every file read whole, its bytes parsed) is served by one pinload load
+    per file, handed in as ``state_dict``: transformers takes that dict where it would take the
+    parsed bytes."""
+
+    @functools.wraps(original)
+    def _load_pretrained_model(*args, **kwargs):
+        bound = _bind(original, args, kwargs)
+        if bound is not None:
+            a = bound.arguments
+            files = a.get("checkpoint_files")
+            if (a.get("state_dict") is None and files and all(_is_safetensors_file(f) for f in files)
+                    and _reads_whole_files(mu, a.get("load_config"), files)):
+                from .torch import load_file
+
+                state_dict: Dict[str, Any] = {}
+                for f in files:
+                    state_dict.update(load_file(f, **options))
+                    patch.count("files")
+                patch.count("transformers.disable_mmap")
+                a["state_dict"] = state_dict
+                return original(*bound.args, **bound.kwargs)
+        return original(*args, **kwargs)
+
+    return _load_pretrained_model
 
 
 def patch_transformers(**options: Any) -> Patch:
@@ -312,13 +462,18 @@ def patch_transformers(**options: Any) -> Patch:
     try:
         original_open = mu.safe_open
         _replace_everywhere(patch, "transformers", "safe_open", original_open,
-                            _transformers_safe_open(original_open, patch, options))
+                            _routed_safe_open(original_open, patch, options))
         if original_open is not safetensors.safe_open:  # someone patched it before us: the real one too
             _replace_everywhere(patch, "transformers", "safe_open", safetensors.safe_open,
-                                _transformers_safe_open(safetensors.safe_open, patch, options))
+                                _routed_safe_open(safetensors.safe_open, patch, options))
         original_load = mu.load_state_dict
         _replace_everywhere(patch, "transformers", "load_state_dict", original_load,
                             _routed_load_state_dict(original_load, patch, options, "transformers.load_state_dict"))
+        model_cls = mu.PreTrainedModel
+        stored = model_cls.__dict__.get("_load_pretrained_model")
+        if isinstance(stored, staticmethod):
+            patch._replace(model_cls, "_load_pretrained_model",
+                           staticmethod(_routed_load_pretrained_model(mu, stored.__func__, patch, options)))
     except BaseException:
         patch.undo()
         raise

@@ -44,12 +44,14 @@ from . import _core, _devices, _loading
 from . import _safetensors_compat as _compat
 from ._core import Error, InvalidArgumentError, InvalidFileError, IoError, NotFoundError
 from ._options import LoadKwargs, LoadOptions, Request, request
+from ._safetensors_compat import deserialize, serialize, serialize_file
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-__all__ = ["DTYPES", "iter_tensors", "load", "load_file", "load_files", "load_files_batch", "load_model", "safe_open",
-           "safe_open_handle", "save", "save_file", "save_model"]
+__all__ = ["DTYPES", "deserialize", "iter_tensors", "load", "load_file", "load_files", "load_files_batch", "load_model",
+           "safe_open", "safe_open_handle", "save", "save_file", "save_model", "serialize", "serialize_file",
+           "storage_ptr", "storage_size"]
 
 PathLike = Union[str, "os.PathLike[str]", bytes]
 Device = Union[str, int, "torch.device", None]
@@ -410,6 +412,20 @@ def save_model(model: "torch.nn.Module", filename: str, metadata: Optional[Dict[
     reference_save_model(model, filename, metadata=metadata, force_contiguous=force_contiguous)
 
 
+def storage_ptr(tensor: torch.Tensor) -> int:
+    """safetensors.torch.storage_ptr (the reference's own; needs safetensors)."""
+    from safetensors.torch import storage_ptr as reference
+
+    return reference(tensor)
+
+
+def storage_size(tensor: torch.Tensor) -> int:
+    """safetensors.torch.storage_size (the reference's own; needs safetensors)."""
+    from safetensors.torch import storage_size as reference
+
+    return reference(tensor)
+
+
 def load_files(index_or_paths: Union[PathLike, Sequence[PathLike]], device: Device = "cpu", *,
                progress: bool = False, prefetch: Optional["_core.Prefetch"] = None,
                options: Optional[LoadOptions] = None, **load_options: "Unpack[LoadKwargs]") -> Dict[str, torch.Tensor]:
@@ -697,3 +713,15 @@ class safe_open:
 
 # safe_open over an open file object (safetensors' _safe_open_handle): Note [Handles] there.
 from ._file_handle import safe_open_handle  # noqa: E402
+
+
+# TensorSpec and SafetensorError: the reference's own classes, where the installed safetensors has
+# them (serialize takes TensorSpecs; pinload's errors are SafetensorErrors).
+try:
+    from safetensors import SafetensorError  # noqa: F401
+except ImportError:
+    pass
+try:
+    from safetensors import TensorSpec  # noqa: F401
+except ImportError:
+    pass

@@ -19,7 +19,7 @@ void on_agent_signal(int) { g_agent_stop.store(true); }
 void add_agent_command(CLI::App& app) {
   auto options = std::make_shared<trace::AgentOptions>();
   CLI::App* command = app.add_subcommand(
-      "agent", "Node agent: record each service's first start, replay its template at later starts (docs/trace.md)");
+      "agent", "Per service: record the first start, replay it later (docs/trace.md)");
   command->add_option("--root", options->roots, "a folder of models to watch (repeatable)")->required();
   command->add_option("--templates", options->templates_dir, "where templates are kept (outside the roots)")->required();
   command->add_option("--idle-ms", options->idle_ms, "a recording ends after this long without reads (default 5000)")

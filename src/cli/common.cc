@@ -50,7 +50,7 @@ CLI::Validator integer_range(long long min, long long max) {
 }
 
 void add_paths(CLI::App& command, std::vector<std::string>* paths) {
-  command.add_option("PATH", *paths, "a .safetensors file, a *.safetensors.index.json, or a folder; local or s3://, http(s)://")
+  command.add_option("PATH", *paths, "a file, an index or a folder; local, s3:// or http(s)://")
       ->required()
       ->type_name("");
 }
@@ -102,10 +102,9 @@ void add_reader_options(CLI::App& command, LoadOptions* options) {
   add_spelling_option(command, "--direct", &options->direct, kDirectSpellings,
                       "O_DIRECT reads (auto: unless the file is already cached)");
   add_spelling_option(command, "--cached-read", &options->cached_read, kCachedReadSpellings,
-                      "how a cached file is read (auto: map or pread, whichever the file favours)");
+                      "how a cached file is read (auto: whichever the file favours)");
   add_spelling_option(command, "--zero-copy", &options->zero_copy, kZeroCopySpellings,
-                      "host loads: hand files out as leased file mappings (auto: cached files, when the pool has "
-                      "no memory to spare; on: every file, read in by the mapping)");
+                      "files as leased mappings (auto: cached ones when the pool is full)");
   command
       .add_option_function<std::string>(
           "--numa-node",
@@ -118,7 +117,7 @@ void add_reader_options(CLI::App& command, LoadOptions* options) {
               options->numa.node = std::stoi(text);  // checked below
             }
           },
-          "where the pool and readers go: auto (the device's node), none (the OS decides) or a node number")
+          "the node of pool and readers: auto (the device's), none or N")
       ->check(CLI::Validator(
           [](std::string& text) -> std::string {
             if (text == "auto" || text == "none") return {};
@@ -131,7 +130,7 @@ void add_reader_options(CLI::App& command, LoadOptions* options) {
       ->type_name("auto|none|N")
       ->default_str("auto");
   command.add_option("--connections", options->resolve.remote.connections,
-                     "parallel connections (and readers) for s3:// and http(s):// paths (docs/remote.md)")
+                     "parallel connections for s3:// and http(s):// paths (docs/remote.md)")
       ->transform(integer_range(1, 1024))
       ->type_name("1..1024")
       ->default_str("PINLOAD_CONNECTIONS or 16");

@@ -23,6 +23,21 @@ struct ConvertArgs {
   ConvertOptions options;
 };
 
+// Bytes in the unit that shows them: B, kB, MB or GB (10^3 steps, as the summaries' GB).
+std::string bytes_text(std::uint64_t bytes) {
+  char out[32];
+  if (bytes >= 1'000'000'000) {
+    std::snprintf(out, sizeof out, "%.3f GB", bytes / 1e9);
+  } else if (bytes >= 1'000'000) {
+    std::snprintf(out, sizeof out, "%.1f MB", bytes / 1e6);
+  } else if (bytes >= 1'000) {
+    std::snprintf(out, sizeof out, "%.1f kB", bytes / 1e3);
+  } else {
+    std::snprintf(out, sizeof out, "%llu B", static_cast<unsigned long long>(bytes));
+  }
+  return out;
+}
+
 // SIGINT and SIGTERM stop the conversion between pieces, so that its
 // temporary output is removed; the signal is then raised again, and the
 // process ends by it as it would have without the handler.
@@ -55,11 +70,16 @@ void run_convert(ConvertArgs& args) {
   }
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (args.verbose) {
-    std::fprintf(stderr, "%s: %llu files, %llu tensors quantised, %llu kept; %.3f GB -> %.3f GB (%.3fx) in %.2f s\n",
+    // The output's size as a fraction of the input's; a file of few small tensors can come out
+    // larger (its header grows by the scales and quantisation entries), and says so.
+    const double ratio =
+        stats.bytes_in ? static_cast<double>(stats.bytes_out) / static_cast<double>(stats.bytes_in) : 0.0;
+    std::fprintf(stderr, "%s: %llu files, %llu tensors quantised, %llu kept; %s -> %s (%.3f x the input%s) in %.2f s\n",
                  args.output.c_str(), static_cast<unsigned long long>(stats.files),
                  static_cast<unsigned long long>(stats.tensors_quantized),
-                 static_cast<unsigned long long>(stats.tensors_kept), stats.bytes_in / 1e9, stats.bytes_out / 1e9,
-                 stats.bytes_in ? static_cast<double>(stats.bytes_out) / static_cast<double>(stats.bytes_in) : 0.0,
+                 static_cast<unsigned long long>(stats.tensors_kept), bytes_text(stats.bytes_in).c_str(),
+                 bytes_text(stats.bytes_out).c_str(), ratio,
+                 stats.bytes_out > stats.bytes_in ? ": larger, the added scales and header outweigh what FP8 saves" : "",
                  seconds);
   }
 }
@@ -69,8 +89,7 @@ void run_convert(ConvertArgs& args) {
 void add_convert_command(CLI::App& app) {
   auto args = std::make_shared<ConvertArgs>();
   CLI::App* command = app.add_subcommand(
-      "convert", "Write an FP8 copy of a checkpoint (ComfyUI layout: <layer>.weight_scale, <layer>.comfy_quant, "
-                 "_quantization_metadata), atomically");
+      "convert", "Write an FP8 copy of a checkpoint, ComfyUI layout (docs/fp8.md)");
   command->add_option("--to", args->to, "the FP8 format")
       ->check(CLI::IsMember({"fp8-e4m3fn", "fp8-e5m2"}))
       ->capture_default_str();

@@ -78,7 +78,7 @@ void print_text(const Checkpoint& checkpoint) {
 
 void add_inspect_command(CLI::App& app) {
   auto args = std::make_shared<InspectArgs>();
-  CLI::App* command = app.add_subcommand("inspect", "Print the tensors of checkpoints: names, dtypes, shapes, offsets");
+  CLI::App* command = app.add_subcommand("inspect", "Print tensors: names, dtypes, shapes, offsets");
   command->add_flag("--json", args->json, "one JSON document instead of text");
   add_variant_option(*command, &args->resolve);
   add_paths(*command, &args->paths);

@@ -152,7 +152,7 @@ void run_load(const LoadArgs& args) {
 void add_load_command(CLI::App& app) {
   auto args = std::make_shared<LoadArgs>();
   CLI::App* command = app.add_subcommand(
-      "load", "Load checkpoints into host (or device) memory, as a program using pinload would, and time it");
+      "load", "Load checkpoints into host or device memory and time it");
   command->add_flag("--digest", args->digest, "print name, dtype, shape and SHA-256 of every tensor on stdout");
   command->add_flag("-v,--verbose", args->verbose, "also print how files were read and the pool's statistics");
   command->add_flag("-q,--quiet", args->quiet, "no summary line");
@@ -170,14 +170,14 @@ void add_load_command(CLI::App& app) {
       ->type_name("SIZE")
       ->default_str(size_text(args->load.target.copy.chunk_bytes));
   command->add_option("--staging-bytes", args->staging_bytes,
-                      "the pinned host memory a device load streams through (needs --device; default 256M)")
+                      "pinned memory a device load streams through (default 256M)")
       ->transform(size_range(1, std::uint64_t{1} << 50))
       ->type_name("SIZE");
   command->add_option("--dtype", args->dtype,
-                      "hand floating tensors out in this dtype, converted inside the load; FP8 weights are "
-                      "dequantised with their scales (docs/fp8.md)")
+                      "floating tensors out in this dtype, FP8 dequantised (docs/fp8.md)")
       ->check(CLI::IsMember({"bf16", "bfloat16", "BF16", "fp16", "float16", "half", "F16", "fp32", "float32",
-                             "float", "F32"}))
+                             "float", "F32"})
+                  .description(""))
       ->type_name("bf16|fp16|fp32");
   command->add_option("--keep", args->load.dtype.keep, "a tensor pattern (glob or dotted name) --dtype leaves as stored")
       ->type_name("PATTERN")

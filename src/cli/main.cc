@@ -45,8 +45,8 @@ int run(int argc, char** argv) {
   app.set_version_flag("--version", std::string("pinload ") + PINLOAD_VERSION);
   app.require_subcommand(1);
   app.fallthrough(false);
-  app.footer("PATH: a .safetensors file, a *.safetensors.index.json, or a folder (a model or a diffusers pipeline);\n"
-             "local, or s3://bucket/key, s3://bucket/prefix/, http(s)://host/path (docs/remote.md).\n"
+  app.footer("PATH: a .safetensors file, a *.safetensors.index.json, a model or pipeline folder;\n"
+             "local, s3://bucket/key, s3://bucket/prefix/ or http(s)://host/path (docs/remote.md).\n"
              "Environment: PINLOAD_LOG_LEVEL=trace|debug|info|warn|error|critical|off (default warn).");
   add_inspect_command(app);
   add_load_command(app);

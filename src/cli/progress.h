@@ -7,6 +7,7 @@
 #pragma once
 
 #include <chrono>
+#include <cstddef>
 #include <cstdint>
 #include <string>
 
@@ -15,12 +16,25 @@ namespace pinload::cli {
 // tqdm's format_interval: "MM:SS", or "H:MM:SS" from an hour on.
 std::string format_interval(double seconds);
 
-// The bar's line for `done` of `total` bytes after `seconds` (no newline).
+// The bar's line for `done` of `total` bytes after `seconds` (no newline),
+// with a bar of 30 characters.
 std::string progress_line(std::uint64_t done, std::uint64_t total, double seconds);
+
+// Note [Terminal width]
+// The line for a terminal `columns` wide, as tqdm draws it with ncols: the bar
+// takes what the other fields leave (at least one character), and a line
+// that is still too wide is cut at `columns`. The line is never wider than
+// the terminal, so it never wraps, and "\r" redraws it in place.
+std::string progress_line(std::uint64_t done, std::uint64_t total, double seconds, int columns);
+
+// The width of the terminal on `fd` (TIOCGWINSZ), else $COLUMNS, else 80.
+int terminal_columns(int fd);
 
 // Draws progress_line on stderr, at most 10 times a second, once the work
 // has run longer than `delay`; finish() draws the final line and ends it
-// with a newline, so the bar stays on screen above the summary. Not
+// with a newline, so the bar stays on screen above the summary. Each draw
+// reads the terminal's width again (a resized terminal gets lines of its new
+// width) and blanks what is left of a longer previous line. Not
 // thread-safe: one thread updates it.
 class ProgressBar {
  public:
@@ -34,6 +48,7 @@ class ProgressBar {
 
   bool enabled_;
   bool drawn_ = false;
+  std::size_t last_length_ = 0;
   std::chrono::milliseconds delay_;
   std::chrono::steady_clock::time_point start_;
   std::chrono::steady_clock::time_point last_draw_;

@@ -151,9 +151,9 @@ std::vector<std::string>& command_after_separator() {
 void add_trace_command(CLI::App& app) {
   auto args = std::make_shared<TraceArgs>();
   CLI::App* command = app.add_subcommand(
-      "trace", "Run an unmodified command and record the reads it makes under the roots as a template (docs/trace.md)");
+      "trace", "Run a command, record its reads as a template (docs/trace.md)");
   command->add_option("--template", args->out, "the template to write")->required();
-  command->add_option("--root", args->roots, "a folder whose files are traced (repeatable; default: the current folder)");
+  command->add_option("--root", args->roots, "a folder whose files are traced (repeatable; default: .)");
   // Everything from the first positional (or --) on is the command, untouched.
   command->prefix_command(true);
   command->footer("Usage: pinload trace --template OUT [--root DIR]... -- CMD ARGS...\n"

@@ -128,16 +128,16 @@ int run_warm(WarmArgs& args) {
 void add_warm_command(CLI::App& app) {
   auto args = std::make_shared<WarmArgs>();
   CLI::App* command = app.add_subcommand(
-      "warm", "Replay a template (or whole files) into the page cache, optionally following a consumer (docs/trace.md)");
+      "warm", "Replay a template or files into the page cache (docs/trace.md)");
   command->add_option("--template", args->template_file, "a template from pinload trace, pinload agent or pinload's loads");
-  command->add_option("--budget", args->options.budget, "bytes warmed ahead of the consumer at most (needs --follow or --cgroup)")
+  command->add_option("--budget", args->options.budget, "bytes warmed ahead of the consumer (needs --follow or --cgroup)")
       ->transform(size_range(1, 1ull << 50));
   auto* follow = command->add_option("--follow", args->options.follow_pid, "the consumer: this process and its children")
                      ->check(CLI::Range(1, 1 << 30));
   command->add_option("--cgroup", args->options.follow_cgroup, "the consumer: the processes of this cgroup folder")
       ->excludes(follow);
   command->add_option("--threads", args->options.threads, "concurrent reads (default 8)")->check(integer_range(1, 256));
-  command->add_option("paths", args->paths, "local files or folders (their regular files, recursively), warmed whole in order");
+  command->add_option("paths", args->paths, "local files or folders (recursively), warmed whole in order");
   command->callback([args] {
     const int status = run_warm(*args);
     if (status != 0) throw CLI::RuntimeError(status);

@@ -468,7 +468,7 @@ ConvertStats convert_checkpoint(const std::string& input, const std::string& out
     stats.files++;
     stats.tensors_quantized += plan.quantized_names.size();
     stats.tensors_kept += cf.header.tensors.size() - plan.quantized_names.size();
-    stats.bytes_in += cf.header.data_size();
+    stats.bytes_in += cf.header.file_size;
     stats.bytes_out += plan.file_size;
     const std::string key = fs::weakly_canonical(cf.path).string();
     quantized_by_shard[key].insert(plan.quantized_names.begin(), plan.quantized_names.end());

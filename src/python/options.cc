@@ -154,6 +154,35 @@ PyLoadOptions make_options(const py::object& threads, const py::object& block_si
   return o;
 }
 
+// The keywords of LoadOptions(...), as py::arg names them in register_options (same order).
+constexpr const char* kOptionNames[] = {"threads",     "block_size", "direct",   "files_in_flight", "streams",
+                                        "chunk_bytes", "staging_bytes", "variant", "dtype",        "keep",
+                                        "keep_dtype",  "pool_bytes", "connections", "zero_copy"};
+
+// Note [Unknown options]
+// LoadOptions(...) takes every option as a py::object and checks it itself, so pybind11's own
+// overload resolution fails only for a keyword it does not know (or a positional argument), and
+// then says "incompatible constructor arguments" with the whole signature. A second overload takes
+// whatever the first refused and raises TypeError naming the keyword, with the closest option
+// (difflib's get_close_matches, as Python's own "Did you mean" does).
+[[noreturn]] PyLoadOptions refuse_options(const py::args& args, const py::kwargs& kwargs) {
+  if (!args.empty()) throw py::type_error("LoadOptions() takes keyword arguments only");
+  py::list known;
+  for (const char* name : kOptionNames) known.append(name);
+  for (const auto& item : kwargs) {
+    const std::string name = py::str(item.first);
+    bool found = false;
+    for (const char* option : kOptionNames) found = found || name == option;
+    if (found) continue;
+    std::string text = "unexpected keyword argument '" + name + "'";
+    const py::list close = py::module_::import("difflib").attr("get_close_matches")(name, known, 1);
+    if (!close.empty()) text += " (did you mean '" + std::string(py::str(close[0])) + "'?)";
+    text += "; the load options are " + std::string(py::str(py::str(", ").attr("join")(known)));
+    throw py::type_error(text);
+  }
+  throw py::type_error("LoadOptions(): invalid arguments");
+}
+
 const char* kind_name(DeviceSpec::Kind kind) {
   switch (kind) {
     case DeviceSpec::Kind::kHost: return "cpu";
@@ -196,6 +225,7 @@ void register_options(py::module_& m) {
            "or stay as stored). pool_bytes: the budget of the pool the load's blocks come from (one shared pool "
            "per device and budget; None: the device's shared pool). Raises InvalidArgumentError (a ValueError) naming the option for a value out of range, TypeError "
            "for a value of the wrong type or an unknown option.")
+      .def(py::init(&refuse_options))  // Note [Unknown options]
       .def_property_readonly("threads", [](const PyLoadOptions& o) { return o.load.threads; })
       .def_property_readonly("block_size", [](const PyLoadOptions& o) { return o.load.block_size; })
       .def_property_readonly("direct", [](const PyLoadOptions& o) { return std::string(direct_io_name(o.load.direct)); })

@@ -529,3 +529,32 @@ def test_duplicate_across_paths(tmp_path, run_pinload):
     save_file({"y": np.ones(1, np.uint8)}, str(b))
     line = assert_one_error_line(run_pinload("inspect", a, b), b)
     assert "'y'" in line
+
+
+@pytest.mark.parametrize("command", [[], ["inspect"], ["load"], ["convert"], ["trace"], ["warm"], ["agent"]],
+                         ids=lambda c: c[0] if c else "pinload")
+def test_every_help_is_short(run_pinload, command):
+    """Every --help fits a 100-column terminal, one line an option, and a screen or so."""
+    run = assert_ok(run_pinload(*command, "--help"))
+    lines = run.stdout.splitlines()
+    long = [line for line in lines if len(line) > 100]
+    assert not long, long
+    assert len(lines) <= 40, run
+
+
+def test_readme_synopsis_is_complete(run_pinload):
+    """Every subcommand and every option of each (but --help) is in the README's synopsis."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    block = readme.split("## The `pinload` command", 1)[1].split("```sh", 1)[1].split("```", 1)[0]
+    top = assert_ok(run_pinload("--help")).stdout
+    commands = re.findall(r"^  (\w+) {2,}\S", top.split("Subcommands:", 1)[1], re.M)
+    assert {"inspect", "load", "convert", "trace", "warm", "agent"} <= set(commands)
+    for command in commands:
+        assert re.search(rf"^pinload {command} ", block, re.M), command
+        text = assert_ok(run_pinload(command, "--help")).stdout.split("Options:", 1)[1]
+        # each option's spellings: "-v,--verbose" is there as either
+        options = [m.split(",") for m in re.findall(r"^  ((?:-\w,)?--[a-z][a-z-]*)", text, re.M) if m != "-h,--help"]
+        line = "\n".join(re.findall(rf"^pinload {command} .*(?:\n {{13}}.*)*", block, re.M))
+        missing = sorted(o[-1] for o in options
+                         if not any(re.search(rf"(?<![\w-]){re.escape(n)}(?![\w-])", line) for n in o))
+        assert not missing, (command, missing)

@@ -101,3 +101,31 @@ def test_an_interrupted_convert_leaves_nothing_behind(tmp_path, pinload_bin, sig
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == -getattr(signal, sig), (proc.returncode, err)  # ends by the signal, as before
     assert list(out_dir.iterdir()) == [], list(out_dir.iterdir())
+
+
+@pytest.mark.parametrize("rows", [4, 512], ids=["tiny", "larger"])
+def test_convert_reports_the_sizes_and_ratio_it_wrote(tmp_path, run_pinload, rows):
+    """The summary's sizes are the files' and its ratio is output / input; a tiny file, whose header
+    grows by more than FP8 saves, is reported as larger, not as an "x" of compression."""
+    import os
+    import re
+
+    src = {"blocks.0.to_q.weight": torch.randn(rows, 64).to(torch.bfloat16)}
+    st.save_file(src, str(tmp_path / "in.safetensors"))
+    r = run_pinload("convert", "-v", tmp_path / "in.safetensors", tmp_path / "out.safetensors")
+    assert r.returncode == 0, r
+    size_in = os.path.getsize(tmp_path / "in.safetensors")
+    size_out = os.path.getsize(tmp_path / "out.safetensors")
+    m = re.search(r"; (\S+ \S+) -> (\S+ \S+) \(([0-9.]+) x the input(.*?)\) in ", r.stderr)
+    assert m, r.stderr
+
+    def parse(text):
+        value, unit = text.split()
+        return float(value) * {"B": 1, "kB": 1e3, "MB": 1e6, "GB": 1e9}[unit]
+
+    assert parse(m[1]) == pytest.approx(size_in, rel=0.01, abs=1)
+    assert parse(m[2]) == pytest.approx(size_out, rel=0.01, abs=1)
+    assert float(m[3]) == pytest.approx(size_out / size_in, abs=0.001)
+    assert ("larger" in m[4]) == (size_out > size_in), r.stderr
+    if rows == 512:
+        assert size_out < size_in
