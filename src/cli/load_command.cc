@@ -189,10 +189,10 @@ void add_load_command(CLI::App& app) {
       ->transform(size_range(1, std::uint64_t{1} << 50))
       ->type_name("SIZE");
   command->add_option("--verify", args->verify,
-                      "check every byte read against this manifest (pinload manifest); a mismatch fails the load")
+                      "check every byte read against this manifest (pinload manifest)")
       ->type_name("MANIFEST");
   command->add_option("--sha256", args->sha256,
-                      "check the whole file named FILE (its path's last components) against this published sha256")
+                      "check the file named FILE against this published SHA-256")
       ->type_name("FILE=HEX")
       ->take_all()
       ->expected(1)

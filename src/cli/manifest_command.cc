@@ -34,8 +34,7 @@ void run_manifest(ManifestArgs& args) {
 void add_manifest_command(CLI::App& app) {
   auto args = std::make_shared<ManifestArgs>();
   CLI::App* command = app.add_subcommand(
-      "manifest", "Write the SHA-256 digests of every file, tensor and 1 MiB piece of a checkpoint (JSON), which "
-                  "`pinload load --verify` checks a load against");
+      "manifest", "Write the SHA-256 digests that load --verify checks (JSON)");
   command->add_option("-o,--output", args->output, "write the manifest here, atomically (default: stdout)")
       ->type_name("FILE");
   command->add_option("--piece-size", args->options.piece_bytes, "the pieces large tensors are hashed in")

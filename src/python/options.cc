@@ -157,7 +157,7 @@ PyLoadOptions make_options(const py::object& threads, const py::object& block_si
 // The keywords of LoadOptions(...), as py::arg names them in register_options (same order).
 constexpr const char* kOptionNames[] = {"threads",     "block_size", "direct",   "files_in_flight", "streams",
                                         "chunk_bytes", "staging_bytes", "variant", "dtype",        "keep",
-                                        "keep_dtype",  "pool_bytes", "connections", "zero_copy"};
+                                        "keep_dtype",  "pool_bytes", "connections", "zero_copy", "verify"};
 
 // Note [Unknown options]
 // LoadOptions(...) takes every option as a py::object and checks it itself, so pybind11's own

@@ -553,7 +553,7 @@ def test_readme_synopsis_is_complete(run_pinload):
         assert re.search(rf"^pinload {command} ", block, re.M), command
         text = assert_ok(run_pinload(command, "--help")).stdout.split("Options:", 1)[1]
         # each option's spellings: "-v,--verbose" is there as either
-        options = [m.split(",") for m in re.findall(r"^  ((?:-\w,)?--[a-z][a-z-]*)", text, re.M) if m != "-h,--help"]
+        options = [m.split(",") for m in re.findall(r"^  ((?:-\w,)?--[a-z][a-z0-9-]*)", text, re.M) if m != "-h,--help"]
         line = "\n".join(re.findall(rf"^pinload {command} .*(?:\n {{13}}.*)*", block, re.M))
         missing = sorted(o[-1] for o in options
                          if not any(re.search(rf"(?<![\w-]){re.escape(n)}(?![\w-])", line) for n in o))
