@@ -31,6 +31,7 @@ class LoadKwargs(TypedDict, total=False):
     keep_dtype: Any  # the dtype of the kept tensors (None: as stored)
     pool_bytes: Union[int, str, None]  # the budget of the load's pool (None: the device's shared pool)
     zero_copy: Union[str, bool]  # host files as leased file mappings: "auto", "on", "off" (Note [Zero-copy loads])
+    page_cache: str  # cold files: "auto", "keep" (left in the page cache), "bypass" (O_DIRECT) (Note [Keeping the page cache])
     connections: Optional[int]  # parallel connections for remote files, 1..1024 (None: PINLOAD_CONNECTIONS, else 16)
 
 

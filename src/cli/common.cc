@@ -106,6 +106,10 @@ void add_reader_options(CLI::App& command, LoadOptions* options) {
   add_spelling_option(command, "--zero-copy", &options->zero_copy, kZeroCopySpellings,
                       "host loads: hand files out as leased file mappings (auto: cached files, when the pool has "
                       "no memory to spare; on: every file, read in by the mapping)");
+  add_spelling_option(command, "--page-cache", &options->page_cache, kPageCacheSpellings,
+                      "cold files: keep (read through the page cache, left there for the next process) or bypass "
+                      "(O_DIRECT); auto: keep where they fit half the memory left and the host keeps no other copy "
+                      "(env PINLOAD_PAGE_CACHE overrides auto)");
   command
       .add_option_function<std::string>(
           "--numa-node",
