@@ -171,6 +171,16 @@ TEST_F(ColdLoad, BypassReadsDirectWhateverMemoryIsLeft) {
   EXPECT_LT(r.cached_after, 0.05);
 }
 
+// direct=on asks for O_DIRECT: auto leaves the page cache alone.
+TEST_F(ColdLoad, AutoBypassesUnderDirectOn) {
+  LoadOptions o;
+  o.direct = DirectIo::kOn;
+  const Loaded r = load_cold(path_, image_, o);
+  EXPECT_EQ(r.progress.files_zero_copy, 0u);
+  EXPECT_EQ(r.progress.files_direct, 1u);
+  EXPECT_LT(r.cached_after, 0.05);
+}
+
 // kKeep overrides the rule both where it would bypass (too little memory)
 // and where the load keeps a copy of its own (a read into the pool): those
 // read buffered.

@@ -54,7 +54,8 @@ bool keep_page_cache(const LoadOptions& options, std::uint64_t bytes, bool only_
     case PageCache::kBypass: return false;
     case PageCache::kAuto: break;
   }
-  if (!only_copy) return false;
+  // DirectIo::kOn asks for direct reads: auto leaves the page cache alone.
+  if (!only_copy || options.direct == DirectIo::kOn) return false;
   const std::optional<HostMemoryLimit> limit = read_host_memory_limit(default_env(), options.memory_root);
   if (!limit) return false;  // nothing to go by: direct reads, as before
   const bool keep = static_cast<double>(bytes) <= kKeepFraction * static_cast<double>(limit->available_bytes);
@@ -113,6 +114,7 @@ std::vector<std::shared_ptr<LeasedMapping>> choose_zero_copy(const LoadOptions& 
           log::debug("{}: {:.0f}% in page cache: read, not mapped", cf.path, std::max(resident, 0.0) * 100);
           continue;
         }
+        log::debug("{}: {:.0f}% in page cache: mapped, read in to stay cached", cf.path, std::max(resident, 0.0) * 100);
       }
     }
     std::string why;
