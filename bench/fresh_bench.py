@@ -28,8 +28,14 @@ call, every byte made resident and checked against an independent pread):
 --fresh-pages huge,small adds each pinload row again with PINLOAD_FRESH_PAGES fixed (the page size
 of a fresh pool's memory, docs/tuning.md), beside the default that measures it.
 
-Cases: cold (sync, `echo 3 > /proc/sys/vm/drop_caches` before each worker: run as root) and warm
-(the files read once before). --rounds (3) rounds; each round rotates the order of the systems and
+Cases, each system in turn (rotated every round):
+  cold      the first start: sync, `echo 3 > /proc/sys/vm/drop_caches` before the worker (run as root);
+  restart   a second fresh worker right after it, the page cache as the first one left it (a crashed or
+            redeployed worker, a second worker on the node: issue 37);
+  warm      "page cache filled beforehand": the files read once (cat) before the worker.
+--mem-limit F adds "cold, cgroup" and "restart, cgroup" for the set: the pinload rows, and pinload with
+PINLOAD_PAGE_CACHE=bypass (direct reads), each worker in a memory cgroup of F x the set's bytes.
+--page-cache keep,bypass adds each pinload row again with PINLOAD_PAGE_CACHE fixed, beside the default. --rounds (3) rounds; each round rotates the order of the systems and
 first measures the machine's limits on the set's files with pinload-bench --phases fio,pool: fio's
 direct sequential read (numjobs=1, best variant) and the first touch of a fresh pool's memory
 after the page cache was dropped and the memory left idle (the rate at which fresh anonymous memory
@@ -201,10 +207,21 @@ def limits(bench_bin: str, files: list[str], settle: int, fio_runtime: int) -> d
 # ---- runs ----
 
 def run_one(system: str, workload: str, files: list[str], digests: dict, cold: bool, env: dict,
-            device: str = "cpu") -> dict:
+            device: str = "cpu", case: str | None = None, keep_cache: bool = False, mem_limit: int | None = None,
+            sentinel: str | None = None) -> dict:
     step = {"paths": files, "files": files, "digests": digests, "label": workload}
-    r = harness.run_system(system, [step], device=device, cold=cold, drop_all=True, env=env, timeout=3600)
-    rec = {"system": system, "workload": workload, "case": "cold" if cold else "warm", "cache": r.get("cache")}
+    r = harness.run_system(system, [step], device=device, cold=cold, drop_all=True, env=env, timeout=3600,
+                           keep_cache=keep_cache, mem_limit=mem_limit, sentinel=sentinel)
+    rec = {"system": system, "workload": workload, "case": case or ("cold" if cold else "warm"), "cache": r.get("cache"),
+           "cached_bytes_before": r.get("cached_bytes_before")}
+    if "cgroup" in r:
+        rec["cgroup"] = r["cgroup"]
+    # The sentinel gone: another process dropped (or memory pressure evicted) the page cache since
+    # the first start's drop, so what the first start left may be gone: unless the files are all
+    # still cached, the restart measured the disk, not the restart.
+    if r.get("sentinel_cached") is False and (r.get("cached_bytes_before") or 0) < sum(map(os.path.getsize, files)):
+        rec["skipped"] = "page cache dropped or evicted by another process between the first start and the restart"
+        return rec
     if "skipped" in r or "error" in r:
         rec["skipped"] = r.get("skipped") or r.get("error")
         return rec
@@ -247,6 +264,8 @@ def summarize(runs: list[dict], lims: list[dict]) -> dict:
             row[name] = {"gbps": median([x["gbps"] for x in rs]), "ms_per_call": median([x["ms_per_call"] for x in rs]),
                          "rounds": len(rs)}
         peers = {k: v for k, v in row.items() if k not in PINLOAD_ROWS and not k.startswith("pinload")}
+        # in the cgroup, pinload's own direct reads are the reference
+        peers = peers or {k: v for k, v in row.items() if "page_cache=bypass" in k}
         best = max(peers, key=lambda k: peers[k]["gbps"]) if peers else None
         out[f"{w}/{case}"] = {"systems": row, "best_peer": best,
                               "same_round": same_round_ratios(systems, best) if best else {}}
@@ -264,8 +283,10 @@ def table(summary: dict, set_bytes: int, loras: int, percall_bytes: float) -> st
     names = {"set": f"{set_bytes / 1e9:.2f} GB set of 3 files",
              "lora": f"{loras} LoRA-like files of 3-25 MB, one file per call",
              "percall": f"{percall_bytes / 1e6:.1f} MB files, one file per call (ms per call)"}
+    labels = {"cold": "first start (cold)", "restart": "restart", "warm": "page cache filled beforehand",
+              "cold, cgroup": "first start, cgroup", "restart, cgroup": "restart, cgroup"}
     for w in ("set", "lora", "percall"):
-        for case in ("cold", "warm"):
+        for case in labels:
             cell = summary.get(f"{w}/{case}")
             if not cell:
                 continue
@@ -286,7 +307,7 @@ def table(summary: dict, set_bytes: int, loras: int, percall_bytes: float) -> st
                          f"{touch:.2f}" if touch and case == "cold" and w != "percall" else "")
             same = cell.get("same_round", {})
             same_cell = " / ".join(f"{same[n]['median']:.2f}x" for n in PINLOAD_ROWS if n in same) or "-"
-            lines.append(f"| {names[w]} | {case} | {f(pin)} | {f(batch)} | {f(bp)} ({best}) | {ratio} | {same_cell} | "
+            lines.append(f"| {names[w]} | {labels[case]} | {f(pin)} | {f(batch)} | {f(bp)} ({best}) | {ratio} | {same_cell} | "
                          f"{lim_cells[0]} | {lim_cells[1]} |")
     detail = ["", "| workload | case | " + " | ".join(["system", "median", "rounds"]) + " |", "|---|---|---|---:|---:|"]
     for k, cell in summary.items():
@@ -318,6 +339,14 @@ def main(argv=None) -> int:
     ap.add_argument("--fresh-pages", default="",
                     help="comma list of PINLOAD_FRESH_PAGES values (huge, small): each adds the pinload rows "
                     "again as 'ROW [pages=V]', beside the measured default (docs/tuning.md)")
+    ap.add_argument("--page-cache", default="",
+                    help="comma list of PINLOAD_PAGE_CACHE values (keep, bypass): each adds the set's pinload row again as "
+                    "'ROW [page_cache=V]', beside the default rule (Note [Keeping the page cache])")
+    ap.add_argument("--mem-limit", type=float, default=0,
+                    help="adds the set's restart pairs for pinload (default, page_cache=bypass and the --page-cache rows) in a memory cgroup "
+                    "of this many times the set's bytes (1.5: it cannot hold the set twice)")
+    ap.add_argument("--cases", default="cold,restart,warm",
+                    help="comma list of cold (with restart: the pairs), warm; e.g. cold,restart for a shorter run")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     if os.geteuid() != 0:
@@ -337,6 +366,11 @@ def main(argv=None) -> int:
     workloads = [w for w in a.workloads.split(",") if w]
     digests = {w: checkpoint.reference_digests(sets[w]) for w in workloads}
     runs, lims = [], []
+    # Read after each cold drop, looked for before each restart (harness.run_system).
+    sentinel = os.path.join(root, "sentinel.bin")
+    if not os.path.exists(sentinel):
+        with open(sentinel, "wb") as f:
+            f.write(os.urandom(1 << 20))
     for rnd in range(a.rounds):
         lim = limits(os.path.join(build, "bench", "pinload-bench"), sets["set"], a.pool_settle, a.fio_runtime)
         lim["round"] = rnd
@@ -345,33 +379,56 @@ def main(argv=None) -> int:
             + (f" ({lim['error']})" if "error" in lim else ""))
         for w in workloads:
             names = [n for n in SYSTEMS[w] if not a.systems or any(x in n for x in a.systems.split(","))]
-            names += [f"{n} [pages={v}]" for v in a.fresh_pages.split(",") if v for n in names if n in PINLOAD_ROWS]
+            base = [n for n in names if n in PINLOAD_ROWS]
+            names += [f"{n} [pages={v}]" for v in a.fresh_pages.split(",") if v for n in base]
+            names += [f"{n} [page_cache={v}]" for v in a.page_cache.split(",") if v and w == "set" for n in base]
             k = rnd % len(names)
             order = names[k:] + names[:k]  # rotated every round
-            for case in ("cold", "warm"):
-                for name in order:
-                    if name.startswith("safetensors 0.9") and st09_env is None:
-                        runs.append({"system": name, "workload": w, "case": case, "round": rnd,
-                                     "skipped": f"{ST09} did not install"})
-                        continue
-                    env = st09_env if name.startswith("safetensors 0.9") else base_env
-                    system, _, pages = name.partition(" [pages=")
-                    if pages:
-                        env = dict(env, PINLOAD_FRESH_PAGES=pages.rstrip("]"))
-                    r = run_one(system, w, sets[w], digests[w], case == "cold", env, a.device)
-                    r["system"] = name
-                    r["round"] = rnd
-                    runs.append(r)
-                    shown = (f"{r['ms_per_call']:.3f} ms/call" if w == "percall" else f"{r['gbps']:.2f} GB/s") \
-                        if "gbps" in r else f"skipped: {r['skipped'][:200]}"
-                    flag = "" if r.get("verified", True) else f" NOT VERIFIED {r.get('verify')}"
-                    log(f"[round {rnd + 1}] {w} {case} {name}: {shown}{flag}")
+
+            def one(name, case, mem_limit=None):
+                if name.startswith("safetensors 0.9") and st09_env is None:
+                    runs.append({"system": name, "workload": w, "case": case, "round": rnd,
+                                 "skipped": f"{ST09} did not install"})
+                    return
+                env = st09_env if name.startswith("safetensors 0.9") else base_env
+                system, _, variant = name.partition(" [")
+                if variant.startswith("pages="):
+                    env = dict(env, PINLOAD_FRESH_PAGES=variant[len("pages="):].rstrip("]"))
+                elif variant.startswith("page_cache="):
+                    env = dict(env, PINLOAD_PAGE_CACHE=variant[len("page_cache="):].rstrip("]"))
+                r = run_one(system, w, sets[w], digests[w], case.startswith("cold"), env, a.device, case=case,
+                            keep_cache=case.startswith("restart"), mem_limit=mem_limit, sentinel=sentinel)
+                r["system"] = name
+                r["round"] = rnd
+                runs.append(r)
+                shown = (f"{r['ms_per_call']:.3f} ms/call" if w == "percall" else f"{r['gbps']:.2f} GB/s") \
+                    if "gbps" in r else f"skipped: {r['skipped'][:200]}"
+                flag = "" if r.get("verified", True) else f" NOT VERIFIED {r.get('verify')}"
+                cached = r.get("cached_bytes_before")
+                note = f" ({cached / 1e9:.2f} GB cached before)" if case.startswith("restart") and cached is not None else ""
+                log(f"[round {rnd + 1}] {w} {case} {name}: {shown}{flag}{note}")
+
+            cases = a.cases.split(",")
+            for name in order:  # one drop, then two fresh workers in a row
+                if "cold" in cases:
+                    one(name, "cold")
+                if "restart" in cases:
+                    one(name, "restart")
+            if w == "set" and a.mem_limit:
+                limit = int(a.mem_limit * sum(os.path.getsize(p) for p in sets[w]))
+                pair = ["pinload", "pinload [page_cache=bypass]"] + [
+                    f"pinload [page_cache={v}]" for v in a.page_cache.split(",") if v and v != "bypass"]
+                for name in (pair if rnd % 2 == 0 else pair[::-1]):
+                    one(name, "cold, cgroup", limit)
+                    one(name, "restart, cgroup", limit)
+            for name in order if "warm" in cases else []:
+                one(name, "warm")
     summary = summarize(runs, lims)
     out = {"tool": "fresh_bench", "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
            "command": " ".join([os.path.relpath(sys.argv[0], ROOT)] + (argv if argv is not None else sys.argv[1:])),
            "host": {"cores": os.cpu_count(), "kernel": platform.release(), "loadavg_at_end": os.getloadavg()},
            "versions": harness.versions(), "peers": peers, "scale": a.scale, "rounds": a.rounds,
-           "device": a.device,
+           "device": a.device, "mem_limit": a.mem_limit,
            "files": {w: {"count": len(sets[w]), "bytes": sum(os.path.getsize(p) for p in sets[w])} for w in sets},
            "limits": lims, "runs": runs, "summary": summary, "seconds": time.monotonic() - t0}
     suffix = "" if a.device == "cpu" else "." + a.device.replace(":", "")

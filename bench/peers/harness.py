@@ -94,18 +94,29 @@ def _read(path):
 
 def run_system(name: str, steps: list[dict], device: str = "cpu", options: dict | None = None,
                cold: bool = True, mem_limit: int | None = None, sample_ms: int = 50, timeout: int = 1800,
-               env: dict | None = None, drop_all: bool = False) -> dict:
+               env: dict | None = None, drop_all: bool = False, keep_cache: bool = False,
+               sentinel: str | None = None) -> dict:
     """Run one system in a worker process: drop the page cache first (cold: the set's files,
     or with drop_all the whole cache, `echo 3 > drop_caches` as root) or read the files once
-    (warm), sample /proc/<pid>/io every sample_ms, hold it in a memory cgroup of mem_limit
+    (warm), or with keep_cache neither (a restart: the page cache as the last worker left it), sample /proc/<pid>/io
+    every sample_ms. `sentinel`: a small file read into the page cache after a cold drop and looked for
+    before a keep_cache run (res["sentinel_cached"]): gone means another process dropped the page
+    cache in between (a shared machine), and the restart measured nothing. every sample_ms, hold it in a memory cgroup of mem_limit
     bytes if asked. Returns the worker's record plus the samples, exit status, peak RSS and
     the cgroup's peak."""
     import subprocess
     import tempfile
     files = [f for s in steps for f in s["files"]]
     res = {"system": name, "device": device}
-    if cold:
+    if keep_cache:
+        res["cache"] = "as left"
+        res["cached_bytes_before"] = cached_bytes(sorted(set(files)))
+        if sentinel:
+            res["sentinel_cached"] = cached_bytes([sentinel]) == os.path.getsize(sentinel)
+    elif cold:
         res["cache"] = drop_caches(sorted(set(files)), 3) if drop_all else evict(sorted(set(files)))
+        if sentinel:
+            read_all([sentinel])
         res["cached_bytes_before"] = cached_bytes(sorted(set(files)))
     else:
         read_all(sorted(set(files)))

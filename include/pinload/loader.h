@@ -57,6 +57,24 @@
 // Block is the mapping (not pool memory, not locked) and lives while any of
 // them does. Files that are not mapped are read as usual, in the same load.
 //
+// Note [Keeping the page cache]
+// Direct reads leave nothing in the page cache, so a worker restarted on the
+// same machine reads the disk again, while safetensors' mmap restart finds
+// its files cached (issue 37). So each load decides how it reads its cold
+// files (PageCache, PINLOAD_PAGE_CACHE where the option is kAuto):
+//   kKeep    they go through the page cache: a host load that may map
+//            (Note [Zero-copy loads]) maps them and populates the mappings
+//            in parallel, so the page cache holds the only copy; other
+//            loads read them buffered (DirectIo::kAuto becomes kOff).
+//   kBypass  O_DIRECT (Note [Direct I/O]); only cached files are mapped.
+//   kAuto    kKeep where the page cache would hold the only host copy (a
+//            mapped host load, a streaming device load) and the load's
+//            bytes are at most kKeepFraction of what memory leaves
+//            (memory_limit.h: MemAvailable, cgroup limits); else kBypass.
+//            Loads that keep their own copy (a kept pool, a cached device
+//            load, a conversion) would take the memory twice: kBypass.
+// The threshold and what it costs are measured in docs/tuning.md.
+//
 // Note [Block size]
 // 8 MiB per chunk: a pread of it costs one syscall per 8 MiB (the seed article
 // measured 16x fewer calls than 128 KiB buffered reads at 2 MiB already), 8
@@ -138,6 +156,14 @@ enum class CachedRead { kAuto, kMap, kPread };
 // Note [Zero-copy loads].
 enum class ZeroCopy { kAuto, kOn, kOff };
 
+// How a load reads its cold files: Note [Keeping the page cache].
+enum class PageCache { kAuto, kKeep, kBypass };
+// PageCache::kAuto keeps a load's files in the page cache when they take at
+// most this fraction of the memory left (docs/tuning.md).
+inline constexpr double kKeepFraction = 0.5;
+// Overrides PageCache::kAuto: "keep", "bypass" (or "auto").
+inline constexpr const char* kPageCacheVariable = "PINLOAD_PAGE_CACHE";
+
 inline constexpr unsigned kDefaultThreads = 8;
 inline constexpr unsigned kMaxThreads = 1024;
 inline constexpr unsigned kDirectReadsInFlight = 32;  // Note [Direct reads in flight]
@@ -156,6 +182,8 @@ std::optional<CachedRead> parse_cached_read(std::string_view text) noexcept;
 const char* cached_read_name(CachedRead cached_read) noexcept;
 std::optional<ZeroCopy> parse_zero_copy(std::string_view text) noexcept;  // "auto", "on", "off"
 const char* zero_copy_name(ZeroCopy zero_copy) noexcept;
+std::optional<PageCache> parse_page_cache(std::string_view text) noexcept;  // "auto", "keep", "bypass"
+const char* page_cache_name(PageCache page_cache) noexcept;
 
 enum class DeviceMode { kCached, kStreaming };
 
@@ -191,6 +219,11 @@ struct LoadOptions {
   double resident_threshold = kDefaultResidentThreshold;
   CachedRead cached_read = CachedRead::kAuto;
   ZeroCopy zero_copy = ZeroCopy::kAuto;  // Note [Zero-copy loads]
+  // Note [Keeping the page cache]; kBypass with ZeroCopy::kOn is refused.
+  PageCache page_cache = PageCache::kAuto;
+  // Where kAuto reads the memory limit (read_host_memory_limit's root): ""
+  // is the real /proc and /sys (tests: a fake tree).
+  std::string memory_root;
   ResolveOptions resolve;
   DeviceTarget target;  // Note [Device loads]; copy.streams 1..kMaxCopyStreams
   NumaOptions numa;

@@ -32,6 +32,7 @@ class LoadKwargs(TypedDict, total=False):
     pool_bytes: Union[int, str, None]  # the budget of the load's pool (None: the device's shared pool)
     zero_copy: Union[str, bool]  # host files as leased file mappings: "auto", "on", "off" (Note [Zero-copy loads])
     verify: Any  # a manifest's path, or {file name: sha256} of whole files (docs/manifest.md)
+    page_cache: str  # cold files: "auto", "keep" (left in the page cache), "bypass" (O_DIRECT) (Note [Keeping the page cache])
     connections: Optional[int]  # parallel connections for remote files, 1..1024 (None: PINLOAD_CONNECTIONS, else 16)
 
 

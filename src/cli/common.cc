@@ -105,6 +105,8 @@ void add_reader_options(CLI::App& command, LoadOptions* options) {
                       "how a cached file is read (auto: whichever the file favours)");
   add_spelling_option(command, "--zero-copy", &options->zero_copy, kZeroCopySpellings,
                       "files as leased mappings (auto: cached ones when the pool is full)");
+  add_spelling_option(command, "--page-cache", &options->page_cache, kPageCacheSpellings,
+                      "cold files left in the page cache, or O_DIRECT (docs/tuning.md)");
   command
       .add_option_function<std::string>(
           "--numa-node",

@@ -14,6 +14,7 @@ namespace pinload::cli {
 
 using detail::kCachedReadSpellings;
 using detail::kDirectSpellings;
+using detail::kPageCacheSpellings;
 using detail::kZeroCopySpellings;
 using detail::Spelling;
 using detail::parse_spelling;

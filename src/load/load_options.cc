@@ -20,6 +20,7 @@ namespace {
 
 using detail::kCachedReadSpellings;
 using detail::kDirectSpellings;
+using detail::kPageCacheSpellings;
 using detail::kZeroCopySpellings;
 using detail::parse_spelling;
 using detail::spelling_of;
@@ -34,6 +35,10 @@ std::optional<ZeroCopy> parse_zero_copy(std::string_view text) noexcept {
   return parse_spelling(kZeroCopySpellings, text);
 }
 const char* zero_copy_name(ZeroCopy zero_copy) noexcept { return spelling_of(kZeroCopySpellings, zero_copy); }
+std::optional<PageCache> parse_page_cache(std::string_view text) noexcept {
+  return parse_spelling(kPageCacheSpellings, text);
+}
+const char* page_cache_name(PageCache page_cache) noexcept { return spelling_of(kPageCacheSpellings, page_cache); }
 
 void LoadOptions::validate() const {
   static_assert(kMinBlockSize == 4096 && kMaxBlockSize == (1u << 30) && kMaxThreads == 1024 && kMaxCopyStreams == 64,
@@ -55,6 +60,9 @@ void LoadOptions::validate() const {
   if (target.copy.chunk_bytes < 1) out_of_range("chunk_bytes", "> 0", std::to_string(target.copy.chunk_bytes));
   if (target.mode == DeviceMode::kStreaming && target.staging_bytes < 1) {
     out_of_range("staging_bytes", "> 0", std::to_string(target.staging_bytes));
+  }
+  if (page_cache == PageCache::kBypass && zero_copy == ZeroCopy::kOn) {
+    throw InvalidArgumentError("page_cache='bypass' contradicts zero_copy='on': a mapped file is read into the page cache");
   }
   if (!dtype.to && (!dtype.keep.empty() || dtype.keep_to)) {
     throw InvalidArgumentError("keep and keep_dtype need dtype: they name tensors not converted to it");

@@ -556,6 +556,12 @@ StateDict Loader::run(const Checkpoint& checkpoint, const LoadRequest& request, 
     // keeps nothing it hands out takes each file's block as it reaches it,
     // within a budget; one file at a time where the budget may make it wait.
     LoadOptions read_options = options_;
+    // Note [Keeping the page cache]: cold files read buffered where they are
+    // to stay cached; under kAuto only where the host keeps no copy of its own.
+    const bool only_copy = device != nullptr && options_.target.mode == DeviceMode::kStreaming && conversions.empty();
+    if (options_.direct == DirectIo::kAuto && detail::keep_page_cache(options_, checkpoint.data_bytes(), only_copy)) {
+      read_options.direct = DirectIo::kOff;
+    }
     std::uint64_t budget = 0;
     if (counters->stream && counters->ready != nullptr && device == nullptr && !options_.dtype.active()) {
       budget = std::max<std::uint64_t>(detail::streaming_budget_bytes(*pool_), 1);

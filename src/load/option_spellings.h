@@ -23,6 +23,8 @@ inline constexpr Spelling<CachedRead> kCachedReadSpellings[] = {
     {"auto", CachedRead::kAuto}, {"map", CachedRead::kMap}, {"pread", CachedRead::kPread}};
 inline constexpr Spelling<ZeroCopy> kZeroCopySpellings[] = {
     {"auto", ZeroCopy::kAuto}, {"on", ZeroCopy::kOn}, {"off", ZeroCopy::kOff}};
+inline constexpr Spelling<PageCache> kPageCacheSpellings[] = {
+    {"auto", PageCache::kAuto}, {"keep", PageCache::kKeep}, {"bypass", PageCache::kBypass}};
 
 // The value spelled `text`; nullopt for anything else.
 template <class E, std::size_t N>

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <mutex>
@@ -35,7 +36,33 @@ double page_cache_fraction(const std::string& path, std::uint64_t size) {
   return env->resident_fraction(fd, size, kResidencySamples);
 }
 
+// The mode a load runs under: the option, else PINLOAD_PAGE_CACHE.
+PageCache page_cache_mode(const LoadOptions& options) {
+  if (options.page_cache != PageCache::kAuto) return options.page_cache;
+  const char* v = std::getenv(kPageCacheVariable);
+  if (v == nullptr || *v == '\0') return PageCache::kAuto;
+  if (const std::optional<PageCache> mode = parse_page_cache(v)) return *mode;
+  log::warn("{}={}: not auto, keep or bypass; using auto", kPageCacheVariable, v);
+  return PageCache::kAuto;
+}
+
 }  // namespace
+
+bool keep_page_cache(const LoadOptions& options, std::uint64_t bytes, bool only_copy) {
+  switch (page_cache_mode(options)) {
+    case PageCache::kKeep: return true;
+    case PageCache::kBypass: return false;
+    case PageCache::kAuto: break;
+  }
+  // DirectIo::kOn asks for direct reads: auto leaves the page cache alone.
+  if (!only_copy || options.direct == DirectIo::kOn) return false;
+  const std::optional<HostMemoryLimit> limit = read_host_memory_limit(default_env(), options.memory_root);
+  if (!limit) return false;  // nothing to go by: direct reads, as before
+  const bool keep = static_cast<double>(bytes) <= kKeepFraction * static_cast<double>(limit->available_bytes);
+  log::debug("page cache: {} bytes against {} left ({}): {}", bytes, limit->available_bytes, limit->source,
+             keep ? "kept" : "bypassed");
+  return keep;
+}
 
 std::vector<std::shared_ptr<LeasedMapping>> choose_zero_copy(const LoadOptions& options, const Checkpoint& checkpoint,
                                                              const Pool& pool) {
@@ -52,9 +79,12 @@ std::vector<std::shared_ptr<LeasedMapping>> choose_zero_copy(const LoadOptions& 
   // A load that cannot fit the process's memory limit keeps failing as
   // Note [Memory limits] says, before reading.
   if (options.zero_copy == ZeroCopy::kAuto) {
-    const std::optional<HostMemoryLimit> limit = read_host_memory_limit(default_env());
+    const std::optional<HostMemoryLimit> limit = read_host_memory_limit(default_env(), options.memory_root);
     if (limit && limit->available_bytes < checkpoint.data_bytes()) return mapped;
   }
+  // Note [Keeping the page cache]: cold files mapped too, read in by the
+  // populate, so that the page cache holds them for the next process.
+  std::optional<bool> keep;
   // Each mapping holds its file open for the lease: kAuto leaves at least
   // three quarters of the process's file descriptors to everything else.
   rlimit nofile{};
@@ -79,8 +109,12 @@ std::vector<std::shared_ptr<LeasedMapping>> choose_zero_copy(const LoadOptions& 
     if (options.zero_copy == ZeroCopy::kAuto) {
       const double resident = page_cache_fraction(cf.path, cf.stat.size);
       if (resident < options.resident_threshold) {
-        log::debug("{}: {:.0f}% in page cache: read, not mapped", cf.path, std::max(resident, 0.0) * 100);
-        continue;
+        if (!keep.has_value()) keep = keep_page_cache(options, checkpoint.data_bytes(), true);
+        if (!*keep) {
+          log::debug("{}: {:.0f}% in page cache: read, not mapped", cf.path, std::max(resident, 0.0) * 100);
+          continue;
+        }
+        log::debug("{}: {:.0f}% in page cache: mapped, read in to stay cached", cf.path, std::max(resident, 0.0) * 100);
       }
     }
     std::string why;

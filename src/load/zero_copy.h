@@ -15,9 +15,16 @@
 
 namespace pinload::detail {
 
+// Note [Keeping the page cache] (loader.h): whether a load of `bytes` reads
+// its cold files through the page cache and leaves them there. The option,
+// else PINLOAD_PAGE_CACHE, else the rule: `only_copy` (the page cache would
+// hold the load's only host copy) and `bytes` at most kKeepFraction of the
+// memory left (read from options.memory_root). Never throws.
+bool keep_page_cache(const LoadOptions& options, std::uint64_t bytes, bool only_copy);
+
 // For each file of `checkpoint`, its mapping, or null where it is read into
 // `pool` instead: the load's options, the pool's idle memory and the file's
-// residency decide (the Note). Called only for host loads without
+// residency and keep_page_cache decide (the Notes). Called only for host loads without
 // conversion on the POSIX env. Never throws for a file it cannot map.
 std::vector<std::shared_ptr<LeasedMapping>> choose_zero_copy(const LoadOptions& options, const Checkpoint& checkpoint,
                                                              const Pool& pool);

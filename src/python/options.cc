@@ -52,6 +52,14 @@ ZeroCopy zero_copy_from_python(const py::handle& value) {
   return *zero_copy;
 }
 
+PageCache page_cache_from_python(const py::handle& value) {
+  if (!PyUnicode_Check(value.ptr())) type_error("page_cache", "'auto', 'keep' or 'bypass'", value);
+  const std::string text = value.cast<std::string>();
+  const std::optional<PageCache> page_cache = parse_page_cache(text);
+  if (!page_cache) throw InvalidArgumentError("page_cache must be 'auto', 'keep' or 'bypass', not '" + text + "'");
+  return *page_cache;
+}
+
 // A conversion dtype from Python: None (as stored), a torch dtype or a name
 // ('bfloat16', 'bf16', 'BF16', 'float16', 'half', 'fp16', 'F16', 'float32',
 // 'float', 'fp32', 'F32').
@@ -118,7 +126,8 @@ PyLoadOptions make_options(const py::object& threads, const py::object& block_si
                            const py::object& files_in_flight, const py::object& streams, const py::object& chunk_bytes,
                            const py::object& staging_bytes, const py::object& variant, const py::object& dtype,
                            const py::object& keep, const py::object& keep_dtype, const py::object& pool_bytes,
-                           const py::object& connections, const py::object& zero_copy, const py::object& verify) {
+                           const py::object& connections, const py::object& zero_copy, const py::object& verify,
+                           const py::object& page_cache) {
   PyLoadOptions o;
   o.load.threads = count_from_python<unsigned>(threads, "threads");
   o.load.block_size = size_from_python(block_size, "block_size");
@@ -149,6 +158,7 @@ PyLoadOptions make_options(const py::object& threads, const py::object& block_si
   }
   o.load.zero_copy = zero_copy_from_python(zero_copy);
   o.load.verify = verify_from_python(verify);
+  o.load.page_cache = page_cache_from_python(page_cache);
   o.load.validate();
   if (o.staging_bytes && *o.staging_bytes == 0) throw InvalidArgumentError("staging_bytes must be > 0, not 0");
   return o;
@@ -157,7 +167,8 @@ PyLoadOptions make_options(const py::object& threads, const py::object& block_si
 // The keywords of LoadOptions(...), as py::arg names them in register_options (same order).
 constexpr const char* kOptionNames[] = {"threads",     "block_size", "direct",   "files_in_flight", "streams",
                                         "chunk_bytes", "staging_bytes", "variant", "dtype",        "keep",
-                                        "keep_dtype",  "pool_bytes", "connections", "zero_copy", "verify"};
+                                        "keep_dtype",  "pool_bytes", "connections", "zero_copy", "verify",
+                                        "page_cache"};
 
 // Note [Unknown options]
 // LoadOptions(...) takes every option as a py::object and checks it itself, so pybind11's own
@@ -216,11 +227,13 @@ void register_options(py::module_& m) {
            py::arg("chunk_bytes") = kDefaultCopyChunkBytes, py::arg("staging_bytes") = py::none(),
            py::arg("variant") = py::none(), py::arg("dtype") = py::none(), py::arg("keep") = py::tuple(),
            py::arg("keep_dtype") = py::none(), py::arg("pool_bytes") = py::none(), py::arg("connections") = py::none(),
-           py::arg("zero_copy") = "auto", py::arg("verify") = py::none(),
+           py::arg("zero_copy") = "auto", py::arg("verify") = py::none(), py::arg("page_cache") = "auto",
            "verify: a manifest's path (pinload.write_manifest, `pinload manifest`) or a dict {file name: sha256} "
            "of whole files, checked as the bytes are read; a mismatch raises IntegrityError and returns nothing "
            "(docs/manifest.md). zero_copy ('auto', 'on', 'off'; or a bool): host files handed out as leased file mappings (Note "
-           "[Zero-copy loads] in loader.h). dtype: converts floating tensors inside the load (torch.bfloat16, torch.float16, torch.float32 or "
+           "[Zero-copy loads] in loader.h). page_cache ('auto', 'keep', 'bypass'): whether cold files are read "
+           "through the page cache and left there for the next process (Note [Keeping the page cache]; "
+           "PINLOAD_PAGE_CACHE overrides 'auto'). dtype: converts floating tensors inside the load (torch.bfloat16, torch.float16, torch.float32 or "
            "their names; None: as stored), except names matching a `keep` pattern (those become `keep_dtype`, "
            "or stay as stored). pool_bytes: the budget of the pool the load's blocks come from (one shared pool "
            "per device and budget; None: the device's shared pool). Raises InvalidArgumentError (a ValueError) naming the option for a value out of range, TypeError "
@@ -255,6 +268,8 @@ void register_options(py::module_& m) {
                                return std::nullopt;
                              },
                              "'manifest', 'sha256' (whole-file digests) or None: what the load is verified against")
+      .def_property_readonly("page_cache",
+                             [](const PyLoadOptions& o) { return std::string(page_cache_name(o.load.page_cache)); })
       .def_property_readonly("connections",
                              [](const PyLoadOptions& o) -> std::optional<unsigned> {
                                const unsigned n = o.load.resolve.remote.connections;

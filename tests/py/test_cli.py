@@ -311,6 +311,7 @@ def test_options_take_equals_form(tmp_path, run_pinload):
     expected = stfiles.expected_digest(path)
     for args in (["--threads=3", "--block-size=8K", "--direct=off", "--cached-read=pread"],
                  ["--threads", "3", "--block-size", "8K", "--direct", "off", "--cached-read", "map"],
+                 ["--page-cache=keep"], ["--page-cache", "bypass"],
                  ["--block-size=1M", "--device=sim", "--streams=3", "--chunk-size=4K"]):
         assert digest_lines(run_pinload("load", "--digest", *args, path)) == expected, args
 
@@ -329,6 +330,7 @@ BAD_VALUES = [
     (["--chunk-size=0"], "--chunk-size: '0' is 0 bytes; it must be 1..1T"),
     (["--direct=maybe"], "--direct: takes auto|on|off, not 'maybe'"),
     (["--cached-read=mmap"], "--cached-read: takes auto|map|pread, not 'mmap'"),
+    (["--page-cache=on"], "--page-cache: takes auto|keep|bypass, not 'on'"),
     (["--staging-bytes=64M"], "--staging-bytes needs --device"),
     (["--threads"], "--threads: 1 required 1..1024 missing"),
     (["--frobnicate"], "The following argument was not expected: --frobnicate"),
@@ -390,8 +392,9 @@ def test_log_level_debug_in_any_case(tmp_path, run_pinload, value):
     assert f"[pinload debug] {path}: direct on, reading with O_DIRECT\n" in run.stderr, run
     # The decision of a default (auto) load, cold or already cached, is shown too.
     run = assert_ok(run_pinload("load", path, env={"PINLOAD_LOG_LEVEL": value}))
-    assert re.search(rf"\[pinload debug\] {re.escape(str(path))}: \d+% in page cache, "
-                     r"(under 50%, reading with O_DIRECT|reading buffered)", run.stderr), run
+    assert re.search(rf"\[pinload debug\] {re.escape(str(path))}: \d+% in page cache(, "
+                     r"(under 50%, reading with O_DIRECT|reading buffered)|: mapped, read in to stay cached)",
+                     run.stderr), run
 
 
 @pytest.mark.parametrize("value", ["warn", "WARN", "Warning", "error", "off", "OFF", "info"])
