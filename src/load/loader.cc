@@ -534,7 +534,8 @@ StateDict Loader::run(const Checkpoint& checkpoint, const LoadRequest& request, 
   const std::stop_token& stop = request.stop;
   // Note [Zero-copy loads]: host files handed out as leased mappings.
   if (may_map && options_.zero_copy != ZeroCopy::kOff && options_.target.device == nullptr &&
-      !options_.dtype.active() && !options_.verify.active() && request.adopt == nullptr && request.record == nullptr && env_ == default_env()) {
+      !options_.dtype.active() && !options_.verify.active() && request.adopt == nullptr &&
+      request.record == nullptr && env_ == default_env()) {
     auto hand_out = [&](std::vector<Tensor> ready) {
       if (counters->ready != nullptr) counters->ready->push(std::move(ready));
     };
