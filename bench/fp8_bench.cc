@@ -235,6 +235,10 @@ int main(int argc, char** argv) {
     plain.threads = threads;
     plain.block_size = block_kib << 10;
     plain.target.device = device.get();
+    // The kept cases read into the kept pool: a plain load of a cold file
+    // would otherwise be handed out as a mapping that the page cache keeps
+    // (Note [Keeping the page cache]), and the pool would stay empty.
+    plain.zero_copy = ZeroCopy::kOff;
     LoadOptions to_bf16 = plain;
     to_bf16.dtype.to = DType::kBF16;
     // The kept cases share one pool, as the loads of one service do: a plain
