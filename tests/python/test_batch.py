@@ -130,14 +130,17 @@ def test_a_batch_larger_than_its_budget_stays_within_it(tmp_path):
 
 
 def test_a_failing_batch_holds_no_tensors(library, tmp_path):
-    """The raised error's traceback holds load_files_batch's frame: the good members' tensors were
-    kept alive through it (a reference cycle) until the cycle collector ran."""
+    """The raised error's traceback holds load_files_batch's frame, which held every good member's
+    state dict: an error kept (or caught in a cycle) kept all their tensors alive."""
     import gc
 
     from pl_helpers import in_use
 
-    bad = tmp_path / "bad.safetensors"
-    bad.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}      ")
+    from pl_helpers import write_raw
+
+    # A valid file whose shape torch cannot hold: its error is raised inside load_files_batch while
+    # the good members' state dicts are built, so its traceback holds the frame that holds them.
+    bad = write_raw(tmp_path / "bad.safetensors", [("odd", "U8", [1 << 63, 0], b"")])
     gc.collect()
     base = in_use()
     gc.disable()
@@ -147,6 +150,18 @@ def test_a_failing_batch_holds_no_tensors(library, tmp_path):
                 pt.load_files_batch(library[:20] + [str(bad)], zero_copy="off")
             except pinload.InvalidFileError as e:
                 assert str(bad) in str(e)
+                # Whatever else holds the error (a caller that keeps it, a cycle), the frame in its
+                # traceback holds none of the good members' state dicts.
+                tb, frames = e.__traceback__, []
+                while tb is not None:
+                    frames += [tb.tb_frame] if tb.tb_frame.f_code.co_name == "load_files_batch" else []
+                    tb = tb.tb_next
+                assert frames, "load_files_batch's frame is not in the traceback"
+                held = [v for f in frames for v in f.f_locals.values() if isinstance(v, (dict, list))]
+                assert not any(isinstance(t, torch.Tensor) for v in held
+                               for d in (v.values() if isinstance(v, dict) else v) if isinstance(d, dict)
+                               for t in d.values()), "the traceback's frame holds state dicts"
+                del e, tb, frames, held
             else:
                 pytest.fail("the bad file did not raise")
             assert in_use() == base  # every good member's block back in the pool, without gc
