@@ -88,17 +88,6 @@ bool copy_mapped_chunk(Env* env, const OpenFile& f, const ReadChunk& c, std::byt
   return copied;
 }
 
-// Whether `fd` is on NFS, SMB/CIFS or a FUSE mount (Note [Network filesystems]).
-bool on_network_filesystem(Env* env, int fd, const std::string& path) {
-  std::int64_t magic = 0;
-  if (env->filesystem_type(fd, &magic) != 0) return false;
-  constexpr std::int64_t kNfs = 0x6969, kSmb = 0x517B, kCifs = 0xFF534D42, kSmb2 = 0xFE534D42, kFuse = 0x65735546,
-                         kCeph = 0x00C36400, kLustre = 0x0BD00BD0;
-  const bool network = magic == kNfs || magic == kSmb || magic == kCifs || magic == kSmb2 || magic == kFuse ||
-                       magic == kCeph || magic == kLustre;
-  if (network) log::debug("{}: on a network filesystem (f_type {:#x}): buffered reads, one reader per connection", path, magic);
-  return network;
-}
 
 // Where a file's bytes come from, decided when the session opens: a remote
 // object (a client; or its local cached copy, Note [Remote cache]) or a local
@@ -258,6 +247,17 @@ void read_chunk(Env* env, OpenFile& f, const FileRead& plan, const ReadChunk& c,
 }
 
 }  // namespace
+
+bool on_network_filesystem(Env* env, int fd, const std::string& path) {
+  std::int64_t magic = 0;
+  if (env->filesystem_type(fd, &magic) != 0) return false;
+  constexpr std::int64_t kNfs = 0x6969, kSmb = 0x517B, kCifs = 0xFF534D42, kSmb2 = 0xFE534D42, kFuse = 0x65735546,
+                         kCeph = 0x00C36400, kLustre = 0x0BD00BD0;
+  const bool network = magic == kNfs || magic == kSmb || magic == kCifs || magic == kSmb2 || magic == kFuse ||
+                       magic == kCeph || magic == kLustre;
+  if (network) log::debug("{}: on a network filesystem (f_type {:#x}): buffered reads, one reader per connection", path, magic);
+  return network;
+}
 
 int OpenFile::buffered(Env* env) {
   std::lock_guard lock(mu);

@@ -42,6 +42,10 @@ namespace pinload {
 
 namespace detail {
 
+// Whether `fd` is on NFS, SMB/CIFS, Ceph, Lustre or a FUSE mount (Note
+// [Network filesystems]): read buffered, one reader per connection.
+bool on_network_filesystem(Env* env, int fd, const std::string& path);
+
 // A read-only mapping of a whole file (Note [Mapped reads] in loader.h).
 // Owns the mapping; move-only.
 class FileMapping {

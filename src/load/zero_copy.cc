@@ -46,6 +46,17 @@ PageCache page_cache_mode(const LoadOptions& options) {
   return PageCache::kAuto;
 }
 
+// A cold file on a network filesystem is read as Note [Network filesystems]
+// says, not populated through a mapping.
+bool file_on_network_filesystem(const std::string& path) {
+  Env* env = default_env();
+  const int fd = env->open_read(path, 0);
+  if (fd < 0) return false;
+  const bool network = detail::on_network_filesystem(env, fd, path);
+  env->close(fd);
+  return network;
+}
+
 }  // namespace
 
 bool keep_page_cache(const LoadOptions& options, std::uint64_t bytes, bool only_copy) {
@@ -109,6 +120,7 @@ std::vector<std::shared_ptr<LeasedMapping>> choose_zero_copy(const LoadOptions& 
     if (options.zero_copy == ZeroCopy::kAuto) {
       const double resident = page_cache_fraction(cf.path, cf.stat.size);
       if (resident < options.resident_threshold) {
+        if (file_on_network_filesystem(cf.path)) continue;  // read by one reader per connection instead
         if (!keep.has_value()) keep = keep_page_cache(options, checkpoint.data_bytes(), true);
         if (!*keep) {
           log::debug("{}: {:.0f}% in page cache: read, not mapped", cf.path, std::max(resident, 0.0) * 100);
