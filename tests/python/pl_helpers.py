@@ -128,3 +128,25 @@ def write_sharded(folder: Path, tensors: dict, shards: int = 3, prefix: str = "m
 def in_use(device: str = "cpu") -> int:
     gc.collect()
     return pinload.pool_stats("sim" if device == "sim" else ("cuda:0" if device == "cuda" else "cpu"))["in_use"]
+
+
+def memory_cgroup_v1(limit: int, prefix: str = "pinload-test") -> Path:
+    """A fresh cgroup v1 memory cgroup capped at `limit` bytes, swap included (the caller removes
+    it); skips the test where there is none to make."""
+    import uuid
+
+    import pytest
+
+    root = Path("/sys/fs/cgroup/memory")
+    if os.geteuid() != 0 or not (root / "memory.limit_in_bytes").exists():
+        pytest.skip("needs root and a cgroup v1 memory hierarchy")
+    cg = root / f"{prefix}-{uuid.uuid4().hex[:8]}"
+    try:
+        cg.mkdir()
+    except OSError as e:
+        pytest.skip(f"cannot create a memory cgroup: {e}")
+    (cg / "memory.limit_in_bytes").write_text(str(limit))
+    memsw = cg / "memory.memsw.limit_in_bytes"
+    if memsw.exists():
+        memsw.write_text(str(limit))  # no swapping past the limit either
+    return cg

@@ -220,16 +220,9 @@ def test_pool_bytes_budget_fails_before_reading(tmp_path, small_file):
 def test_a_converting_load_fails_typed_in_a_memory_cgroup_smaller_than_it_needs(tmp_path):
     """load_file(dtype=torch.bfloat16) under a memory cgroup smaller than the converted output was
     OOM-killed; now it raises pinload.OutOfMemoryError naming the file (Note [Memory limits])."""
-    import uuid
+    from pl_helpers import memory_cgroup_v1
 
-    root = Path("/sys/fs/cgroup/memory")
-    if os.geteuid() != 0 or not (root / "memory.limit_in_bytes").exists():
-        pytest.skip("needs root and a cgroup v1 memory hierarchy")
-    cg = root / f"pinload-test-{uuid.uuid4().hex[:8]}"
-    try:
-        cg.mkdir()
-    except OSError as e:
-        pytest.skip(f"cannot create a memory cgroup: {e}")
+    cg = memory_cgroup_v1(384 << 20)
     big = tmp_path / "big.safetensors"
     st.save_file({f"w{i}": torch.ones(20 << 20) for i in range(10)}, str(big))  # 800 MiB of fp32: 400 MiB as bf16
     code = textwrap.dedent(f"""
@@ -243,10 +236,6 @@ def test_a_converting_load_fails_typed_in_a_memory_cgroup_smaller_than_it_needs(
         print("loaded")
         """)
     try:
-        limit = 384 << 20
-        (cg / "memory.limit_in_bytes").write_text(str(limit))
-        if (cg / "memory.memsw.limit_in_bytes").exists():
-            (cg / "memory.memsw.limit_in_bytes").write_text(str(limit))
         # In the cgroup before torch is imported: its memory is charged there too.
         r = subprocess.run(["sh", "-c", f'echo $$ > "{cg}/cgroup.procs" && exec "$0" -c "$1"', sys.executable, code],
                            capture_output=True, text=True, timeout=300)

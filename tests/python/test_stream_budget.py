@@ -7,8 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import uuid
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,25 +15,15 @@ safetensors = pytest.importorskip("safetensors")
 from safetensors import safe_open as reference_open  # noqa: E402
 from safetensors.numpy import save_file  # noqa: E402
 
+import pl_helpers
+
 MiB = 1 << 20
 LIMIT = 512 * MiB
 SHARDS, SHARD_BYTES = 8, 96 * MiB  # 768 MiB, more than the cgroup allows
 
 
 def memory_cgroup_v1():
-    root = Path("/sys/fs/cgroup/memory")
-    if os.geteuid() != 0 or not (root / "memory.limit_in_bytes").exists():
-        pytest.skip("needs root and a cgroup v1 memory hierarchy")
-    cg = root / f"pinload-stream-{uuid.uuid4().hex[:8]}"
-    try:
-        cg.mkdir()
-    except OSError as e:
-        pytest.skip(f"cannot create a memory cgroup: {e}")
-    (cg / "memory.limit_in_bytes").write_text(str(LIMIT))
-    memsw = cg / "memory.memsw.limit_in_bytes"
-    if memsw.exists():
-        memsw.write_text(str(LIMIT))  # no swapping past the limit either
-    return cg
+    return pl_helpers.memory_cgroup_v1(LIMIT, "pinload-stream")
 
 
 @pytest.fixture(scope="module")
