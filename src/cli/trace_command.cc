@@ -154,7 +154,8 @@ void add_trace_command(CLI::App& app) {
       "trace", "Run a command, record its reads as a template (docs/trace.md)");
   command->add_option("--template", args->out, "the template to write")->required();
   command->add_option("--root", args->roots, "a folder whose files are traced (repeatable; default: .)");
-  // Everything from the first positional (or --) on is the command, untouched.
+  // Everything from the first positional on is the command, untouched; main() keeps what follows
+  // the first "--" aside (command_after_separator), since CLI11 would parse it as positionals.
   command->prefix_command(true);
   command->footer("Usage: pinload trace --template OUT [--root DIR]... -- CMD ARGS...\n"
                   "Example: pinload trace --template llm.pltemplate --root /models -- python serve.py");
