@@ -236,16 +236,21 @@ def test_overload_sheds_with_429(servers):
     assert shed and len(shed) < 16, outcomes
     assert all(o[2] == 429 for o in shed)
     assert metric(url, "pinload_encoder_rejected_total") >= len(shed)
-    # a raw 429 has the JSON error and Retry-After; with retries the client gets through
+    # a raw 429 has the JSON error and Retry-After: 16 raw requests at once, as above
     r = None
-    for _ in range(50):
-        bodies = [{"prompts": [f"raw {k} {j}" for j in range(4)], "max_length": 16} for k in range(2)]
+    for attempt in range(20):  # prompts new each time: cached ones are never queued
+        start = threading.Barrier(16)
         rs = []
-        ts = [threading.Thread(target=lambda b=b: rs.append(post(url, b))) for b in bodies]
+
+        def raw(k):
+            start.wait()
+            rs.append(post(url, {"prompts": [f"raw {attempt} {k} {j}" for j in range(4)], "max_length": 16}))
+
+        ts = [threading.Thread(target=raw, args=(k,)) for k in range(16)]
         for t in ts:
             t.start()
         for t in ts:
-            t.join()
+            t.join(60)
         r = next((x for x in rs if x.status == 429), None)
         if r is not None:
             break
