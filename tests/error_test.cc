@@ -121,7 +121,13 @@ TEST(ErrorTest, InvalidArgumentIsItsOwnCode) {
 TEST(ErrorTest, IntegrityIsItsOwnCode) {
   EXPECT_STREQ(error_code_name(ErrorCode::kIntegrity), "integrity");
   expect_throw_error_maps<IntegrityError>(ErrorCode::kIntegrity);
-  EXPECT_EQ(static_cast<int>(ErrorCode::kIntegrity) + 1, kErrorCodeCount);
+}
+
+// An unreachable required service (the node store: store.h) has a code of its own.
+TEST(ErrorTest, UnavailableIsTheLastCode) {
+  EXPECT_STREQ(error_code_name(ErrorCode::kUnavailable), "unavailable");
+  expect_throw_error_maps<UnavailableError>(ErrorCode::kUnavailable);
+  EXPECT_EQ(static_cast<int>(ErrorCode::kUnavailable) + 1, kErrorCodeCount);
 }
 
 TEST(ErrorTest, ThrowErrorWithUnknownCodeStillThrowsError) {

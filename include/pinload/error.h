@@ -23,9 +23,10 @@ enum class ErrorCode : std::uint8_t {
   kInvalidArgument,  // a caller's mistake: an option out of range, an object
                      // of another device, a call out of order
   kIntegrity,        // bytes that differ from their expected digest (manifest.h)
+  kUnavailable,      // a service a load requires (the node store: store.h) cannot be reached
 };
 
-inline constexpr int kErrorCodeCount = 8;
+inline constexpr int kErrorCodeCount = 9;
 
 // Stable lowercase name of a code ("invalid_file", "io", ...).
 const char* error_code_name(ErrorCode code) noexcept;
@@ -67,6 +68,7 @@ PINLOAD_DEFINE_ERROR(DeviceError, kDevice)
 PINLOAD_DEFINE_ERROR(CancelledError, kCancelled)
 PINLOAD_DEFINE_ERROR(InvalidArgumentError, kInvalidArgument)
 PINLOAD_DEFINE_ERROR(IntegrityError, kIntegrity)
+PINLOAD_DEFINE_ERROR(UnavailableError, kUnavailable)
 #undef PINLOAD_DEFINE_ERROR
 
 // Throws the subclass of Error that matches `code`.

@@ -143,6 +143,7 @@
 #include "pinload/numa.h"
 #include "pinload/pool.h"
 #include "pinload/state_dict.h"
+#include "pinload/store.h"
 
 namespace pinload {
 
@@ -242,6 +243,9 @@ struct LoadOptions {
   // [Verified loads] in manifest.h): a mismatch is an IntegrityError and the
   // load returns nothing.
   VerifyOptions verify;
+  // Ask the node store first (Note [Store clients] in store.h); PINLOAD_STORE
+  // sets it where `store.socket` is empty.
+  StoreOptions store;
 
   // Throws InvalidArgumentError naming the first option out of range (its
   // Python name: "threads", "block_size", "streams", ...) and its value.
@@ -258,6 +262,7 @@ struct LoadProgress {
   std::uint64_t files_mapped = 0;    // of those, copied from a mapping (Note [Mapped reads])
   std::uint64_t bytes_copied = 0;    // to the device, completed
   std::uint64_t files_zero_copy = 0; // handed out as file mappings (Note [Zero-copy loads])
+  std::uint64_t files_store = 0;     // mapped from the node store (Note [Store clients] in store.h)
 };
 
 // How a load_async handle gives its tensors out (Note [Ready tensors]).

@@ -72,6 +72,7 @@ class Pool;
 namespace detail {
 class LeasedMapping;  // a file mapping handed out as a block (Note [Leased mappings])
 class FirstTouch;     // faults fresh blocks in (Note [Page size of fresh memory])
+class StoreMapping;   // a node-store entry mapped by a client (Note [The node store] in store.h)
 }
 
 // A contiguous piece of pool memory. Shared through std::shared_ptr<Block>;
@@ -89,6 +90,7 @@ class Block {
   friend class Pool;
   friend class detail::LeasedMapping;
   friend class detail::FirstTouch;
+  friend class detail::StoreMapping;
   Block(std::byte* data, std::size_t size, std::size_t capacity, bool locked, void* slab)
       : data_(data), size_(size), capacity_(capacity), locked_(locked), slab_(slab) {}
   std::byte* data_;

@@ -20,6 +20,8 @@ Every error pinload raises is a :class:`pinload.Error`:
 - :class:`CancelledError`: the load was cancelled (Ctrl-C);
 - :class:`IntegrityError`: bytes that differ from a manifest's digests or a file's published sha256
   (``verify=``, docs/manifest.md); nothing of that load is returned.
+- :class:`UnavailableError` (also a ``ConnectionError``): the node store could not be reached by a load
+  that requires it (``store_required=True``, docs/store.md).
 
 Each carries ``.file``, ``.tensor``, ``.begin``, ``.end`` (None where they do not apply), ``.code``
 and ``.message``.
@@ -40,6 +42,7 @@ from ._core import (  # noqa: E402
     DeviceError,
     Error,
     IntegrityError,
+    UnavailableError,
     InvalidArgumentError,
     InvalidFileError,
     IoError,
@@ -62,6 +65,7 @@ __all__ = [
     "DeviceError",
     "Error",
     "IntegrityError",
+    "UnavailableError",
     "InvalidArgumentError",
     "InvalidFileError",
     "IoError",

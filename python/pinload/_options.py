@@ -33,6 +33,8 @@ class LoadKwargs(TypedDict, total=False):
     zero_copy: Union[str, bool]  # host files as leased file mappings: "auto", "on", "off" (Note [Zero-copy loads])
     verify: Any  # a manifest's path, or {file name: sha256} of whole files (docs/manifest.md)
     page_cache: str  # cold files: "auto", "keep" (left in the page cache), "bypass" (O_DIRECT) (Note [Keeping the page cache])
+    store: Any  # the node store's socket path, True for the default one, None: PINLOAD_STORE (docs/store.md)
+    store_required: bool  # raise UnavailableError where the store cannot be reached (False: load without it)
     connections: Optional[int]  # parallel connections for remote files, 1..1024 (None: PINLOAD_CONNECTIONS, else 16)
 
 

@@ -32,6 +32,7 @@ const char* error_code_name(ErrorCode code) noexcept {
     case ErrorCode::kCancelled: return "cancelled";
     case ErrorCode::kInvalidArgument: return "invalid_argument";
     case ErrorCode::kIntegrity: return "integrity";
+    case ErrorCode::kUnavailable: return "unavailable";
   }
   return "unknown";
 }
@@ -52,6 +53,7 @@ void throw_error(ErrorCode code, std::string message, ErrorContext context) {
     case ErrorCode::kCancelled: throw CancelledError(std::move(message), std::move(context));
     case ErrorCode::kInvalidArgument: throw InvalidArgumentError(std::move(message), std::move(context));
     case ErrorCode::kIntegrity: throw IntegrityError(std::move(message), std::move(context));
+    case ErrorCode::kUnavailable: throw UnavailableError(std::move(message), std::move(context));
   }
   throw Error(code, std::move(message), std::move(context));
 }

@@ -38,6 +38,7 @@ void add_trace_command(CLI::App& app);
 std::vector<std::string>& command_after_separator();
 void add_warm_command(CLI::App& app);
 void add_agent_command(CLI::App& app);
+void add_store_command(CLI::App& app);  // store_command.cc: the node store
 
 // ---- shared by the subcommands ----
 

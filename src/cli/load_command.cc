@@ -44,11 +44,12 @@ std::string tensor_digest(const Tensor& t, Device* device) {
 void print_details(const Loader& loader, const LoadProgress& p, Device* device) {
   const PoolStats s = loader.pool()->stats();
   std::fprintf(stderr,
-               "  files: %llu direct, %llu buffered (%llu of them mapped), %llu zero-copy\n"
+               "  files: %llu direct, %llu buffered (%llu of them mapped), %llu zero-copy, %llu from the store\n"
                "  pool[%s]: reserved %.3f GB, in use %.3f GB, peak %.3f GB, %llu allocations "
                "(%llu from free lists, %llu OS reservations)\n",
                static_cast<unsigned long long>(p.files_direct), static_cast<unsigned long long>(p.files_buffered),
                static_cast<unsigned long long>(p.files_mapped), static_cast<unsigned long long>(p.files_zero_copy),
+               static_cast<unsigned long long>(p.files_store),
                std::string(loader.pool()->backend_name()).c_str(),
                s.reserved_bytes / 1e9, s.in_use_bytes / 1e9, s.peak_in_use_bytes / 1e9,
                static_cast<unsigned long long>(s.allocations), static_cast<unsigned long long>(s.free_list_hits),
@@ -197,8 +198,23 @@ void add_load_command(CLI::App& app) {
       ->take_all()
       ->expected(1)
       ->allow_extra_args(false);  // the PATHs after it are not its values
+  // Note [Store clients] (store.h): files mapped from the node store.
+  command->add_option("--store", args->load.store.socket,
+                      "map files from the node store (pinload store serve) on SOCKET; 'default': " +
+                          default_store_socket())
+      ->type_name("SOCKET");
+  command->add_flag("--store-required", args->load.store.required,
+                    "fail (exit 1) where the store cannot be reached, instead of loading without it");
   add_paths(*command, &args->paths);
-  command->callback([args] { run_load(*args); });
+  command->callback([args] {
+    StoreOptions& store = args->load.store;
+    if (store.socket == "default") store.socket = default_store_socket();
+    if (store.required && store.socket.empty()) {
+      store = StoreOptions::from_environment(store);
+      if (store.socket.empty()) store.socket = default_store_socket();
+    }
+    run_load(*args);
+  });
 }
 
 }  // namespace pinload::cli

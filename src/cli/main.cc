@@ -55,6 +55,7 @@ int run(int argc, char** argv) {
   add_trace_command(app);
   add_warm_command(app);
   add_agent_command(app);
+  add_store_command(app);
 
   const CLI::App* command = named_subcommand(app, argc, argv);
   if (command == nullptr && argc > 1 && argv[1][0] != '-') {

@@ -80,6 +80,7 @@ class ReadyQueue {
 struct Loader::Counters : detail::ReadCounters {
   std::atomic<std::uint64_t> bytes_copied{0};
   std::atomic<std::uint64_t> files_zero_copy{0};  // Note [Zero-copy loads]
+  std::atomic<std::uint64_t> files_store{0};      // Note [Store clients] in store.h
   detail::ReadyQueue* ready = nullptr;  // set by load_async
   bool stream = false;                  // HandOut::kStream: keep nothing handed out
 
@@ -92,6 +93,7 @@ struct Loader::Counters : detail::ReadCounters {
     p.files_mapped = files_mapped.load(std::memory_order_relaxed);
     p.bytes_copied = bytes_copied.load(std::memory_order_relaxed);
     p.files_zero_copy = files_zero_copy.load(std::memory_order_relaxed);
+    p.files_store = files_store.load(std::memory_order_relaxed);
     return p;
   }
 };

@@ -20,6 +20,7 @@
 #include "load/load_counters.h"
 #include "load/prefetch_handover.h"
 #include "load/verify.h"
+#include "load/store_load.h"
 #include "load/zero_copy.h"
 #include "pinload/error.h"
 #include "pinload/io_template.h"
@@ -532,6 +533,17 @@ std::uint64_t host_bytes_beside_blocks(const Checkpoint& checkpoint, const detai
 StateDict Loader::run(const Checkpoint& checkpoint, const LoadRequest& request, Counters* counters,
                       bool may_map) const {
   const std::stop_token& stop = request.stop;
+  // Note [Store clients]: host files mapped from the node store.
+  if (may_map && options_.target.device == nullptr && !options_.dtype.active() && !options_.verify.active() &&
+      request.adopt == nullptr && request.record == nullptr) {
+    auto hand_out = [&](std::vector<Tensor> ready) {
+      if (counters->ready != nullptr) counters->ready->push(std::move(ready));
+    };
+    auto read = [&](const Checkpoint& rest) { return run(rest, request, counters, false); };
+    if (std::optional<StateDict> sd = detail::load_from_store(options_, env_, checkpoint, counters, stop, hand_out, read)) {
+      return std::move(*sd);
+    }
+  }
   // Note [Zero-copy loads]: host files handed out as leased mappings.
   if (may_map && options_.zero_copy != ZeroCopy::kOff && options_.target.device == nullptr &&
       !options_.dtype.active() && !options_.verify.active() && request.adopt == nullptr &&

@@ -141,8 +141,8 @@ std::vector<std::shared_ptr<LeasedMapping>> choose_zero_copy(const LoadOptions& 
   return mapped;
 }
 
-void populate_mappings(const std::vector<std::shared_ptr<LeasedMapping>>& mappings, const Checkpoint& checkpoint,
-                       unsigned threads, std::size_t block_size, std::stop_token stop) {
+void populate_mapped(const std::vector<MappedFile>& mappings, const Checkpoint& checkpoint, unsigned threads,
+                     std::size_t block_size, std::stop_token stop) {
   struct Range {
     const std::byte* begin;
     std::size_t bytes;
@@ -150,13 +150,13 @@ void populate_mappings(const std::vector<std::shared_ptr<LeasedMapping>>& mappin
   };
   std::vector<Range> ranges;
   for (std::size_t i = 0; i < mappings.size(); ++i) {
-    if (!mappings[i]) continue;
+    if (mappings[i].data == nullptr) continue;
     const std::uint64_t data_offset = checkpoint.files[i].header.data_offset();
     const std::uint64_t end = data_offset + checkpoint.files[i].header.data_size();
     // Whole pages: MADV_POPULATE_READ takes a page-aligned start.
     const std::uint64_t page = 4096;
     for (std::uint64_t at = data_offset / page * page; at < end; at += block_size) {
-      ranges.push_back({mappings[i]->data() + at, static_cast<std::size_t>(std::min<std::uint64_t>(block_size, end - at)), i});
+      ranges.push_back({mappings[i].data + at, static_cast<std::size_t>(std::min<std::uint64_t>(block_size, end - at)), i});
     }
   }
   if (ranges.empty()) return;
@@ -184,7 +184,7 @@ void populate_mappings(const std::vector<std::shared_ptr<LeasedMapping>>& mappin
           const CheckpointFile& cf = checkpoint.files[r.file];
           error = std::make_exception_ptr(IoError(
               std::string("reading a zero-copy mapping failed: ") + std::strerror(errno),
-              ErrorContext{cf.path, {}, static_cast<std::uint64_t>(r.begin - mappings[r.file]->data())}));
+              ErrorContext{cf.path, {}, static_cast<std::uint64_t>(r.begin - mappings[r.file].data)}));
         }
         failed = true;
         return;
@@ -205,15 +205,28 @@ std::optional<StateDict> load_zero_copy(const LoadOptions& options, const Checkp
                                         Loader::Counters* counters, std::stop_token stop,
                                         const std::function<void(std::vector<Tensor>)>& hand_out,
                                         const std::function<StateDict(const Checkpoint&)>& read) {
-  std::vector<std::shared_ptr<LeasedMapping>> mapped = choose_zero_copy(options, checkpoint, pool);
-  if (std::none_of(mapped.begin(), mapped.end(), [](const auto& m) { return m != nullptr; })) return std::nullopt;
+  std::vector<std::shared_ptr<LeasedMapping>> leased = choose_zero_copy(options, checkpoint, pool);
+  if (std::none_of(leased.begin(), leased.end(), [](const auto& m) { return m != nullptr; })) return std::nullopt;
+  std::vector<MappedFile> mapped(leased.size());
+  for (std::size_t i = 0; i < leased.size(); ++i) {
+    if (leased[i]) mapped[i] = MappedFile{leased[i]->data(), leased[i]->block()};
+  }
+  leased.clear();  // the blocks hold the mappings now
+  return hand_out_mapped(options, checkpoint, std::move(mapped), &counters->files_zero_copy, counters, stop, hand_out,
+                         read);
+}
+
+StateDict hand_out_mapped(const LoadOptions& options, const Checkpoint& checkpoint, std::vector<MappedFile> mapped,
+                          std::atomic<std::uint64_t>* files_counter, Loader::Counters* counters, std::stop_token stop,
+                          const std::function<void(std::vector<Tensor>)>& hand_out,
+                          const std::function<StateDict(const Checkpoint&)>& read) {
   // Files that are not mapped: loaded as usual, after the mapped ones are in.
   Checkpoint rest;
   rest.index_files = checkpoint.index_files;
   std::uint64_t mapped_bytes = 0;
   std::uint64_t mapped_files = 0;
   for (std::size_t i = 0; i < mapped.size(); ++i) {
-    if (!mapped[i]) {
+    if (!mapped[i].block) {
       rest.files.push_back(checkpoint.files[i]);
     } else {
       mapped_bytes += checkpoint.files[i].header.data_size();
@@ -223,26 +236,23 @@ std::optional<StateDict> load_zero_copy(const LoadOptions& options, const Checkp
   // Every byte is in the process's page tables before the call returns, so a
   // zero-copy load is a load: the caller's first pass over the weights takes
   // no page faults, and a page that cannot be read fails here, typed.
-  populate_mappings(mapped, checkpoint, options.threads, options.block_size, stop);
+  populate_mapped(mapped, checkpoint, options.threads, options.block_size, stop);
   if (stop.stop_requested()) throw CancelledError("load cancelled");
-  for (std::size_t i = 0; i < mapped.size(); ++i) {
-    if (mapped[i]) log::debug("{}: zero-copy, {} bytes mapped", checkpoint.files[i].path, mapped[i]->size());
-  }
   std::vector<std::vector<Tensor>> by_file(mapped.size());
   for (std::size_t i = 0; i < mapped.size(); ++i) {
-    if (!mapped[i]) continue;
+    if (!mapped[i].block) continue;
     const CheckpointFile& cf = checkpoint.files[i];
-    const std::shared_ptr<Block> block = mapped[i]->block();
+    const std::shared_ptr<Block> block = mapped[i].block;
     const std::uint64_t base = cf.header.data_offset();
     for (const TensorInfo& t : cf.header.tensors) {
       by_file[i].emplace_back(cf.name_prefix + t.name, t.dtype, t.shape, block, base + t.begin, t.nbytes());
     }
     hand_out(by_file[i]);
   }
-  mapped.clear();  // the tensors hold the mappings now
+  mapped.clear();  // the tensors hold the blocks now
   StateDict read_part;
   if (!rest.files.empty()) read_part = read(rest);
-  counters->files_zero_copy += mapped_files;
+  *files_counter += mapped_files;
   counters->bytes_total += mapped_bytes;
   counters->bytes_done += mapped_bytes;
   if (counters->stream) return StateDict();

@@ -98,6 +98,9 @@ void register_errors(py::module_& m) {
       {ErrorCode::kIntegrity, "IntegrityError", nullptr,
        "Bytes that differ from their expected digest (a manifest, or a file's published sha256): names the file, "
        "the tensor and the byte range."},
+      {ErrorCode::kUnavailable, "UnavailableError", PyExc_ConnectionError,
+       "A service the load requires cannot be reached: the node store with store_required=True (also a "
+       "ConnectionError)."},
   };
   static_assert(sizeof(specs) / sizeof(specs[0]) == kErrorCodeCount, "one Python type per ErrorCode");
   for (const Spec& s : specs) {

@@ -87,6 +87,7 @@ py::dict progress_dict(const LoadProgress& p, bool with_copies) {
   d["files_buffered"] = p.files_buffered;
   d["files_mapped"] = p.files_mapped;
   d["files_zero_copy"] = p.files_zero_copy;
+  d["files_store"] = p.files_store;
   if (with_copies) d["bytes_copied"] = p.bytes_copied;
   return d;
 }

@@ -122,12 +122,42 @@ VerifyOptions verify_from_python(const py::object& value) {
   return out;
 }
 
+// store=: a socket path (str or os.PathLike), True or "default" for the
+// default socket, None or False for none (PINLOAD_STORE still applies: Note
+// [Store clients] in store.h).
+StoreOptions store_from_python(const py::object& value, const py::object& required) {
+  StoreOptions out;
+  if (!PyBool_Check(required.ptr())) type_error("store_required", "a bool", required);
+  out.required = required.cast<bool>();
+  if (value.is_none() || (PyBool_Check(value.ptr()) && !value.cast<bool>())) {
+    if (out.required) {
+      out = StoreOptions::from_environment(out);
+      if (!out.active()) out.socket = default_store_socket();
+    }
+    return out;
+  }
+  if (PyBool_Check(value.ptr())) {
+    out.socket = default_store_socket();
+    return out;
+  }
+  py::object path = value;
+  if (!PyUnicode_Check(value.ptr())) {
+    if (!py::hasattr(value, "__fspath__")) type_error("store", "a socket path (str or os.PathLike), True or None", value);
+    path = value.attr("__fspath__")();
+    if (!PyUnicode_Check(path.ptr())) type_error("store", "a socket path (str or os.PathLike), True or None", value);
+  }
+  out.socket = path.cast<std::string>();
+  if (out.socket == "default") out.socket = default_store_socket();
+  if (out.socket.empty()) throw InvalidArgumentError("store must be a socket path, not ''");
+  return out;
+}
+
 PyLoadOptions make_options(const py::object& threads, const py::object& block_size, const py::object& direct,
                            const py::object& files_in_flight, const py::object& streams, const py::object& chunk_bytes,
                            const py::object& staging_bytes, const py::object& variant, const py::object& dtype,
                            const py::object& keep, const py::object& keep_dtype, const py::object& pool_bytes,
                            const py::object& connections, const py::object& zero_copy, const py::object& verify,
-                           const py::object& page_cache) {
+                           const py::object& page_cache, const py::object& store, const py::object& store_required) {
   PyLoadOptions o;
   o.load.threads = count_from_python<unsigned>(threads, "threads");
   o.load.block_size = size_from_python(block_size, "block_size");
@@ -159,6 +189,7 @@ PyLoadOptions make_options(const py::object& threads, const py::object& block_si
   o.load.zero_copy = zero_copy_from_python(zero_copy);
   o.load.verify = verify_from_python(verify);
   o.load.page_cache = page_cache_from_python(page_cache);
+  o.load.store = store_from_python(store, store_required);
   o.load.validate();
   if (o.staging_bytes && *o.staging_bytes == 0) throw InvalidArgumentError("staging_bytes must be > 0, not 0");
   return o;
@@ -168,7 +199,7 @@ PyLoadOptions make_options(const py::object& threads, const py::object& block_si
 constexpr const char* kOptionNames[] = {"threads",     "block_size", "direct",   "files_in_flight", "streams",
                                         "chunk_bytes", "staging_bytes", "variant", "dtype",        "keep",
                                         "keep_dtype",  "pool_bytes", "connections", "zero_copy", "verify",
-                                        "page_cache"};
+                                        "page_cache",  "store",      "store_required"};
 
 // Note [Unknown options]
 // LoadOptions(...) takes every option as a py::object and checks it itself, so pybind11's own
@@ -228,12 +259,16 @@ void register_options(py::module_& m) {
            py::arg("variant") = py::none(), py::arg("dtype") = py::none(), py::arg("keep") = py::tuple(),
            py::arg("keep_dtype") = py::none(), py::arg("pool_bytes") = py::none(), py::arg("connections") = py::none(),
            py::arg("zero_copy") = "auto", py::arg("verify") = py::none(), py::arg("page_cache") = "auto",
+           py::arg("store") = py::none(), py::arg("store_required") = false,
            "verify: a manifest's path (pinload.write_manifest, `pinload manifest`) or a dict {file name: sha256} "
            "of whole files, checked as the bytes are read; a mismatch raises IntegrityError and returns nothing "
            "(docs/manifest.md). zero_copy ('auto', 'on', 'off'; or a bool): host files handed out as leased file mappings (Note "
            "[Zero-copy loads] in loader.h). page_cache ('auto', 'keep', 'bypass'): whether cold files are read "
            "through the page cache and left there for the next process (Note [Keeping the page cache]; "
-           "PINLOAD_PAGE_CACHE overrides 'auto'). dtype: converts floating tensors inside the load (torch.bfloat16, torch.float16, torch.float32 or "
+           "PINLOAD_PAGE_CACHE overrides 'auto'). store: the node store's socket (True or 'default': the default one; "
+           "None: PINLOAD_STORE, else none): local files of host loads are mapped from the store's shared copy "
+           "(docs/store.md); store_required=True raises UnavailableError where it cannot be reached instead of "
+           "loading without it. dtype: converts floating tensors inside the load (torch.bfloat16, torch.float16, torch.float32 or "
            "their names; None: as stored), except names matching a `keep` pattern (those become `keep_dtype`, "
            "or stay as stored). pool_bytes: the budget of the pool the load's blocks come from (one shared pool "
            "per device and budget; None: the device's shared pool). Raises InvalidArgumentError (a ValueError) naming the option for a value out of range, TypeError "
@@ -270,6 +305,12 @@ void register_options(py::module_& m) {
                              "'manifest', 'sha256' (whole-file digests) or None: what the load is verified against")
       .def_property_readonly("page_cache",
                              [](const PyLoadOptions& o) { return std::string(page_cache_name(o.load.page_cache)); })
+      .def_property_readonly("store",
+                             [](const PyLoadOptions& o) -> std::optional<std::string> {
+                               if (!o.load.store.active()) return std::nullopt;
+                               return o.load.store.socket;
+                             })
+      .def_property_readonly("store_required", [](const PyLoadOptions& o) { return o.load.store.required; })
       .def_property_readonly("connections",
                              [](const PyLoadOptions& o) -> std::optional<unsigned> {
                                const unsigned n = o.load.resolve.remote.connections;

@@ -33,6 +33,7 @@ def test_hierarchy():
         pinload.CancelledError: ("cancelled", None),
         pinload.InvalidArgumentError: ("invalid_argument", ValueError),
         pinload.IntegrityError: ("integrity", None),
+        pinload.UnavailableError: ("unavailable", ConnectionError),
     }
     for cls, (code, extra) in subclasses.items():
         assert issubclass(cls, pinload.Error)

@@ -1,0 +1,136 @@
+// pinload/store.h: the node store. One daemon per machine keeps each model
+// file it is asked for in sealed shared memory, and every process on the
+// machine maps that one copy instead of reading the file again.
+//
+// Note [The node store]
+// A pool lives and dies with its process: a restarted worker reads the disk
+// again, and eight workers on a node hold eight copies. The store is a daemon
+// (`pinload store serve`, serve_store below) with a Unix socket:
+//  - A client opens the file itself and passes the descriptor over the socket
+//    (SCM_RIGHTS), so it never obtains bytes it could not read on its own.
+//  - The daemon keys the file by its identity (device, inode, size, mtime:
+//    file_identity.h) and a SHA-256 of its header, so a changed file is a new
+//    entry while the old one stays valid for whoever maps it.
+//  - On a miss it reads the whole file (direct I/O where the file allows it,
+//    `threads` readers) into a memfd, in huge pages where the kernel gives
+//    them to shared memory, and seals it (F_SEAL_WRITE, SHRINK, GROW): no
+//    process can change the bytes that others see. Two clients asking for the
+//    same file at once cause one read (single flight).
+//  - The reply carries the memfd. The client maps it private (copy-on-write:
+//    a client that writes to a tensor changes only its own copy), faults the
+//    pages in, and hands out tensors that are views of it, as a zero-copy
+//    load does (Note [Zero-copy loads] in loader.h).
+//  - An entry is held while a connection that received it is open; a load
+//    keeps its connection for as long as any of its tensors lives, so its
+//    holds end with its tensors or its process, a crash included. Held
+//    entries are never evicted; unheld ones go least recently used first
+//    when a new entry needs room within the budget.
+//  - A new entry must also fit the memory the daemon may still take
+//    (memory_limit.h); otherwise the request fails with OutOfMemoryError and
+//    the daemon goes on serving, never OOM-killed.
+// The memory is charged to the daemon's memory cgroup (it touches the pages
+// first) and is shared: a mapping adds nothing to a client's own usage but
+// its page tables. docs/store.md covers deployment, trust and accounting.
+//
+// Note [Store clients]
+// A load with LoadOptions::store set (CLI --store, Python store=, or the
+// PINLOAD_STORE variable) asks the store for each local file of a host load
+// without conversion or verification; what the store does not serve is read
+// as usual. Where the daemon cannot be reached, the load warns once per
+// process and reads the files itself, unless StoreOptions::required, which
+// makes that an UnavailableError. A load to a device takes its host copy from
+// the store and copies it to the device from there (no staging copy).
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "pinload/env.h"
+#include "pinload/file_identity.h"
+
+namespace pinload {
+
+// "PINLOAD_STORE": a socket path, or "1"/"default" for default_store_socket().
+inline constexpr const char* kStoreVariable = "PINLOAD_STORE";
+
+// $XDG_RUNTIME_DIR/pinload/store.sock where XDG_RUNTIME_DIR is set, else
+// /run/pinload/store.sock.
+std::string default_store_socket();
+
+// How a load uses the store (Note [Store clients]).
+struct StoreOptions {
+  std::string socket;     // "" = no store (unless PINLOAD_STORE is set)
+  bool required = false;  // an unreachable store is an UnavailableError, not a local load
+  bool active() const noexcept { return !socket.empty(); }
+  // `socket`, else PINLOAD_STORE ("1", "default", "true": the default socket;
+  // "", "0", "off": none). Never throws.
+  static StoreOptions from_environment(StoreOptions given);
+};
+
+struct StoreServerOptions {
+  std::string socket;              // "" = default_store_socket()
+  std::uint64_t budget_bytes = 0;  // 0 = kDefaultStoreShare of the memory left at start
+  int numa_node = -1;              // where entries' memory goes; -1 = anywhere
+  unsigned threads = 8;            // readers per miss
+  unsigned socket_mode = 0660;     // the socket file's permissions
+  // Peers served besides the daemon's own uid and root (SO_PEERCRED).
+  std::vector<std::uint32_t> allowed_uids;
+  bool allow_any_uid = false;      // every peer the socket's permissions let in
+  Env* env = nullptr;              // null: the POSIX env (tests inject faults here)
+  const std::atomic<bool>* stop = nullptr;  // serve_store returns once it is true
+  // Called once the socket listens (tests, --ready-file).
+  void (*on_ready)(void* context) = nullptr;
+  void* on_ready_context = nullptr;
+};
+
+// The default budget: this share of the memory the daemon could take at
+// start (memory_limit.h), so a node keeps room for its workers.
+inline constexpr double kDefaultStoreShare = 0.5;
+
+// Serves until *options.stop: binds the socket (replacing a stale one that no
+// daemon answers on; another live daemon on it is an error), accepts clients
+// that SO_PEERCRED allows and answers their requests. Returns 0, or throws
+// pinload::Error for a socket it cannot bind.
+int serve_store(const StoreServerOptions& options);
+
+struct StoreEntryStatus {
+  std::string path;  // as the first client named it
+  std::uint64_t bytes = 0;
+  std::uint64_t holders = 0;  // connections holding it
+  std::uint64_t hits = 0;
+};
+
+struct StoreStatus {
+  std::uint64_t budget_bytes = 0;
+  std::uint64_t bytes = 0;          // held in entries (what the node pays)
+  std::uint64_t huge_page_bytes = 0;  // of those, in huge pages (ShmemHugePages at fill)
+  std::uint64_t hits = 0;
+  std::uint64_t misses = 0;
+  std::uint64_t reads = 0;          // files the daemon read (misses that filled)
+  std::uint64_t bytes_read = 0;
+  std::uint64_t evictions = 0;
+  std::uint64_t clients = 0;        // connections open now
+  std::uint64_t refused = 0;        // peers refused by SO_PEERCRED
+  std::uint64_t errors = 0;         // malformed or failed requests
+  int numa_node = -1;
+  std::vector<StoreEntryStatus> entries;  // most recently used first
+};
+
+// One connection to a store. Throws UnavailableError where the daemon cannot
+// be reached or goes away mid-request; the daemon's own refusals come back as
+// the pinload::Error it sent (IoError, OutOfMemoryError, ...).
+class StoreConnection;
+
+// The store's commands for the CLI and tools.
+StoreStatus store_status(const std::string& socket);
+// Puts each local file of `paths` (files, indexes, folders) in the store
+// without holding it. Returns the bytes now in the store for them.
+std::uint64_t store_warm(const std::string& socket, const std::vector<std::string>& paths, Env* env = nullptr);
+// Drops unheld entries: those of `paths`, or all where empty. Returns how
+// many were dropped.
+std::uint64_t store_evict(const std::string& socket, const std::vector<std::string>& paths, Env* env = nullptr);
+
+}  // namespace pinload

@@ -1,0 +1,95 @@
+#include "load/store_load.h"
+
+#include <algorithm>
+#include <atomic>
+#include <filesystem>
+#include <string>
+
+#include "base/log.h"
+#include "load/load_counters.h"
+#include "load/zero_copy.h"
+#include "pinload/error.h"
+#include "pinload/store.h"
+#include "store/client.h"
+
+namespace pinload::detail {
+namespace {
+
+std::atomic<bool> warned{false};
+
+// The name the store shows the file by (status, its log).
+std::string absolute_path(const std::string& path) {
+  std::error_code ec;
+  const std::filesystem::path p = std::filesystem::absolute(path, ec);
+  return ec ? path : p.lexically_normal().string();
+}
+
+// Note [Store clients]: an unreachable store is a warning once per process,
+// and the load reads the files itself; with `required`, an error.
+void unavailable(const StoreOptions& store, const Error& e) {
+  if (store.required) throw;
+  if (!warned.exchange(true)) {
+    log::warn("{}; loading without the store (store_required makes this an error)", e.what());
+  } else {
+    log::debug("{}; loading without the store", e.what());
+  }
+}
+
+}  // namespace
+
+std::optional<StateDict> load_from_store(const LoadOptions& options, Env* env, const Checkpoint& checkpoint,
+                                         Loader::Counters* counters, std::stop_token stop,
+                                         const std::function<void(std::vector<Tensor>)>& hand_out,
+                                         const std::function<StateDict(const Checkpoint&)>& read) {
+  const StoreOptions store = StoreOptions::from_environment(options.store);
+  if (!store.active()) return std::nullopt;
+  if (std::none_of(checkpoint.files.begin(), checkpoint.files.end(), [](const auto& f) { return f.version.empty(); })) {
+    return std::nullopt;
+  }
+  std::shared_ptr<StoreConnection> connection;
+  try {
+    connection = StoreConnection::connect(store.socket);
+  } catch (const UnavailableError& e) {
+    unavailable(store, e);
+    return std::nullopt;
+  }
+  std::vector<MappedFile> mapped(checkpoint.files.size());
+  for (std::size_t i = 0; i < checkpoint.files.size(); ++i) {
+    const CheckpointFile& cf = checkpoint.files[i];
+    if (!cf.version.empty()) continue;  // remote: read as usual
+    if (stop.stop_requested()) throw CancelledError("load cancelled");
+    // The client opens the file: the store never serves a file its client
+    // could not read (Note [The node store]).
+    ScopedFd fd = open_or_throw(env, cf.path);
+    check_identity(env, fd.get(), cf.path, FileIdentity::of(cf.stat));
+    StoreConnection::Served served;
+    try {
+      served = connection->get(fd.get(), absolute_path(cf.path), /*hold=*/true);
+    } catch (const UnavailableError& e) {
+      unavailable(store, e);
+      return std::nullopt;
+    } catch (const Error& e) {
+      // The store refused this file (its budget is held by clients, the
+      // daemon's memory is short): read here.
+      if (store.required) throw;
+      log::warn("{}; reading it without the store", e.what());
+      continue;
+    }
+    // Note [One version per load]: the entry is of the version whose header was parsed.
+    if (!(served.identity == FileIdentity::of(cf.stat))) {
+      throw IoError("replaced or modified since its header was read (the store has " + served.identity.describe() +
+                        ", the header was read from " + FileIdentity::of(cf.stat).describe() + ")",
+                    ErrorContext{cf.path});
+    }
+    log::debug("{}: {} the store", cf.path, served.hit ? "mapped from" : "read into");
+    std::shared_ptr<StoreMapping> m = StoreMapping::map(connection, std::move(served), cf.path);
+    mapped[i] = MappedFile{m->data(), m->block()};
+  }
+  if (std::none_of(mapped.begin(), mapped.end(), [](const MappedFile& m) { return m.block != nullptr; })) {
+    return std::nullopt;
+  }
+  return hand_out_mapped(options, checkpoint, std::move(mapped), &counters->files_store, counters, stop, hand_out,
+                         read);
+}
+
+}  // namespace pinload::detail

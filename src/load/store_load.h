@@ -1,0 +1,27 @@
+// Internal: a host load's files served by the node store (Note [Store
+// clients] in pinload/store.h).
+#pragma once
+
+#include <functional>
+#include <optional>
+#include <stop_token>
+#include <vector>
+
+#include "pinload/checkpoint.h"
+#include "pinload/loader.h"
+#include "pinload/state_dict.h"
+
+namespace pinload::detail {
+
+// The load of `checkpoint` with its local files mapped from the store and the
+// others (remote ones, those the store could not serve) loaded by `read`.
+// nullopt, having done nothing, where no store is configured, or it cannot be
+// reached and is not required (one warning per process). Throws
+// UnavailableError where a required store cannot serve, IoError for a file
+// replaced since its header was read, and what `read` throws.
+std::optional<StateDict> load_from_store(const LoadOptions& options, Env* env, const Checkpoint& checkpoint,
+                                         Loader::Counters* counters, std::stop_token stop,
+                                         const std::function<void(std::vector<Tensor>)>& hand_out,
+                                         const std::function<StateDict(const Checkpoint&)>& read);
+
+}  // namespace pinload::detail

@@ -1,0 +1,157 @@
+#include "store/client.h"
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+
+#include "pinload/checkpoint.h"
+#include "pinload/error.h"
+#include "pinload/store.h"
+#include "store/socket_path.h"
+#include "store/wire.h"
+
+namespace pinload {
+namespace detail {
+
+std::shared_ptr<StoreConnection> StoreConnection::connect(const std::string& socket) {
+  return std::shared_ptr<StoreConnection>(new StoreConnection(connect_to(socket), socket));
+}
+
+nlohmann::json StoreConnection::request(const nlohmann::json& request, std::span<const int> fds,
+                                        std::vector<ScopedFd>* received) {
+  std::lock_guard lock(mu_);
+  std::optional<WireMessage> reply;
+  try {
+    if (send_message(fd_.get(), request, fds)) reply = receive_message(fd_.get());
+  } catch (const IoError& e) {
+    throw UnavailableError(std::string("the store connection failed: ") + e.message(), ErrorContext{socket_});
+  }
+  if (!reply) throw UnavailableError("the store closed the connection (the daemon stopped?)", ErrorContext{socket_});
+  if (!reply->malformed.empty()) throw UnavailableError("the store sent " + reply->malformed, ErrorContext{socket_});
+  throw_if_error(reply->body, socket_);
+  if (received != nullptr) *received = std::move(reply->fds);
+  return std::move(reply->body);
+}
+
+StoreConnection::Served StoreConnection::get(int fd, const std::string& path, bool hold) {
+  std::vector<ScopedFd> fds;
+  const int send[1] = {fd};
+  const nlohmann::json reply = request({{"op", "get"}, {"path", path}, {"hold", hold}}, send, &fds);
+  Served out;
+  try {
+    out.bytes = reply.at("bytes").get<std::uint64_t>();
+    out.mapped = reply.at("mapped").get<std::uint64_t>();
+    out.hit = reply.at("hit").get<bool>();
+    const auto& id = reply.at("identity");
+    out.identity = FileIdentity{id.at("device").get<std::uint64_t>(), id.at("inode").get<std::uint64_t>(),
+                                id.at("size").get<std::uint64_t>(), id.at("mtime_ns").get<std::int64_t>()};
+  } catch (const nlohmann::json::exception& e) {
+    throw UnavailableError(std::string("the store's reply lacks a field: ") + e.what(), ErrorContext{socket_});
+  }
+  if (fds.size() != 1 || out.mapped < out.bytes) {
+    throw UnavailableError("the store's reply carries no entry", ErrorContext{socket_});
+  }
+  out.memfd = std::move(fds[0]);
+  return out;
+}
+
+StoreMapping::StoreMapping(std::shared_ptr<StoreConnection> connection, std::byte* base, std::size_t size,
+                           std::size_t mapped)
+    : connection_(std::move(connection)), base_(base), size_(size), mapped_(mapped),
+      block_(base, size, mapped, /*locked=*/false, nullptr) {}
+
+StoreMapping::~StoreMapping() { ::munmap(base_, mapped_); }
+
+std::shared_ptr<StoreMapping> StoreMapping::map(std::shared_ptr<StoreConnection> connection,
+                                                StoreConnection::Served served, const std::string& path) {
+  // Private and writable: a client that writes to a tensor gets its own copy
+  // of that page; the sealed entry never changes.
+  void* p = ::mmap(nullptr, served.mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE, served.memfd.get(), 0);
+  if (p == MAP_FAILED) {
+    throw OutOfMemoryError(std::string("mapping the store's entry failed: ") + std::strerror(errno), ErrorContext{path});
+  }
+  return std::shared_ptr<StoreMapping>(
+      new StoreMapping(std::move(connection), static_cast<std::byte*>(p), served.bytes, served.mapped));
+}
+
+std::shared_ptr<Block> StoreMapping::block() { return std::shared_ptr<Block>(shared_from_this(), &block_); }
+
+namespace {
+
+// Each path resolved on its own: they may be different models.
+std::vector<std::string> local_files(Env* env, const std::vector<std::string>& paths) {
+  std::vector<std::string> files;
+  for (const std::string& path : paths) {
+    for (const CheckpointFile& f : open_checkpoint(env, {path}).files) {
+      if (!f.version.empty()) {
+        throw InvalidArgumentError("the store keeps local files; a remote object is not one", ErrorContext{f.path});
+      }
+      std::error_code ec;
+      const std::filesystem::path p = std::filesystem::absolute(f.path, ec);
+      files.push_back(ec ? f.path : p.lexically_normal().string());
+    }
+  }
+  return files;
+}
+
+}  // namespace
+}  // namespace detail
+
+StoreStatus store_status(const std::string& socket) {
+  const auto connection = detail::StoreConnection::connect(socket);
+  const nlohmann::json reply = connection->request({{"op", "status"}});
+  StoreStatus s;
+  try {
+    const auto& j = reply.at("status");
+    s.budget_bytes = j.at("budget_bytes");
+    s.bytes = j.at("bytes");
+    s.huge_page_bytes = j.at("huge_page_bytes");
+    s.hits = j.at("hits");
+    s.misses = j.at("misses");
+    s.reads = j.at("reads");
+    s.bytes_read = j.at("bytes_read");
+    s.evictions = j.at("evictions");
+    s.clients = j.at("clients");
+    s.refused = j.at("refused");
+    s.errors = j.at("errors");
+    s.numa_node = j.at("numa_node");
+    for (const auto& e : j.at("entries")) {
+      s.entries.push_back({e.at("path"), e.at("bytes"), e.at("holders"), e.at("hits")});
+    }
+  } catch (const nlohmann::json::exception& e) {
+    throw UnavailableError(std::string("the store's status lacks a field: ") + e.what(), ErrorContext{socket});
+  }
+  // This connection is one of the clients counted; the caller asked about the others.
+  if (s.clients > 0) --s.clients;
+  return s;
+}
+
+std::uint64_t store_warm(const std::string& socket, const std::vector<std::string>& paths, Env* env) {
+  if (env == nullptr) env = default_env();
+  const std::vector<std::string> files = detail::local_files(env, paths);
+  const auto connection = detail::StoreConnection::connect(socket);
+  std::uint64_t bytes = 0;
+  for (const std::string& path : files) {
+    ScopedFd fd = open_or_throw(env, path);
+    bytes += connection->get(fd.get(), path, /*hold=*/false).bytes;
+  }
+  return bytes;
+}
+
+std::uint64_t store_evict(const std::string& socket, const std::vector<std::string>& paths, Env* env) {
+  if (env == nullptr) env = default_env();
+  const auto connection = detail::StoreConnection::connect(socket);
+  if (paths.empty()) return connection->request({{"op", "evict"}}).at("evicted").get<std::uint64_t>();
+  std::uint64_t count = 0;
+  for (const std::string& path : detail::local_files(env, paths)) {
+    ScopedFd fd = open_or_throw(env, path);
+    const int send[1] = {fd.get()};
+    count += connection->request({{"op", "evict"}}, send).at("evicted").get<std::uint64_t>();
+  }
+  return count;
+}
+
+}  // namespace pinload

@@ -1,0 +1,77 @@
+// Internal: a client's side of the node store (Note [Store clients] in
+// pinload/store.h).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "pinload/env.h"
+#include "pinload/file_identity.h"
+#include "pinload/pool.h"
+
+namespace pinload::detail {
+
+// One connection; requests on it are answered in order. The entries it
+// receives are held in the daemon until it closes.
+class StoreConnection {
+ public:
+  // Throws UnavailableError (no daemon, refused, not allowed).
+  static std::shared_ptr<StoreConnection> connect(const std::string& socket);
+
+  // Sends `request` (with `fds`) and returns the reply. Throws the error the
+  // reply carries, or UnavailableError where the daemon is gone. `received`
+  // gets the descriptors the reply carries.
+  nlohmann::json request(const nlohmann::json& request, std::span<const int> fds = {},
+                         std::vector<ScopedFd>* received = nullptr);
+
+  struct Served {
+    ScopedFd memfd;
+    std::uint64_t bytes = 0;   // the file's size
+    std::uint64_t mapped = 0;  // the memfd's size
+    bool hit = false;          // already in the store
+    FileIdentity identity;     // of the file the daemon was given
+  };
+  // The entry for the open file `fd` (named `path` in messages), held by
+  // this connection when `hold`.
+  Served get(int fd, const std::string& path, bool hold);
+
+  const std::string& socket() const noexcept { return socket_; }
+
+ private:
+  StoreConnection(ScopedFd fd, std::string socket) : fd_(std::move(fd)), socket_(std::move(socket)) {}
+  std::mutex mu_;
+  ScopedFd fd_;
+  std::string socket_;
+};
+
+// A store entry mapped private (copy-on-write) into this process, keeping its
+// connection, and so its hold, alive.
+class StoreMapping : public std::enable_shared_from_this<StoreMapping> {
+ public:
+  // Maps `served` (the memfd is closed once mapped). Throws OutOfMemoryError.
+  static std::shared_ptr<StoreMapping> map(std::shared_ptr<StoreConnection> connection, StoreConnection::Served served,
+                                           const std::string& path);
+  ~StoreMapping();
+  StoreMapping(const StoreMapping&) = delete;
+  StoreMapping& operator=(const StoreMapping&) = delete;
+
+  const std::byte* data() const noexcept { return base_; }
+  std::size_t size() const noexcept { return size_; }  // the file's bytes
+  // A Block spanning the file that keeps this mapping alive.
+  std::shared_ptr<Block> block();
+
+ private:
+  StoreMapping(std::shared_ptr<StoreConnection> connection, std::byte* base, std::size_t size, std::size_t mapped);
+  std::shared_ptr<StoreConnection> connection_;
+  std::byte* base_;
+  std::size_t size_;
+  std::size_t mapped_;
+  Block block_;
+};
+
+}  // namespace pinload::detail

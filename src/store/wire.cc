@@ -1,0 +1,114 @@
+#include "store/wire.h"
+
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+namespace pinload::detail {
+
+bool send_message(int socket, const nlohmann::json& body, std::span<const int> fds) {
+  const std::string text = body.dump();
+  if (text.size() > kStoreMessageBytes) {
+    throw InvalidArgumentError("store message of " + std::to_string(text.size()) + " bytes is over the " +
+                               std::to_string(kStoreMessageBytes) + "-byte limit");
+  }
+  if (fds.size() > kStoreMaxFds) throw InvalidArgumentError("too many descriptors for one store message");
+  iovec iov{const_cast<char*>(text.data()), text.size()};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kStoreMaxFds)] = {};
+  if (!fds.empty()) {
+    msg.msg_control = control;
+    msg.msg_controllen = CMSG_SPACE(sizeof(int) * fds.size());
+    cmsghdr* c = CMSG_FIRSTHDR(&msg);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(sizeof(int) * fds.size());
+    std::memcpy(CMSG_DATA(c), fds.data(), sizeof(int) * fds.size());
+  }
+  for (;;) {
+    if (::sendmsg(socket, &msg, MSG_NOSIGNAL) >= 0) return true;
+    if (errno == EINTR) continue;
+    if (errno == EPIPE || errno == ECONNRESET || errno == ENOTCONN) return false;
+    throw IoError(std::string("sending a store message failed: ") + std::strerror(errno));
+  }
+}
+
+std::optional<WireMessage> receive_message(int socket) {
+  std::string text(kStoreMessageBytes + 1, '\0');
+  iovec iov{text.data(), text.size()};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kStoreMaxFds)] = {};
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof(control);
+  ssize_t n;
+  for (;;) {
+    n = ::recvmsg(socket, &msg, MSG_CMSG_CLOEXEC);
+    if (n >= 0) break;
+    if (errno == EINTR) continue;
+    if (errno == ECONNRESET) return std::nullopt;
+    throw IoError(std::string("receiving a store message failed: ") + std::strerror(errno));
+  }
+  WireMessage out;
+  for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
+    if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+    const std::size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+    for (std::size_t i = 0; i < count; ++i) {
+      int fd;
+      std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+      out.fds.emplace_back(default_env(), fd);
+    }
+  }
+  // An empty record with nothing attached is the peer's orderly close.
+  if (n == 0 && out.fds.empty() && (msg.msg_flags & MSG_CTRUNC) == 0) return std::nullopt;
+  auto refuse = [&](std::string why) {
+    out.fds.clear();
+    out.body = nullptr;
+    out.malformed = std::move(why);
+    return std::optional<WireMessage>(std::move(out));
+  };
+  if ((msg.msg_flags & MSG_TRUNC) != 0 || static_cast<std::size_t>(n) > kStoreMessageBytes) {
+    return refuse("a message over " + std::to_string(kStoreMessageBytes) + " bytes");
+  }
+  if ((msg.msg_flags & MSG_CTRUNC) != 0) return refuse("more than " + std::to_string(kStoreMaxFds) + " descriptors");
+  text.resize(static_cast<std::size_t>(n));
+  out.body = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (out.body.is_discarded() || !out.body.is_object()) return refuse("not a JSON object");
+  return out;
+}
+
+nlohmann::json error_reply(const Error& error) {
+  nlohmann::json e = {{"code", error_code_name(error.code())}, {"message", error.message()}};
+  if (!error.context().file.empty()) e["file"] = error.context().file;
+  return {{"ok", false}, {"error", std::move(e)}};
+}
+
+void throw_if_error(const nlohmann::json& reply, const std::string& socket) {
+  const auto ok = reply.find("ok");
+  if (!reply.is_object() || ok == reply.end() || !ok->is_boolean()) {
+    throw UnavailableError("the store on " + socket + " sent a reply that is not one");
+  }
+  if (ok->get<bool>()) return;
+  const auto e = reply.find("error");
+  auto text = [&](const char* key, const char* otherwise) {
+    if (e == reply.end() || !e->is_object()) return std::string(otherwise);
+    const auto v = e->find(key);
+    return v != e->end() && v->is_string() ? v->get<std::string>() : std::string(otherwise);
+  };
+  const std::string code = text("code", "io");
+  const std::string message = text("message", "unknown error");
+  const std::string file = text("file", "");
+  for (int c = 0; c < kErrorCodeCount; ++c) {
+    if (code == error_code_name(static_cast<ErrorCode>(c))) {
+      throw_error(static_cast<ErrorCode>(c), "store: " + message, ErrorContext{file});
+    }
+  }
+  throw IoError("store: " + message, ErrorContext{file});
+}
+
+}  // namespace pinload::detail

@@ -1,0 +1,406 @@
+// The node store in one process: a daemon thread (serve_store) and loads
+// through Loader with LoadOptions::store. Real processes: tests/store.
+#include <gtest/gtest.h>
+#include <fcntl.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <random>
+#include <thread>
+
+#include "fault_env.h"
+#include "file_check.h"
+#include "pinload/error.h"
+#include "pinload/loader.h"
+#include "pinload/store.h"
+#include "store/wire.h"
+#include "test_files.h"
+
+namespace pinload {
+namespace {
+
+using testing::FaultEnv;
+using testing::Faults;
+using testing::TempDir;
+
+// A daemon on a socket in its own folder, stopped on destruction.
+class Daemon {
+ public:
+  explicit Daemon(const TempDir& dir, std::uint64_t budget = 1u << 30, Env* env = nullptr) {
+    options_.socket = dir.file("store.sock");
+    options_.budget_bytes = budget;
+    options_.threads = 4;
+    options_.env = env;
+    options_.stop = &stop_;
+    options_.on_ready = [](void* self) { static_cast<Daemon*>(self)->ready_ = true; };
+    options_.on_ready_context = this;
+    thread_ = std::thread([this] {
+      try {
+        serve_store(options_);
+      } catch (const Error& e) {
+        failure_ = e.what();
+        ready_ = true;
+      }
+    });
+    while (!ready_) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  ~Daemon() { stop(); }
+  void stop() {
+    stop_ = true;
+    if (thread_.joinable()) thread_.join();
+  }
+  const std::string& socket() const { return options_.socket; }
+  const std::string& failure() const { return failure_; }
+
+ private:
+  StoreServerOptions options_;
+  std::atomic<bool> stop_{false};
+  std::atomic<bool> ready_{false};
+  std::string failure_;
+  std::thread thread_;
+};
+
+// What an entry of a file of `bytes` takes of the budget: whole huge pages
+// from 2 MiB up, whole 4 KiB pages below.
+std::uint64_t charge_of(std::uint64_t bytes) {
+  const std::uint64_t round = bytes >= (2u << 20) ? (2u << 20) : 4096;
+  return (bytes + round - 1) / round * round;
+}
+
+LoadOptions with_store(const std::string& socket, bool required = false) {
+  LoadOptions o;
+  o.store.socket = socket;
+  o.store.required = required;
+  o.zero_copy = ZeroCopy::kOff;
+  return o;
+}
+
+struct Model {
+  std::string path;
+  testing::FileImage image;
+};
+
+Model write_model(const TempDir& dir, const std::string& name, std::uint64_t seed, int count = 6,
+                  std::uint64_t max_elements = 1u << 16) {
+  std::mt19937_64 rng(seed);
+  Model m{dir.file(name), {}};
+  m.image = testing::write_random_checkpoint(m.path, rng, count, max_elements);
+  return m;
+}
+
+// One float32 tensor of 4096 elements: every such file has the same size.
+Model write_even_model(const TempDir& dir, const std::string& name, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  Model m{dir.file(name), testing::make_image({{"w", "F32", {4096}}}, rng)};
+  testing::write_file(m.path, m.image.bytes());
+  return m;
+}
+
+// Loads `model` through the store; the counters say whether the store served it.
+StateDict load_through(const std::string& socket, const Model& model, LoadProgress* progress = nullptr,
+                       bool required = false) {
+  Loader loader(with_store(socket, required));
+  LoadHandle h = loader.load_async({model.path});
+  StateDict sd = h.wait();
+  if (progress != nullptr) *progress = h.progress();
+  return sd;
+}
+
+TEST(StoreTest, ALoadMapsTheStoresCopyWithTheFilesBytes) {
+  TempDir dir;
+  Daemon daemon(dir);
+  const Model m = write_model(dir, "a.safetensors", 1);
+  LoadProgress p;
+  {
+    StateDict first = load_through(daemon.socket(), m, &p);
+    testing::expect_matches_file(first, m.path, m.image);
+    EXPECT_EQ(p.files_store, 1u);
+    StateDict second = load_through(daemon.socket(), m, &p);
+    testing::expect_matches_file(second, m.path, m.image);
+    EXPECT_EQ(p.files_store, 1u);
+    // Both are views of the one sealed copy, mapped twice.
+    EXPECT_NE(first[0].data(), second[0].data());
+  }
+  const StoreStatus s = store_status(daemon.socket());
+  EXPECT_EQ(s.reads, 1u);
+  EXPECT_EQ(s.misses, 1u);
+  EXPECT_EQ(s.hits, 1u);
+  ASSERT_EQ(s.entries.size(), 1u);
+  EXPECT_EQ(s.entries[0].bytes, std::filesystem::file_size(m.path));
+}
+
+TEST(StoreTest, AClientsWritesStayItsOwn) {
+  TempDir dir;
+  Daemon daemon(dir);
+  const Model m = write_model(dir, "a.safetensors", 2);
+  StateDict writer = load_through(daemon.socket(), m);
+  auto* bytes = const_cast<std::byte*>(writer[0].data());
+  const std::byte before = bytes[0];
+  bytes[0] = ~before;  // copy-on-write: only this process's page changes
+  StateDict reader = load_through(daemon.socket(), m);
+  EXPECT_EQ(reader[0].data()[0], before);
+  testing::expect_matches_file(reader, m.path, m.image);
+}
+
+TEST(StoreTest, ConcurrentMissesOfOneFileReadItOnce) {
+  TempDir dir;
+  Faults slow;
+  slow.read_delay_us = 20000;  // every read takes 20 ms: the misses overlap
+  FaultEnv env(slow);
+  Daemon daemon(dir, 1u << 30, &env);
+  const Model m = write_model(dir, "a.safetensors", 3, 4, 1u << 20);
+  std::vector<std::thread> clients;
+  std::atomic<int> matched{0};
+  for (int i = 0; i < 6; ++i) {
+    clients.emplace_back([&] {
+      LoadProgress p;
+      StateDict sd = load_through(daemon.socket(), m, &p);
+      if (p.files_store == 1) ++matched;
+      testing::expect_matches_file(sd, m.path, m.image);
+    });
+  }
+  for (auto& t : clients) t.join();
+  EXPECT_EQ(matched.load(), 6);
+  const StoreStatus s = store_status(daemon.socket());
+  EXPECT_EQ(s.reads, 1u);
+  EXPECT_EQ(s.misses + s.hits, 6u);
+}
+
+TEST(StoreTest, UnheldEntriesAreEvictedLeastRecentlyUsedFirst) {
+  TempDir dir;
+  const Model a = write_even_model(dir, "a.safetensors", 4);
+  const Model b = write_even_model(dir, "b.safetensors", 5);
+  const Model c = write_even_model(dir, "c.safetensors", 6);
+  Daemon daemon(dir, 2 * charge_of(std::filesystem::file_size(a.path)));  // room for two entries, not three
+  (void)load_through(daemon.socket(), a);
+  (void)load_through(daemon.socket(), b);
+  (void)load_through(daemon.socket(), a);  // a is now the more recent
+  (void)load_through(daemon.socket(), c);  // evicts b
+  const StoreStatus s = store_status(daemon.socket());
+  EXPECT_EQ(s.evictions, 1u);
+  ASSERT_EQ(s.entries.size(), 2u);
+  EXPECT_EQ(s.entries[0].path, c.path);
+  EXPECT_EQ(s.entries[1].path, a.path);
+  EXPECT_LE(s.bytes, s.budget_bytes);
+}
+
+TEST(StoreTest, HeldEntriesStayAndAFullBudgetFallsBackOrFails) {
+  TempDir dir;
+  const Model a = write_even_model(dir, "a.safetensors", 7);
+  const Model b = write_even_model(dir, "b.safetensors", 8);
+  Daemon daemon(dir, charge_of(std::filesystem::file_size(a.path)));  // room for one entry
+  StateDict held = load_through(daemon.socket(), a);
+  EXPECT_EQ(store_status(daemon.socket()).entries.at(0).holders, 1u);
+  // b does not fit beside the held a: read without the store, or an error when the store is required.
+  LoadProgress p;
+  StateDict local = load_through(daemon.socket(), b, &p);
+  EXPECT_EQ(p.files_store, 0u);
+  testing::expect_matches_file(local, b.path, b.image);
+  EXPECT_THROW(load_through(daemon.socket(), b, nullptr, true), OutOfMemoryError);
+  testing::expect_matches_file(held, a.path, a.image);
+  // Dropping the tensors closes the load's connection and ends its hold.
+  held = StateDict();
+  for (int i = 0; i < 200 && store_status(daemon.socket()).entries.at(0).holders != 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  EXPECT_EQ(store_status(daemon.socket()).entries.at(0).holders, 0u);
+  (void)load_through(daemon.socket(), b, &p);
+  EXPECT_EQ(p.files_store, 1u);
+}
+
+TEST(StoreTest, TensorsOutliveTheDaemon) {
+  TempDir dir;
+  const Model m = write_model(dir, "a.safetensors", 9);
+  StateDict sd;
+  {
+    Daemon daemon(dir);
+    sd = load_through(daemon.socket(), m);
+  }
+  testing::expect_matches_file(sd, m.path, m.image);
+}
+
+TEST(StoreTest, AnUnreachableStoreLoadsLocallyUnlessRequired) {
+  TempDir dir;
+  const Model m = write_model(dir, "a.safetensors", 10);
+  LoadProgress p;
+  StateDict sd = load_through(dir.file("nobody.sock"), m, &p);
+  EXPECT_EQ(p.files_store, 0u);
+  testing::expect_matches_file(sd, m.path, m.image);
+  try {
+    (void)load_through(dir.file("nobody.sock"), m, nullptr, true);
+    ADD_FAILURE() << "no error";
+  } catch (const UnavailableError& e) {
+    EXPECT_EQ(e.context().file, dir.file("nobody.sock"));
+  }
+}
+
+TEST(StoreTest, AFileReplacedAfterItsHeaderWasReadIsAnError) {
+  TempDir dir;
+  Daemon daemon(dir);
+  const Model m = write_model(dir, "a.safetensors", 11);
+  const Checkpoint checkpoint = open_checkpoint(default_env(), {m.path});
+  std::mt19937_64 rng(12);
+  testing::write_random_checkpoint(dir.file("b.safetensors"), rng, 6);
+  std::filesystem::rename(dir.file("b.safetensors"), m.path);  // a new inode under the path
+  Loader loader(with_store(daemon.socket()));
+  EXPECT_THROW((void)loader.load(checkpoint), IoError);
+}
+
+TEST(StoreTest, AFailedReadIsAnErrorAndLeavesNoEntry) {
+  TempDir dir;
+  Faults faults;
+  faults.truncate_to = 4096;  // the daemon's reads find the file cut after its header
+  FaultEnv env(faults);
+  Daemon daemon(dir, 1u << 30, &env);
+  const Model m = write_model(dir, "a.safetensors", 13);
+  ASSERT_GT(std::filesystem::file_size(m.path), 3 * 4096u);
+  try {
+    (void)load_through(daemon.socket(), m, nullptr, true);
+    ADD_FAILURE() << "no error";
+  } catch (const IoError& e) {
+    EXPECT_EQ(e.context().file, m.path);
+    EXPECT_NE(std::string(e.what()).find("ended early"), std::string::npos) << e.what();
+  }
+  StoreStatus s = store_status(daemon.socket());
+  EXPECT_TRUE(s.entries.empty());
+  EXPECT_EQ(s.bytes, 0u);
+  EXPECT_EQ(s.reads, 0u);
+  // Not required: the load reads the file itself, whole.
+  LoadProgress p;
+  StateDict sd = load_through(daemon.socket(), m, &p);
+  EXPECT_EQ(p.files_store, 0u);
+  testing::expect_matches_file(sd, m.path, m.image);
+}
+
+TEST(StoreTest, ASecondDaemonOnALiveSocketIsRefusedAndAStaleOneReplaced) {
+  TempDir dir;
+  {
+    Daemon first(dir);
+    Daemon second(dir);
+    EXPECT_NE(second.failure().find("another store"), std::string::npos) << second.failure();
+  }
+  // A socket file that nothing listens on (a crashed daemon's).
+  const int fd = ::socket(AF_UNIX, SOCK_SEQPACKET, 0);
+  sockaddr_un a{};
+  a.sun_family = AF_UNIX;
+  std::strcpy(a.sun_path, dir.file("store.sock").c_str());
+  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+  ::close(fd);
+  ASSERT_TRUE(std::filesystem::exists(dir.file("store.sock")));
+  Daemon restarted(dir);
+  EXPECT_EQ(restarted.failure(), "");
+  const Model m = write_model(dir, "a.safetensors", 14);
+  LoadProgress p;
+  (void)load_through(restarted.socket(), m, &p);
+  EXPECT_EQ(p.files_store, 1u);
+}
+
+// Sends one raw record (and `fds`) and returns the reply's body.
+nlohmann::json send_raw(int fd, const std::string& bytes, const std::vector<int>& fds = {}) {
+  iovec iov{const_cast<char*>(bytes.data()), bytes.size()};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 8)] = {};
+  if (!fds.empty()) {
+    msg.msg_control = control;
+    msg.msg_controllen = CMSG_SPACE(sizeof(int) * fds.size());
+    cmsghdr* c = CMSG_FIRSTHDR(&msg);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(sizeof(int) * fds.size());
+    std::memcpy(CMSG_DATA(c), fds.data(), sizeof(int) * fds.size());
+  }
+  EXPECT_GE(::sendmsg(fd, &msg, MSG_NOSIGNAL), 0);
+  std::optional<detail::WireMessage> reply = detail::receive_message(fd);
+  EXPECT_TRUE(reply.has_value());
+  return reply ? reply->body : nlohmann::json();
+}
+
+TEST(StoreTest, MalformedRequestsGetErrorsAndTheDaemonGoesOn) {
+  TempDir dir;
+  Daemon daemon(dir);
+  const Model m = write_model(dir, "a.safetensors", 15);
+  (void)load_through(daemon.socket(), m);  // the entry's memfd is open from now on
+  const int before = testing::open_fd_count();
+  {
+    ScopedFd file(default_env(), ::open(m.path.c_str(), O_RDONLY));
+    ScopedFd pipe_read, pipe_write;
+    int p[2];
+    ASSERT_EQ(::pipe(p), 0);
+    pipe_read = ScopedFd(default_env(), p[0]);
+    pipe_write = ScopedFd(default_env(), p[1]);
+    const int fd = ::socket(AF_UNIX, SOCK_SEQPACKET, 0);
+    sockaddr_un a{};
+    a.sun_family = AF_UNIX;
+    std::strcpy(a.sun_path, daemon.socket().c_str());
+    ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+    const std::vector<std::pair<std::string, std::vector<int>>> cases = {
+        {"not json", {}},
+        {"[1,2,3]", {}},
+        {"{}", {}},
+        {R"({"op": 7})", {}},
+        {R"({"op": "explode"})", {}},
+        {R"({"op": "get"})", {}},
+        {R"({"op": "get", "path": 5, "hold": "yes"})", {pipe_read.get()}},
+        {R"({"op": "get"})", {file.get(), file.get()}},
+        {R"({"op": "get"})", {pipe_write.get()}},
+        {R"({"op": "evict"})", {file.get(), file.get()}},
+        {std::string(70000, '{'), {}},
+        {R"({"op": "get"})", {file.get(), file.get(), file.get(), file.get(), file.get(), file.get()}},
+    };
+    for (const auto& [bytes, fds] : cases) {
+      const nlohmann::json reply = send_raw(fd, bytes, fds);
+      EXPECT_EQ(reply.value("ok", true), false) << bytes.substr(0, 40);
+      EXPECT_TRUE(reply.contains("error")) << bytes.substr(0, 40);
+    }
+    // Random records: every one is answered, none kills the daemon.
+    std::mt19937_64 rng(16);
+    for (int i = 0; i < 300; ++i) {
+      std::string junk(rng() % 200, '\0');
+      for (char& c : junk) c = static_cast<char>(rng());
+      if (i % 3 == 0) junk = R"({"op": "get", "hold": )" + junk + "}";
+      const nlohmann::json reply = send_raw(fd, junk.empty() ? std::string("x") : junk);
+      EXPECT_TRUE(reply.is_object());
+    }
+    ::close(fd);
+  }
+  LoadProgress p;
+  StateDict sd = load_through(daemon.socket(), m, &p);
+  EXPECT_EQ(p.files_store, 1u);
+  testing::expect_matches_file(sd, m.path, m.image);
+  EXPECT_GE(store_status(daemon.socket()).errors, 12u);
+  sd = StateDict();
+  // The daemon closed every descriptor it was sent (it runs in this process).
+  for (int i = 0; i < 200 && testing::open_fd_count() > before; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  EXPECT_LE(testing::open_fd_count(), before);
+}
+
+TEST(StoreTest, WarmAndEvictByPath) {
+  TempDir dir;
+  Daemon daemon(dir);
+  const Model a = write_model(dir, "a.safetensors", 17);
+  const Model b = write_model(dir, "b.safetensors", 18);
+  EXPECT_EQ(store_warm(daemon.socket(), {a.path, b.path}),
+            std::filesystem::file_size(a.path) + std::filesystem::file_size(b.path));
+  StoreStatus s = store_status(daemon.socket());
+  EXPECT_EQ(s.reads, 2u);
+  EXPECT_EQ(s.entries.size(), 2u);
+  EXPECT_EQ(s.entries[0].holders + s.entries[1].holders, 0u);  // warming holds nothing
+  EXPECT_EQ(store_evict(daemon.socket(), {a.path}), 1u);
+  s = store_status(daemon.socket());
+  ASSERT_EQ(s.entries.size(), 1u);
+  EXPECT_EQ(s.entries[0].path, b.path);
+  EXPECT_EQ(store_evict(daemon.socket(), {}), 1u);
+  EXPECT_EQ(store_status(daemon.socket()).bytes, 0u);
+}
+
+}  // namespace
+}  // namespace pinload
