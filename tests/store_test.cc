@@ -15,6 +15,7 @@
 
 #include "fault_env.h"
 #include "file_check.h"
+#include "pinload/device.h"
 #include "pinload/error.h"
 #include "pinload/loader.h"
 #include "pinload/store.h"
@@ -400,6 +401,42 @@ TEST(StoreTest, WarmAndEvictByPath) {
   EXPECT_EQ(s.entries[0].path, b.path);
   EXPECT_EQ(store_evict(daemon.socket(), {}), 1u);
   EXPECT_EQ(store_status(daemon.socket()).bytes, 0u);
+}
+
+}  // namespace
+}  // namespace pinload
+
+namespace pinload {
+namespace {
+
+// A device load takes its host copy from the store and copies from there:
+// the device's bytes equal the file's, in both modes.
+TEST(StoreTest, DeviceLoadsCopyFromTheStoresCopy) {
+  TempDir dir;
+  Daemon daemon(dir);
+  const Model m = write_model(dir, "a.safetensors", 19);
+  const std::vector<char> file = testing::slurp(m.path);
+  std::unique_ptr<Device> device = make_sim_device();
+  for (const DeviceMode mode : {DeviceMode::kCached, DeviceMode::kStreaming}) {
+    LoadOptions o = with_store(daemon.socket());
+    o.target.device = device.get();
+    o.target.mode = mode;
+    Loader loader(o);
+    LoadHandle h = loader.load_async({m.path});
+    const StateDict sd = h.wait();
+    EXPECT_EQ(h.progress().files_store, 1u);
+    EXPECT_EQ(h.progress().bytes_copied, h.progress().bytes_total);
+    for (const testing::Layout& t : testing::layout_of(m.image)) {
+      const Tensor& tensor = sd.at(t.name);
+      ASSERT_TRUE(tensor.on_device());
+      EXPECT_EQ(tensor.on_host(), mode == DeviceMode::kCached);
+      std::vector<char> back(tensor.nbytes());
+      if (!back.empty()) device->copy_to_host(back.data(), *tensor.device_buffer(), tensor.device_offset(), back.size());
+      EXPECT_TRUE(std::equal(back.begin(), back.end(), file.begin() + static_cast<std::ptrdiff_t>(8 + m.image.header_json.size() + t.begin)))
+          << t.name;
+    }
+  }
+  EXPECT_EQ(store_status(daemon.socket()).reads, 1u);
 }
 
 }  // namespace

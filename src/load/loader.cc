@@ -544,6 +544,14 @@ StateDict Loader::run(const Checkpoint& checkpoint, const LoadRequest& request, 
       return std::move(*sd);
     }
   }
+  if (may_map && options_.target.device != nullptr && !options_.dtype.active() && !options_.verify.active() &&
+      request.adopt == nullptr && request.record == nullptr) {
+    if (std::optional<StateDict> sd = detail::load_to_device_from_store(options_, env_, checkpoint, counters, stop)) {
+      if (counters->ready != nullptr) counters->ready->push(std::vector<Tensor>(sd->begin(), sd->end()));
+      if (counters->stream) return StateDict();
+      return std::move(*sd);
+    }
+  }
   // Note [Zero-copy loads]: host files handed out as leased mappings.
   if (may_map && options_.zero_copy != ZeroCopy::kOff && options_.target.device == nullptr &&
       !options_.dtype.active() && !options_.verify.active() && request.adopt == nullptr &&

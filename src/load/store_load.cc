@@ -37,10 +37,12 @@ void unavailable(const StoreOptions& store, const Error& e) {
 
 }  // namespace
 
-std::optional<StateDict> load_from_store(const LoadOptions& options, Env* env, const Checkpoint& checkpoint,
-                                         Loader::Counters* counters, std::stop_token stop,
-                                         const std::function<void(std::vector<Tensor>)>& hand_out,
-                                         const std::function<StateDict(const Checkpoint&)>& read) {
+namespace {
+
+// Each local file of `checkpoint` the store serves, mapped; null where it is
+// read instead. nullopt where the store is not used at all.
+std::optional<std::vector<MappedFile>> map_from_store(const LoadOptions& options, Env* env,
+                                                      const Checkpoint& checkpoint, std::stop_token stop) {
   const StoreOptions store = StoreOptions::from_environment(options.store);
   if (!store.active()) return std::nullopt;
   if (std::none_of(checkpoint.files.begin(), checkpoint.files.end(), [](const auto& f) { return f.version.empty(); })) {
@@ -85,11 +87,61 @@ std::optional<StateDict> load_from_store(const LoadOptions& options, Env* env, c
     std::shared_ptr<StoreMapping> m = StoreMapping::map(connection, std::move(served), cf.path);
     mapped[i] = MappedFile{m->data(), m->block()};
   }
-  if (std::none_of(mapped.begin(), mapped.end(), [](const MappedFile& m) { return m.block != nullptr; })) {
+  return mapped;
+}
+
+}  // namespace
+
+std::optional<StateDict> load_from_store(const LoadOptions& options, Env* env, const Checkpoint& checkpoint,
+                                         Loader::Counters* counters, std::stop_token stop,
+                                         const std::function<void(std::vector<Tensor>)>& hand_out,
+                                         const std::function<StateDict(const Checkpoint&)>& read) {
+  std::optional<std::vector<MappedFile>> mapped = map_from_store(options, env, checkpoint, stop);
+  if (!mapped || std::none_of(mapped->begin(), mapped->end(), [](const MappedFile& m) { return m.block != nullptr; })) {
     return std::nullopt;
   }
-  return hand_out_mapped(options, checkpoint, std::move(mapped), &counters->files_store, counters, stop, hand_out,
+  return hand_out_mapped(options, checkpoint, std::move(*mapped), &counters->files_store, counters, stop, hand_out,
                          read);
+}
+
+std::optional<StateDict> load_to_device_from_store(const LoadOptions& options, Env* env, const Checkpoint& checkpoint,
+                                                   Loader::Counters* counters, std::stop_token stop) {
+  std::optional<std::vector<MappedFile>> mapped = map_from_store(options, env, checkpoint, stop);
+  if (!mapped || std::any_of(mapped->begin(), mapped->end(), [](const MappedFile& m) { return m.block == nullptr; })) {
+    return std::nullopt;  // the mappings, and their holds, go
+  }
+  std::vector<Tensor> host;
+  host.reserve(checkpoint.tensor_count());
+  std::uint64_t bytes = 0;
+  std::vector<std::pair<std::string, std::string>> metadata;
+  for (std::size_t i = 0; i < checkpoint.files.size(); ++i) {
+    const CheckpointFile& cf = checkpoint.files[i];
+    const std::uint64_t base = cf.header.data_offset();
+    for (const TensorInfo& t : cf.header.tensors) {
+      host.emplace_back(cf.name_prefix + t.name, t.dtype, t.shape, (*mapped)[i].block, base + t.begin, t.nbytes());
+    }
+    bytes += cf.header.data_size();
+    for (const auto& kv : cf.header.metadata) {
+      if (std::none_of(metadata.begin(), metadata.end(), [&](const auto& m) { return m.first == kv.first; })) {
+        metadata.push_back(kv);
+      }
+    }
+  }
+  counters->bytes_total += bytes;
+  if (stop.stop_requested()) throw CancelledError("load cancelled");
+  // Straight from the shared pages to the device: no staging copy.
+  StateDict both = upload(StateDict(std::move(host), metadata), *options.target.device, options.target.copy);
+  counters->files_store += checkpoint.files.size();
+  counters->bytes_done += bytes;
+  counters->bytes_copied += bytes;
+  if (options.target.mode == DeviceMode::kCached) return both;
+  // Streaming: the tensors are on the device only; the mappings go now.
+  std::vector<Tensor> device_only;
+  device_only.reserve(both.size());
+  for (const Tensor& t : both) {
+    device_only.emplace_back(t.name(), t.dtype(), t.shape(), t.device_buffer(), t.device_offset(), t.nbytes());
+  }
+  return StateDict(std::move(device_only), both.metadata());
 }
 
 }  // namespace pinload::detail

@@ -24,4 +24,12 @@ std::optional<StateDict> load_from_store(const LoadOptions& options, Env* env, c
                                          const std::function<void(std::vector<Tensor>)>& hand_out,
                                          const std::function<StateDict(const Checkpoint&)>& read);
 
+// A device load of `checkpoint` whose files the store serves, every one of
+// them: each is copied to the device from its mapping (upload(), no staging
+// copy); kCached tensors keep the mapping as their host copy. nullopt where
+// the store is not used or does not serve every file (the load then reads
+// them itself). Throws as load_from_store, and what upload() throws.
+std::optional<StateDict> load_to_device_from_store(const LoadOptions& options, Env* env, const Checkpoint& checkpoint,
+                                                   Loader::Counters* counters, std::stop_token stop);
+
 }  // namespace pinload::detail

@@ -446,7 +446,9 @@ bool peer_allowed(int fd, const StoreServerOptions& options, std::uint32_t* uid)
   return std::find(options.allowed_uids.begin(), options.allowed_uids.end(), cred.uid) != options.allowed_uids.end();
 }
 
-void serve_connection(Store& store, int fd) {
+// Answers a connection's requests in order until it closes. A peer that
+// SO_PEERCRED does not allow (`refusal` set) gets that error for each.
+void serve_connection(Store& store, int fd, const std::optional<IoError>& refusal) {
   std::vector<std::shared_ptr<Entry>> held;
   for (;;) {
     std::optional<detail::WireMessage> message;
@@ -459,7 +461,9 @@ void serve_connection(Store& store, int fd) {
     if (!message) break;
     json reply;
     std::vector<int> fds;
-    if (!message->malformed.empty()) {
+    if (refusal) {
+      reply = detail::error_reply(*refusal);
+    } else if (!message->malformed.empty()) {
       ++store.errors;
       reply = detail::error_reply(InvalidArgumentError("malformed request: " + message->malformed));
     } else {
@@ -526,13 +530,12 @@ int serve_store(const StoreServerOptions& given) {
     const int fd = ::accept4(listener.fd.get(), nullptr, nullptr, SOCK_CLOEXEC);
     if (fd < 0) continue;
     std::uint32_t uid = 0;
+    std::optional<IoError> refusal;
     if (!peer_allowed(fd, options, &uid)) {
       ++store.refused;
       log::warn("store: refused a client of uid {} (allowed: the daemon's uid, root, --allow-uid)", uid);
-      (void)detail::send_message(fd, detail::error_reply(IoError(
-          "uid " + std::to_string(uid) + " is not allowed to use the store on " + options.socket)));
-      ::close(fd);
-      continue;
+      refusal.emplace("uid " + std::to_string(uid) + " is not allowed to use the store (pinload store serve --allow-uid)",
+                      ErrorContext{options.socket});
     }
     if (store.clients.load() >= kMaxConnections) {
       (void)detail::send_message(fd, detail::error_reply(UnavailableError("the store serves " +
@@ -543,8 +546,8 @@ int serve_store(const StoreServerOptions& given) {
     ++store.clients;
     auto done = std::make_shared<std::atomic<bool>>(false);
     std::lock_guard lock(clients_mu);
-    clients.push_back(Client{std::jthread([&store, fd, done] {
-                               serve_connection(store, fd);
+    clients.push_back(Client{std::jthread([&store, fd, done, refusal] {
+                               serve_connection(store, fd, refusal);
                                --store.clients;
                                done->store(true);
                              }),
