@@ -302,6 +302,28 @@ else
   log "fresh_device: skipped ($(remaining)s left or no Python module)"
 fi
 
+# ---- a device load from the node store (docs/store.md): the daemon holds the checkpoint; a CLI
+# load to cuda:0 copies from its shared pages (no staging copy). Compare its GB/s in store.log with
+# bench_device's pinned cudaMemcpy (target: >= 0.9 x).
+if (($(remaining) > 120)) && [[ -x "$BUILD/pinload" && -d "${M:-}" ]]; then
+  STORE_DIR=$(mktemp -d)
+  echo advise > /sys/kernel/mm/transparent_hugepage/shmem_enabled 2>/dev/null || true
+  "$BUILD/pinload" store serve --socket "$STORE_DIR/s.sock" --budget 8G --ready-file "$STORE_DIR/ready" \
+    2>>"$OUT/store.log" &
+  STORE_PID=$!
+  for _ in $(seq 100); do [[ -f "$STORE_DIR/ready" ]] && break; sleep 0.1; done
+  run_step store_warm 60 "$OUT/store.log" "$BUILD/pinload" store warm --socket "$STORE_DIR/s.sock" "$M/text_encoder" "$M/vae"
+  for i in 1 2 3; do
+    run_step "store_device_$i" 60 "$OUT/store.log" "$BUILD/pinload" load --store "$STORE_DIR/s.sock" --store-required \
+      --device cuda:0 -v "$M/text_encoder" "$M/vae" || TESTS_FAILED=1
+  done
+  "$BUILD/pinload" store status --socket "$STORE_DIR/s.sock" >>"$OUT/store.log" 2>&1 || true
+  kill "$STORE_PID" 2>/dev/null; wait "$STORE_PID" 2>/dev/null || true
+  rm -rf "$STORE_DIR"
+else
+  log "store_device: skipped ($(remaining)s left or no checkpoint)"
+fi
+
 # ---- the vLLM plugin on cuda:0 (tests/serving/gpu_vllm_check.py): pinload's iterator against
 # vLLM's default one, and a tiny Llama through --load-format pinload; skipped where vLLM is missing
 if ls "$BUILD"/python/pinload/_core*.so >/dev/null 2>&1 && python3 -c 'import vllm' >/dev/null 2>&1; then

@@ -200,11 +200,10 @@ void add_load_command(CLI::App& app) {
       ->allow_extra_args(false);  // the PATHs after it are not its values
   // Note [Store clients] (store.h): files mapped from the node store.
   command->add_option("--store", args->load.store.socket,
-                      "map files from the node store (pinload store serve) on SOCKET; 'default': " +
-                          default_store_socket())
+                      "map files from the node store on SOCKET (or 'default')")
       ->type_name("SOCKET");
   command->add_flag("--store-required", args->load.store.required,
-                    "fail (exit 1) where the store cannot be reached, instead of loading without it");
+                    "exit 1 where the store cannot be reached, not load without it");
   add_paths(*command, &args->paths);
   command->callback([args] {
     StoreOptions& store = args->load.store;

@@ -84,13 +84,14 @@ void print_status(const StoreStatus& s, bool as_json) {
                               {"bytes_read", s.bytes_read}, {"evictions", s.evictions},
                               {"clients", s.clients}, {"refused", s.refused},
                               {"errors", s.errors}, {"numa_node", s.numa_node},
+                              {"shmem_huge_pages", s.shmem_huge_pages},
                               {"entries", entries}};
     std::printf("%s\n", j.dump(2).c_str());
     return;
   }
-  std::printf("bytes %llu of %llu budget (%llu in huge pages), %zu entries\n", static_cast<unsigned long long>(s.bytes),
-              static_cast<unsigned long long>(s.budget_bytes), static_cast<unsigned long long>(s.huge_page_bytes),
-              s.entries.size());
+  std::printf("bytes %llu of %llu budget (%llu in huge pages; shmem_enabled %s), %zu entries\n",
+              static_cast<unsigned long long>(s.bytes), static_cast<unsigned long long>(s.budget_bytes),
+              static_cast<unsigned long long>(s.huge_page_bytes), s.shmem_huge_pages.c_str(), s.entries.size());
   std::printf("hits %llu, misses %llu, files read %llu (%llu bytes), evictions %llu\n",
               static_cast<unsigned long long>(s.hits), static_cast<unsigned long long>(s.misses),
               static_cast<unsigned long long>(s.reads), static_cast<unsigned long long>(s.bytes_read),

@@ -118,6 +118,7 @@ StoreStatus store_status(const std::string& socket) {
     s.refused = j.at("refused");
     s.errors = j.at("errors");
     s.numa_node = j.at("numa_node");
+    s.shmem_huge_pages = j.at("shmem_huge_pages");
     for (const auto& e : j.at("entries")) {
       s.entries.push_back({e.at("path"), e.at("bytes"), e.at("holders"), e.at("hits")});
     }

@@ -88,6 +88,17 @@ std::uint64_t huge_page_bytes_at(const void* address) {
   return 0;
 }
 
+// The kernel's choice for huge pages in shared memory: "always", "within_size",
+// "advise", "never", "deny" or "force" (the bracketed word of shmem_enabled);
+// "" where it cannot be read.
+std::string shmem_huge_pages() {
+  std::ifstream f("/sys/kernel/mm/transparent_hugepage/shmem_enabled");
+  std::string text;
+  std::getline(f, text);
+  const auto open = text.find('['), close = text.find(']');
+  return open != std::string::npos && close > open ? text.substr(open + 1, close - open - 1) : std::string();
+}
+
 struct Entry {
   std::string key;
   std::string path;             // as the first client named it
@@ -434,6 +445,7 @@ json Store::status() {
           {"hits", hits_},                         {"misses", misses_},   {"reads", reads_},
           {"bytes_read", bytes_read_},             {"evictions", evictions_}, {"clients", clients.load()},
           {"refused", refused.load()},             {"errors", errors.load()}, {"numa_node", options_.numa_node},
+          {"shmem_huge_pages", shmem_huge_pages()},
           {"entries", std::move(entries)}};
 }
 
@@ -501,6 +513,12 @@ int serve_store(const StoreServerOptions& given) {
     log::info("store: budget {} bytes ({} of what {} leaves)", options.budget_bytes, kDefaultStoreShare, limit->source);
   }
   detail::ListeningSocket listener = detail::listen_on(options.socket, options.socket_mode);
+  // Note [Huge pages for the store] (docs/store.md): a client maps a 4 KiB-page entry at
+  // about 5 GB/s (a page-table entry per page), a huge-page one at memory speed.
+  if (const std::string huge = shmem_huge_pages(); huge == "never" || huge == "deny") {
+    log::warn("store: shared memory gets no huge pages here (transparent_hugepage/shmem_enabled is {}): clients "
+              "map entries page by page; set it to advise (docs/store.md)", huge);
+  }
   Store store(options, env);
   struct Client {
     std::jthread thread;

@@ -277,3 +277,25 @@ def test_random_records_get_answers_and_the_daemon_goes_on(tmp_path, pinload_bin
     got, r = cli_digests(pinload_bin, daemon.socket, model, "-v")
     assert got == digests(model) and "1 from the store" in r.stderr
     assert status(pinload_bin, daemon.socket)["errors"] >= 200
+
+
+ENV_CLIENT = textwrap.dedent("""
+    import sys, hashlib, numpy as np, pinload, pinload.torch
+    model = sys.argv[1]
+    a = pinload.torch.load_file(model)                       # the safetensors drop-in
+    b = dict(pinload.iter_tensors([model]))                  # streaming, as the vLLM plugin reads
+    digest = lambda sd: {k: hashlib.sha256(v.contiguous().view(-1).view(__import__("torch").uint8).numpy().tobytes()).hexdigest()
+                         for k, v in sd.items()}
+    print(repr([digest(a), digest(b)]))
+""")
+
+
+def test_the_pinload_store_variable_routes_every_python_load(tmp_path, pinload_bin, daemon):
+    model = write_model(tmp_path / "m.safetensors", 4, 11)
+    r = subprocess.run([sys.executable, "-c", ENV_CLIENT, str(model)], capture_output=True, text=True, timeout=120,
+                       env={**CLIENT_ENV, "PINLOAD_STORE": daemon.socket})
+    assert r.returncode == 0, r.stderr
+    a, b = eval(r.stdout)
+    assert a == digests(model) and b == digests(model)
+    s = status(pinload_bin, daemon.socket)
+    assert s["reads"] == 1 and s["hits"] == 1, s
