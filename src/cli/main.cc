@@ -10,6 +10,7 @@
 #include <new>
 #include <string>
 
+#include "base/log.h"
 #include "cli/command.h"
 #include "pinload/error.h"
 
@@ -41,6 +42,8 @@ int usage_error(const CLI::App& app, const CLI::App* command, const std::string&
 }
 
 int run(int argc, char** argv) {
+  // PINLOAD_LOG_LEVEL is read (and a bad value reported) once, at start, whatever the command logs.
+  (void)log::logger();
   CLI::App app("pinload: inspect, load and convert safetensors checkpoints fast", "pinload");
   app.set_version_flag("--version", std::string("pinload ") + PINLOAD_VERSION);
   app.require_subcommand(1);

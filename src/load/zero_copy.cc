@@ -238,6 +238,9 @@ StateDict hand_out_mapped(const LoadOptions& options, const Checkpoint& checkpoi
   // no page faults, and a page that cannot be read fails here, typed.
   populate_mapped(mapped, checkpoint, options.threads, options.block_size, stop);
   if (stop.stop_requested()) throw CancelledError("load cancelled");
+  for (std::size_t i = 0; i < mapped.size(); ++i) {
+    if (mapped[i].block) log::debug("{}: handed out from a mapping", checkpoint.files[i].path);
+  }
   std::vector<std::vector<Tensor>> by_file(mapped.size());
   for (std::size_t i = 0; i < mapped.size(); ++i) {
     if (!mapped[i].block) continue;
