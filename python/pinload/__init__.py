@@ -76,6 +76,7 @@ __all__ = [
     "OutOfMemoryError",
     "convert",
     "cuda_available",
+    "store_status",
     "deserialize",
     "iter_tensors",
     "load_file",
@@ -219,6 +220,19 @@ def write_manifest(paths: Any, output: Any = None, *, variant: str = "",
         raise ValueError("no path given")
     out = None if output is None else os.fsencode(os.fspath(output))
     return _core.write_manifest(names, out, variant=variant, piece_bytes=piece_bytes)
+
+
+def store_status(socket: Any = None) -> dict:
+    """The node store's status (docs/store.md): ``bytes`` it holds (count them once per node, as the
+    daemon's), ``budget_bytes``, hits, misses, reads, clients and ``entries`` (path, bytes, holders,
+    hits). ``socket``: its path; None: ``PINLOAD_STORE``, else the default socket. Raises
+    :class:`UnavailableError` where no daemon answers."""
+    import os
+
+    if socket is None:
+        env = os.environ.get("PINLOAD_STORE", "")
+        socket = env if env not in ("", "0", "off", "false", "1", "default", "true", "on") else None
+    return _core.store_status(os.fspath(socket) if socket is not None else _core.default_store_socket())
 
 
 def cuda_available() -> tuple[bool, str]:

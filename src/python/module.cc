@@ -23,6 +23,7 @@
 #include "pinload/loader.h"
 #include "pinload/manifest.h"
 #include "pinload/pool.h"
+#include "pinload/store.h"
 #include "registry.h"
 
 #ifndef PINLOAD_VERSION
@@ -127,6 +128,43 @@ PYBIND11_MODULE(_core, m) {
     for (int i = 0; i < kDTypeCount; ++i) out.append(py::str(std::string(dtype_name(static_cast<DType>(i)))));
     return out;
   });
+  // The node store's status (docs/store.md): what an engine counts for host memory.
+  m.def(
+      "store_status",
+      [](const std::string& socket) {
+        StoreStatus s;
+        {
+          py::gil_scoped_release release;
+          s = pinload::store_status(socket);
+        }
+        py::list entries;
+        for (const StoreEntryStatus& e : s.entries) {
+          py::dict d;
+          d["path"] = e.path;
+          d["bytes"] = e.bytes;
+          d["holders"] = e.holders;
+          d["hits"] = e.hits;
+          entries.append(d);
+        }
+        py::dict d;
+        d["budget_bytes"] = s.budget_bytes;
+        d["bytes"] = s.bytes;
+        d["huge_page_bytes"] = s.huge_page_bytes;
+        d["shmem_huge_pages"] = s.shmem_huge_pages;
+        d["hits"] = s.hits;
+        d["misses"] = s.misses;
+        d["reads"] = s.reads;
+        d["bytes_read"] = s.bytes_read;
+        d["evictions"] = s.evictions;
+        d["clients"] = s.clients;
+        d["refused"] = s.refused;
+        d["errors"] = s.errors;
+        d["numa_node"] = s.numa_node;
+        d["entries"] = entries;
+        return d;
+      },
+      py::arg("socket"));
+  m.def("default_store_socket", &default_store_socket);
   m.def("built_with_cuda", &built_with_cuda);
   m.def("cuda_available", [] {
     std::string why;

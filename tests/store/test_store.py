@@ -299,3 +299,9 @@ def test_the_pinload_store_variable_routes_every_python_load(tmp_path, pinload_b
     assert a == digests(model) and b == digests(model)
     s = status(pinload_bin, daemon.socket)
     assert s["reads"] == 1 and s["hits"] == 1, s
+    # The same figures from Python, for an engine's memory accounting.
+    r = subprocess.run([sys.executable, "-c", "import pinload; print(repr(pinload.store_status()))"],
+                       capture_output=True, text=True, timeout=60, env={**CLIENT_ENV, "PINLOAD_STORE": daemon.socket})
+    assert r.returncode == 0, r.stderr
+    py = eval(r.stdout)
+    assert py["bytes"] == s["bytes"] > 0 and py["entries"][0]["path"] == str(model) and py["reads"] == 1
