@@ -1,6 +1,8 @@
 #include "store/client.h"
 
 #include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/time.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -34,6 +36,17 @@ nlohmann::json StoreConnection::request(const nlohmann::json& request, std::span
   throw_if_error(reply->body, socket_);
   if (received != nullptr) *received = std::move(reply->fds);
   return std::move(reply->body);
+}
+
+StoreConnection::~StoreConnection() {
+  // A bounded wait: a daemon that does not answer within a second gets the
+  // close alone, which ends the holds too.
+  const timeval second{1, 0};
+  (void)::setsockopt(fd_.get(), SOL_SOCKET, SO_RCVTIMEO, &second, sizeof(second));
+  try {
+    (void)request({{"op", "release"}});
+  } catch (const std::exception&) {
+  }
 }
 
 StoreConnection::Served StoreConnection::get(int fd, const std::string& path, bool hold) {

@@ -42,6 +42,10 @@ class StoreConnection {
 
   const std::string& socket() const noexcept { return socket_; }
 
+  // Ends this connection's holds before it closes (the daemon would see the
+  // close a moment later): once a load's tensors are gone, so are its holds.
+  ~StoreConnection();
+
  private:
   StoreConnection(ScopedFd fd, std::string socket) : fd_(std::move(fd)), socket_(std::move(socket)) {}
   std::mutex mu_;

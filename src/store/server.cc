@@ -154,6 +154,10 @@ json Store::handle(const detail::WireMessage& message, std::vector<std::shared_p
   if (name == "get") return get(message, held, fds_out);
   if (name == "status") return {{"ok", true}, {"status", status()}};
   if (name == "evict") return evict(message);
+  if (name == "release") {
+    release(*held);
+    return {{"ok", true}};
+  }
   throw InvalidArgumentError("unknown op \"" + name + "\"");
 }
 

@@ -52,6 +52,7 @@ std::optional<WireMessage> receive_message(int socket) {
     if (n >= 0) break;
     if (errno == EINTR) continue;
     if (errno == ECONNRESET) return std::nullopt;
+    if (errno == EAGAIN || errno == EWOULDBLOCK) throw IoError("the store did not answer in time");
     throw IoError(std::string("receiving a store message failed: ") + std::strerror(errno));
   }
   WireMessage out;
