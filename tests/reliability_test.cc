@@ -20,8 +20,8 @@
 #include <set>
 
 #include "file_check.h"
-#include "io/held_file_env.h"
 #include "pinload/checkpoint.h"
+#include "pinload/env.h"
 #include "pinload/error.h"
 #include "pinload/file_identity.h"
 #include "pinload/loader.h"

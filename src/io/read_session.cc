@@ -93,9 +93,9 @@ bool copy_mapped_chunk(Env* env, const OpenFile& f, const ReadChunk& c, std::byt
 // object (a client; or its local cached copy, Note [Remote cache]) or a local
 // file, which is opened here only to learn whether it sits on a network
 // filesystem, then closed until its first chunk.
-void prepare_source(Env* env, const CheckpointFile& cf, const LoadOptions& options, OpenFile* f) {
+void prepare_source(Env* env, const CheckpointFile& cf, const ReadOptions& options, OpenFile* f) {
   if (is_remote_path(cf.path)) {  // Note [Remote reads]
-    f->remote = remote::client_for(options.resolve.remote);
+    f->remote = remote::client_for(options.remote);
     f->object = remote::ObjectInfo{cf.path, cf.stat.size, cf.version, cf.stat.mtime_ns};
     const remote::ObjectCache* cache = f->remote->cache();
     if (cache == nullptr) return;
@@ -119,7 +119,7 @@ void prepare_source(Env* env, const CheckpointFile& cf, const LoadOptions& optio
 // Whether the load's last file will be read direct, as open_for_load decides
 // it (Note [Tapered tail] in read_plan.h): a cached file is copied from a
 // mapping, where small chunks cost more (Note [Block size] in loader.h).
-bool ends_in_direct_reads(Env* env, const LoadOptions& options, const OpenFile& last) {
+bool ends_in_direct_reads(Env* env, const ReadOptions& options, const OpenFile& last) {
   if (last.remote || last.network_fs || options.direct == DirectIo::kOff) return false;
   if (options.direct == DirectIo::kOn) return true;
   FileStat st;
@@ -131,7 +131,7 @@ bool ends_in_direct_reads(Env* env, const LoadOptions& options, const OpenFile& 
 // Every descriptor must be the file whose header was read (Note [One version
 // per load] in checkpoint.h). Remote files have none (Note [Remote reads]):
 // open_session set up their client.
-void open_for_load(Env* env, const LoadOptions& options, OpenFile* f) {
+void open_for_load(Env* env, const ReadOptions& options, OpenFile* f) {
   if (f->remote) return;
   f->buffered_fd = open_regular_or_throw(env, f->path, &f->stat);
   check_identity(f->stat, f->path, f->identity);
@@ -411,7 +411,7 @@ void ReadSession::count_files(ReadCounters* counters) const {
   counters->bytes_done = bytes_done();
 }
 
-std::unique_ptr<ReadSession> ReadSession::open(Env* env, const LoadOptions& options, Checkpoint checkpoint,
+std::unique_ptr<ReadSession> ReadSession::open(Env* env, const ReadOptions& options, Checkpoint checkpoint,
                                                std::shared_ptr<Pool> staging_pool, const TemplateReads* replay,
                                                ReadCounters* counters) {
   std::unique_ptr<ReadSession> s(new ReadSession);
@@ -442,7 +442,7 @@ std::unique_ptr<ReadSession> ReadSession::open(Env* env, const LoadOptions& opti
     // open at their first chunk: Note [Files in flight]).
     prepare_source(env, cf, options, f.get());
     if (f->remote) s->remote_threads_ = f->remote->connections();
-    if (f->network_fs) s->min_threads_ = effective_connections(options.resolve.remote);
+    if (f->network_fs) s->min_threads_ = effective_connections(options.remote);
     reads.push_back(std::move(r));
     s->files_.push_back(std::move(f));
   }
