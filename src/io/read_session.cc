@@ -15,6 +15,7 @@
 #include "io/mapped_copy.h"
 #include "memory/first_touch.h"
 #include "memory/huge_page_collapse.h"
+#include "os/read_full.h"
 #include "pinload/error.h"
 #include "pinload/file_identity.h"
 #include "pinload/memory_limit.h"
@@ -185,18 +186,18 @@ void open_for_load(Env* env, const ReadOptions& options, OpenFile* f) {
 }
 
 // Reads [offset, offset + valid) of the file to `dest` with pread, direct
-// or buffered.
+// or buffered (read_full: the retries).
 void read_with_pread(Env* env, OpenFile& f, const FileRead& plan, const ReadChunk& c, DirectIo mode,
                      ReadCounters* counters, std::byte* dest, bool direct) {
   std::uint64_t done = 0;
   while (done < c.valid) {
-    const std::uint64_t at = c.offset + done;
     const int fd = direct ? f.direct_fd.get() : f.buffered(env);
     // Direct reads ask for the whole aligned length; buffered for what is left.
-    const std::uint64_t want = direct ? c.length - done : c.valid - done;
-    const std::int64_t n = env->pread(fd, dest + done, want, at);
-    if (n == -EINTR || n == -EAGAIN) continue;
-    if (n == -EINVAL && direct && mode != DirectIo::kOn) {
+    const ReadResult r = read_full(env, fd, dest + done, c.valid - done, c.offset + done, direct ? c.length - done : 0,
+                                   direct ? plan.alignment : 1);
+    done += r.bytes;
+    const std::uint64_t at = c.offset + done;
+    if (r.error == EINVAL && direct && mode != DirectIo::kOn) {
       if (f.direct.exchange(false)) {
         log::debug("{}: O_DIRECT read refused, reading buffered", f.path);
         counters->files_direct--;
@@ -205,15 +206,14 @@ void read_with_pread(Env* env, OpenFile& f, const FileRead& plan, const ReadChun
       direct = false;
       continue;
     }
-    if (n < 0) throw_read_error(f, n, at, c.offset + c.valid);
-    if (n == 0) {
+    if (r.error != 0) throw_read_error(f, -r.error, at, c.offset + c.valid);
+    if (r.ended) {
       throw IoError("file ended at byte " + std::to_string(at) + " but was " + std::to_string(plan.file_size) +
                     " bytes when its header was read (truncated while loading?)",
                     ErrorContext{f.path, {}, at, c.offset + c.valid});
     }
-    done += static_cast<std::uint64_t>(n);
     // A short direct read leaves an unaligned position: finish buffered.
-    if (direct && done < c.valid && done % plan.alignment != 0) direct = false;
+    if (done < c.valid) direct = false;
   }
 }
 
