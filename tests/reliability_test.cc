@@ -1,4 +1,4 @@
-// Regressions of the adversarial pass (issue 13): one version of each file
+// Reliability under hostile input and limits: one version of each file
 // per load, special files, typed errors, descriptors held only for the files
 // in flight, memory limits.
 #include <fcntl.h>
