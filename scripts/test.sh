@@ -1,11 +1,18 @@
 #!/usr/bin/env bash
-# Every test: set up and build, run the whole suite (unit, Python, install
+# Every test: check the layers of src/ (scripts/check-layers.py, before
+# anything is built), set up and build, run the whole suite (unit, Python, install
 # consumer), the conversion test cross-built for aarch64 under qemu
 # (scripts/test-aarch64.sh), then the ASan+UBSan build with a short fuzz
 # run, then the TSan build of the unit suites.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The layer check needs only Python 3 and takes a second: first, or after the
+# set-up where a fresh machine has no Python yet.
+echo "== layers (scripts/check-layers.py)"
+layers_checked=0
+if command -v python3 >/dev/null; then python3 scripts/check-layers.py; layers_checked=1; fi
 scripts/setup.sh
+if [[ $layers_checked == 0 ]]; then python3 scripts/check-layers.py; fi
 JOBS=${JOBS:-$(nproc)}
 
 echo "== tests (build/)"

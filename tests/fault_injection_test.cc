@@ -21,6 +21,7 @@
 #include <tuple>
 
 #include "fault_env.h"
+#include "os/read_full.h"
 #include "pinload/checkpoint.h"
 #include "pinload/error.h"
 #include "pinload/loader.h"
@@ -232,6 +233,70 @@ TEST_F(FaultTest, EintrIsRetried) {
     expect_matches_file(rig.loader.load({path_}), path_, image_);
     expect_released(rig);
   }
+}
+
+// read_full (src/os/read_full.h), the one retry loop around Env::pread.
+class ReadFullTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    path_ = dir_.file("bytes");
+    bytes_.resize(10000);
+    for (std::size_t i = 0; i < bytes_.size(); ++i) bytes_[i] = static_cast<char>(i * 7);
+    std::ofstream(path_, std::ios::binary).write(bytes_.data(), static_cast<std::streamsize>(bytes_.size()));
+  }
+  TempDir dir_;
+  std::string path_;
+  std::string bytes_;
+};
+
+TEST_F(ReadFullTest, RetriesEintrAndShortReads) {
+  FaultEnv env(Faults{.short_read_bytes = 333, .eintr_every_other = true});
+  ScopedFd fd = open_or_throw(&env, path_);
+  std::string out(6000, '\0');
+  const ReadResult r = read_full(&env, fd.get(), out.data(), out.size(), 1000);
+  EXPECT_EQ(r.bytes, 6000u);
+  EXPECT_EQ(r.error, 0);
+  EXPECT_FALSE(r.ended);
+  EXPECT_EQ(out, bytes_.substr(1000, 6000));
+}
+
+TEST_F(ReadFullTest, ReportsTheEndOfTheFileAndWhatArrived) {
+  FaultEnv env(Faults{.short_read_bytes = 4096});
+  ScopedFd fd = open_or_throw(&env, path_);
+  std::string out(4000, '\0');
+  const ReadResult r = read_full(&env, fd.get(), out.data(), out.size(), 8000);
+  EXPECT_EQ(r.bytes, 2000u);
+  EXPECT_EQ(r.error, 0);
+  EXPECT_TRUE(r.ended);
+  EXPECT_EQ(out.substr(0, 2000), bytes_.substr(8000));
+}
+
+TEST_F(ReadFullTest, ReportsTheErrnoOfTheFailingReadAndStops) {
+  FaultEnv env(Faults{.fail_read_at = 3, .short_read_bytes = 1000});
+  ScopedFd fd = open_or_throw(&env, path_);
+  std::string out(5000, '\0');
+  const ReadResult r = read_full(&env, fd.get(), out.data(), out.size(), 0);
+  EXPECT_EQ(r.bytes, 2000u);
+  EXPECT_EQ(r.error, EIO);
+  EXPECT_FALSE(r.ended);
+  EXPECT_EQ(env.reads(), 3u);
+}
+
+TEST_F(ReadFullTest, AsksForUpToAskAndStopsOffTheAlignment) {
+  FaultEnv env(Faults{.short_read_bytes = 1000});
+  ScopedFd fd = open_or_throw(&env, path_);
+  std::string out(8192, '\0');
+  // 1000 bytes arrive, off a 512-byte alignment: back to the caller at once.
+  ReadResult r = read_full(&env, fd.get(), out.data(), 4000, 0, 8192, 512);
+  EXPECT_EQ(r.bytes, 1000u);
+  EXPECT_EQ(r.error, 0);
+  EXPECT_FALSE(r.ended);
+  // Aligned short reads go on.
+  FaultEnv aligned(Faults{.short_read_bytes = 1024});
+  r = read_full(&aligned, fd.get(), out.data(), 4000, 0, 8192, 512);
+  EXPECT_EQ(r.bytes, 4096u);
+  EXPECT_EQ(aligned.reads(), 4u);
+  EXPECT_EQ(out.substr(0, 4096), bytes_.substr(0, 4096));
 }
 
 TEST_F(FaultTest, DirectRefusedAtOpenFallsBackUnderAuto) {

@@ -99,6 +99,32 @@ TEST(LoadOptionsValidate, TheLoaderRefusesWhatFailsInsteadOfClamping) {
   }
 }
 
+TEST(LoadOptionsReadOptions, HandsTheReadersTheirFields) {
+  const ReadOptions defaults = LoadOptions{}.read_options();
+  EXPECT_EQ(defaults.block_size, kDefaultBlockSize);
+  EXPECT_EQ(defaults.direct, DirectIo::kAuto);
+  EXPECT_EQ(defaults.files_in_flight, kDefaultFilesInFlight);
+  EXPECT_EQ(defaults.resident_threshold, kDefaultResidentThreshold);
+  EXPECT_EQ(defaults.cached_read, CachedRead::kAuto);
+  EXPECT_EQ(defaults.remote, RemoteOptions{});
+
+  LoadOptions o;
+  o.block_size = 64u << 10;
+  o.direct = DirectIo::kOff;
+  o.files_in_flight = 5;
+  o.resident_threshold = 0.25;
+  o.cached_read = CachedRead::kPread;
+  o.resolve.remote.connections = 3;
+  o.resolve.remote.cache_dir = "/tmp/cache";
+  const ReadOptions r = o.read_options();
+  EXPECT_EQ(r.block_size, 64u << 10);
+  EXPECT_EQ(r.direct, DirectIo::kOff);
+  EXPECT_EQ(r.files_in_flight, 5u);
+  EXPECT_EQ(r.resident_threshold, 0.25);
+  EXPECT_EQ(r.cached_read, CachedRead::kPread);
+  EXPECT_EQ(r.remote, o.resolve.remote);
+}
+
 TEST(ParseSize, TheSpellingsItTakes) {
   EXPECT_EQ(parse_size("0"), 0u);
   EXPECT_EQ(parse_size("4096"), 4096u);

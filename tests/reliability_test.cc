@@ -1,4 +1,4 @@
-// Regressions of the adversarial pass (issue 13): one version of each file
+// Reliability under hostile input and limits: one version of each file
 // per load, special files, typed errors, descriptors held only for the files
 // in flight, memory limits.
 #include <fcntl.h>
@@ -20,8 +20,8 @@
 #include <set>
 
 #include "file_check.h"
-#include "io/held_file_env.h"
 #include "pinload/checkpoint.h"
+#include "pinload/env.h"
 #include "pinload/error.h"
 #include "pinload/file_identity.h"
 #include "pinload/loader.h"

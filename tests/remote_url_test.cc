@@ -1,5 +1,5 @@
 // Remote paths and the text formats of S3 and HTTP (remote_url.h), no I/O.
-#include "io/remote/remote_url.h"
+#include "remote/remote_url.h"
 
 #include <gtest/gtest.h>
 

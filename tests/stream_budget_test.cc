@@ -239,7 +239,8 @@ TEST(StreamBudgetTest, AFileIsInProgressUntilEveryReaderLetsGoOfItsBlock) {
   const Checkpoint checkpoint = open_checkpoint(default_env(), shards.paths);
   detail::ReadCounters counters;
   // The plan first, to find where file 0's first chunk ends.
-  const ReadPlan plan = detail::ReadSession::open(default_env(), options, checkpoint, nullptr, nullptr, &counters)->plan();
+  const ReadPlan plan =
+      detail::ReadSession::open(default_env(), options.read_options(), checkpoint, nullptr, nullptr, &counters)->plan();
   std::vector<std::size_t> file0;
   for (std::size_t i = 0; i < plan.chunks.size(); ++i) {
     if (plan.chunks[i].file == 0) file0.push_back(i);
@@ -251,7 +252,7 @@ TEST(StreamBudgetTest, AFileIsInProgressUntilEveryReaderLetsGoOfItsBlock) {
   }
   LateTailEnv env(shards.paths[0], plan.chunks[head].offset + plan.chunks[head].length);
   std::unique_ptr<detail::ReadSession> session =
-      detail::ReadSession::open(&env, options, checkpoint, nullptr, nullptr, &counters);
+      detail::ReadSession::open(&env, options.read_options(), checkpoint, nullptr, nullptr, &counters);
   const std::shared_ptr<Pool> pool = Pool::create_default();
   const std::uint64_t cls0 = Pool::size_class(plan.files[0].block_bytes());
   const std::uint64_t cls1 = Pool::size_class(plan.files[1].block_bytes());

@@ -225,4 +225,31 @@ ScopedFd open_regular_or_throw(Env* env, const std::string& path, FileStat* st, 
 void pread_exact(Env* env, int fd, void* buffer, std::size_t bytes, std::uint64_t offset,
                  const std::string& path);
 
+// Note [Holding a file]
+// safe_open reads a file's header at open and its data at the first
+// get_tensor, which may be much later; the reference safetensors keeps the
+// file open (mapped) in between and stays consistent when the path is
+// replaced. HeldFileEnv does the same for a pinload load: it opens the file
+// once and answers every open_read of that path by reopening the held file
+// through /proc/self/fd (a new open file description of the same inode, so
+// that O_DIRECT can still be asked for). Identity checks (Note [One version
+// per load] in checkpoint.h) then always pass, and header and data come from
+// one version of the file. Other paths go to the target Env.
+class HeldFileEnv final : public EnvWrapper {
+ public:
+  // Opens `path` (a regular file) through `target` and holds it. Throws as
+  // open_regular_or_throw. *target must outlive this Env.
+  HeldFileEnv(Env* target, std::string path);
+
+  const std::string& path() const noexcept { return path_; }
+
+  // `path` reopens the held file; anything else goes to the target.
+  int open_read(const std::string& path, int extra_flags) override;
+
+ private:
+  std::string path_;
+  ScopedFd held_;
+  std::string reopen_path_;  // /proc/self/fd/<held>
+};
+
 }  // namespace pinload

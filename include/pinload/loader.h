@@ -142,16 +142,14 @@
 #include "pinload/manifest.h"
 #include "pinload/numa.h"
 #include "pinload/pool.h"
+#include "pinload/read_options.h"
 #include "pinload/state_dict.h"
 #include "pinload/store.h"
 
 namespace pinload {
 
-enum class DirectIo { kAuto, kOn, kOff };
-
-// How a file already in the page cache is copied into its block: Note
-// [Mapped reads]. kAuto measures both and takes the faster, chunk by chunk.
-enum class CachedRead { kAuto, kMap, kPread };
+// DirectIo, CachedRead and the defaults and bounds of threads, block_size,
+// files_in_flight and resident_threshold are in read_options.h.
 
 // Whether a host load may hand files out as views of leased file mappings:
 // Note [Zero-copy loads].
@@ -164,16 +162,6 @@ enum class PageCache { kAuto, kKeep, kBypass };
 inline constexpr double kKeepFraction = 0.5;
 // Overrides PageCache::kAuto: "keep", "bypass" (or "auto").
 inline constexpr const char* kPageCacheVariable = "PINLOAD_PAGE_CACHE";
-
-inline constexpr unsigned kDefaultThreads = 8;
-inline constexpr unsigned kMaxThreads = 1024;
-inline constexpr unsigned kDirectReadsInFlight = 32;  // Note [Direct reads in flight]
-inline constexpr std::size_t kDefaultBlockSize = 8u << 20;  // Note [Block size]
-inline constexpr std::size_t kTaperBlockSize = 1u << 20;    // Note [Tapered tail] in read_plan.h
-inline constexpr std::size_t kMinBlockSize = 4u << 10;
-inline constexpr std::size_t kMaxBlockSize = 1u << 30;
-inline constexpr std::size_t kDefaultFilesInFlight = 2;
-inline constexpr double kDefaultResidentThreshold = 0.5;
 
 // The spellings of DirectIo ("auto", "on", "off") and CachedRead ("auto",
 // "map", "pread") that the CLI and Python take; nullopt for anything else.
@@ -251,6 +239,12 @@ struct LoadOptions {
   // Python name: "threads", "block_size", "streams", ...) and its value.
   // Checks values only: the Loader also refuses kStreaming without a device.
   void validate() const;
+  // What the readers need of these options (the io layer's own options):
+  // block_size, direct, files_in_flight, resident_threshold, cached_read and
+  // resolve.remote.
+  ReadOptions read_options() const {
+    return ReadOptions{block_size, direct, files_in_flight, resident_threshold, cached_read, resolve.remote};
+  }
 };
 
 // Counters of one load, readable while it runs.

@@ -6,7 +6,7 @@
 //   http://host/path, https:// a file or an index.
 // Chunks are ranged GETs of block_size over `connections` parallel
 // connections, each written by libcurl straight into its pool block
-// (Note [Remote reads] in src/io/remote/remote_client.h).
+// (Note [Remote reads] in src/remote/remote_client.h).
 //
 // S3 requests are signed with libcurl's CURLOPT_AWS_SIGV4. Credentials and
 // endpoints come from where every AWS tool takes them: AWS_ACCESS_KEY_ID,
@@ -49,7 +49,7 @@ struct RemoteOptions {
   // A transfer slower than 1 KiB/s for this long is a stall: retried.
   unsigned low_speed_time_s = 10;
   // Optional write-through cache of remote objects ("" = off): Note [Remote
-  // cache] in src/io/remote/object_cache.h.
+  // cache] in src/remote/object_cache.h.
   std::string cache_dir;
   std::uint64_t cache_bytes = 0;  // LRU budget; 0 = no limit
 

@@ -5,7 +5,7 @@ Note [Handles]
 A file object with a working ``fileno()`` (``open(...)`` in any mode, fsspec's local files) is read
 through its descriptor: the handle opens ``/proc/self/fd/<fileno>``, a new open file of the same
 inode, and holds it as ``safe_open`` holds a path (Note [Holding a file] in
-src/io/held_file_env.h), so header and data come from the one file the object has open, even after
+include/pinload/env.h), so header and data come from the one file the object has open, even after
 its path is replaced or the object is closed. The object's position is not used or moved.
 Any other object that can ``seek`` and ``read`` (``io.BytesIO``, remote fsspec files) is read
 whole, from its start, into an anonymous in-memory file (``memfd_create``), read the same way. The handle keeps a descriptor of its own (a dup, or the memfd) until

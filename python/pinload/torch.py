@@ -585,7 +585,7 @@ class safe_open:
         if spec != "cpu":
             _core.pool_stats(spec)  # opens the device now: an unusable one fails here, not at get_tensor
         # Held open until close(): get_tensor reads the file whose header this is, even after the path
-        # is replaced (Note [Holding a file] in src/io/held_file_env.h), as the reference does. A
+        # is replaced (Note [Holding a file] in include/pinload/env.h), as the reference does. A
         # remote object (s3://, http(s)://; docs/remote.md) cannot be held: its header is read now and
         # the load checks that the object it reads still has that header.
         self._held: Optional[_core.HeldFile] = None

@@ -5,6 +5,7 @@
 #include <memory>
 
 #include "cli/command.h"
+#include "pinload/read_options.h"
 #include "trace/agent.h"
 
 namespace pinload::cli {
@@ -25,7 +26,7 @@ void add_agent_command(CLI::App& app) {
   command->add_option("--idle-ms", options->idle_ms, "a recording ends after this long without reads (default 5000)")
       ->check(integer_range(1, 3600000));
   command->add_option("--threads", options->warm_threads, "concurrent reads of a replay (default 8)")
-      ->check(integer_range(1, 256));
+      ->check(integer_range(1, kMaxThreads));  // as load --threads
   command->callback([options] {
     struct sigaction sa {};
     sa.sa_handler = on_agent_signal;

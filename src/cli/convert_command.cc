@@ -11,6 +11,7 @@
 #include "cli/command.h"
 #include "pinload/convert.h"
 #include "pinload/error.h"
+#include "pinload/read_options.h"
 
 namespace pinload::cli {
 namespace {
@@ -101,7 +102,7 @@ void add_convert_command(CLI::App& app) {
       ->take_all()
       ->expected(1);
   command->add_option("--threads", args->options.threads, "converting threads")
-      ->transform(integer_range(1, 1024))
+      ->transform(integer_range(1, kMaxThreads))
       ->type_name("1..1024")
       ->capture_default_str();
   add_variant_option(*command, &args->options.resolve);

@@ -17,6 +17,7 @@
 #include "pinload/env.h"
 #include "pinload/error.h"
 #include "pinload/io_template.h"
+#include "pinload/read_options.h"
 #include "pinload/remote.h"
 #include "trace/trace_recorder.h"
 #include "trace/warmer.h"
@@ -136,7 +137,8 @@ void add_warm_command(CLI::App& app) {
                      ->check(CLI::Range(1, 1 << 30));
   command->add_option("--cgroup", args->options.follow_cgroup, "the consumer: the processes of this cgroup folder")
       ->excludes(follow);
-  command->add_option("--threads", args->options.threads, "concurrent reads (default 8)")->check(integer_range(1, 256));
+  command->add_option("--threads", args->options.threads, "concurrent reads (default 8)")
+      ->check(integer_range(1, kMaxThreads));  // as load --threads
   command->add_option("paths", args->paths, "local files or folders (recursively), warmed whole in order");
   command->callback([args] {
     const int status = run_warm(*args);

@@ -22,6 +22,7 @@
 
 #include "base/log.h"
 #include "format/dtype_convert.h"
+#include "os/read_full.h"
 #include "pinload/error.h"
 
 namespace pinload {
@@ -118,14 +119,10 @@ class OutFile {
 };
 
 void read_exact(Env* env, int fd, void* dst, std::size_t bytes, std::uint64_t offset, const std::string& path) {
-  auto* p = static_cast<std::byte*>(dst);
-  std::size_t done = 0;
-  while (done < bytes) {
-    const std::int64_t n = env->pread(fd, p + done, bytes - done, offset + done);
-    if (n == -EINTR || n == -EAGAIN) continue;
-    if (n < 0) throw_os_error("read failed", static_cast<int>(-n), ErrorContext{path, {}, offset + done});
-    if (n == 0) throw IoError("file ended early (truncated while converting?)", ErrorContext{path, {}, offset + done});
-    done += static_cast<std::size_t>(n);
+  const ReadResult r = read_full(env, fd, dst, bytes, offset);
+  if (r.error != 0) throw_os_error("read failed", r.error, ErrorContext{path, {}, offset + r.bytes});
+  if (r.ended) {
+    throw IoError("file ended early (truncated while converting?)", ErrorContext{path, {}, offset + r.bytes});
   }
 }
 

@@ -9,9 +9,9 @@
 #include <utility>
 
 #include "base/log.h"
-#include "io/remote/remote_client.h"
 #include "pinload/error.h"
 #include "pinload/remote.h"
+#include "remote/remote_client.h"
 
 namespace pinload::detail {
 namespace fs = std::filesystem;

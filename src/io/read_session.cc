@@ -15,6 +15,7 @@
 #include "io/mapped_copy.h"
 #include "memory/first_touch.h"
 #include "memory/huge_page_collapse.h"
+#include "os/read_full.h"
 #include "pinload/error.h"
 #include "pinload/file_identity.h"
 #include "pinload/memory_limit.h"
@@ -93,9 +94,9 @@ bool copy_mapped_chunk(Env* env, const OpenFile& f, const ReadChunk& c, std::byt
 // object (a client; or its local cached copy, Note [Remote cache]) or a local
 // file, which is opened here only to learn whether it sits on a network
 // filesystem, then closed until its first chunk.
-void prepare_source(Env* env, const CheckpointFile& cf, const LoadOptions& options, OpenFile* f) {
+void prepare_source(Env* env, const CheckpointFile& cf, const ReadOptions& options, OpenFile* f) {
   if (is_remote_path(cf.path)) {  // Note [Remote reads]
-    f->remote = remote::client_for(options.resolve.remote);
+    f->remote = remote::client_for(options.remote);
     f->object = remote::ObjectInfo{cf.path, cf.stat.size, cf.version, cf.stat.mtime_ns};
     const remote::ObjectCache* cache = f->remote->cache();
     if (cache == nullptr) return;
@@ -119,7 +120,7 @@ void prepare_source(Env* env, const CheckpointFile& cf, const LoadOptions& optio
 // Whether the load's last file will be read direct, as open_for_load decides
 // it (Note [Tapered tail] in read_plan.h): a cached file is copied from a
 // mapping, where small chunks cost more (Note [Block size] in loader.h).
-bool ends_in_direct_reads(Env* env, const LoadOptions& options, const OpenFile& last) {
+bool ends_in_direct_reads(Env* env, const ReadOptions& options, const OpenFile& last) {
   if (last.remote || last.network_fs || options.direct == DirectIo::kOff) return false;
   if (options.direct == DirectIo::kOn) return true;
   FileStat st;
@@ -131,7 +132,7 @@ bool ends_in_direct_reads(Env* env, const LoadOptions& options, const OpenFile& 
 // Every descriptor must be the file whose header was read (Note [One version
 // per load] in checkpoint.h). Remote files have none (Note [Remote reads]):
 // open_session set up their client.
-void open_for_load(Env* env, const LoadOptions& options, OpenFile* f) {
+void open_for_load(Env* env, const ReadOptions& options, OpenFile* f) {
   if (f->remote) return;
   f->buffered_fd = open_regular_or_throw(env, f->path, &f->stat);
   check_identity(f->stat, f->path, f->identity);
@@ -185,18 +186,18 @@ void open_for_load(Env* env, const LoadOptions& options, OpenFile* f) {
 }
 
 // Reads [offset, offset + valid) of the file to `dest` with pread, direct
-// or buffered.
+// or buffered (read_full: the retries).
 void read_with_pread(Env* env, OpenFile& f, const FileRead& plan, const ReadChunk& c, DirectIo mode,
                      ReadCounters* counters, std::byte* dest, bool direct) {
   std::uint64_t done = 0;
   while (done < c.valid) {
-    const std::uint64_t at = c.offset + done;
     const int fd = direct ? f.direct_fd.get() : f.buffered(env);
     // Direct reads ask for the whole aligned length; buffered for what is left.
-    const std::uint64_t want = direct ? c.length - done : c.valid - done;
-    const std::int64_t n = env->pread(fd, dest + done, want, at);
-    if (n == -EINTR || n == -EAGAIN) continue;
-    if (n == -EINVAL && direct && mode != DirectIo::kOn) {
+    const ReadResult r = read_full(env, fd, dest + done, c.valid - done, c.offset + done, direct ? c.length - done : 0,
+                                   direct ? plan.alignment : 1);
+    done += r.bytes;
+    const std::uint64_t at = c.offset + done;
+    if (r.error == EINVAL && direct && mode != DirectIo::kOn) {
       if (f.direct.exchange(false)) {
         log::debug("{}: O_DIRECT read refused, reading buffered", f.path);
         counters->files_direct--;
@@ -205,15 +206,14 @@ void read_with_pread(Env* env, OpenFile& f, const FileRead& plan, const ReadChun
       direct = false;
       continue;
     }
-    if (n < 0) throw_read_error(f, n, at, c.offset + c.valid);
-    if (n == 0) {
+    if (r.error != 0) throw_read_error(f, -r.error, at, c.offset + c.valid);
+    if (r.ended) {
       throw IoError("file ended at byte " + std::to_string(at) + " but was " + std::to_string(plan.file_size) +
                     " bytes when its header was read (truncated while loading?)",
                     ErrorContext{f.path, {}, at, c.offset + c.valid});
     }
-    done += static_cast<std::uint64_t>(n);
     // A short direct read leaves an unaligned position: finish buffered.
-    if (direct && done < c.valid && done % plan.alignment != 0) direct = false;
+    if (done < c.valid) direct = false;
   }
 }
 
@@ -411,7 +411,7 @@ void ReadSession::count_files(ReadCounters* counters) const {
   counters->bytes_done = bytes_done();
 }
 
-std::unique_ptr<ReadSession> ReadSession::open(Env* env, const LoadOptions& options, Checkpoint checkpoint,
+std::unique_ptr<ReadSession> ReadSession::open(Env* env, const ReadOptions& options, Checkpoint checkpoint,
                                                std::shared_ptr<Pool> staging_pool, const TemplateReads* replay,
                                                ReadCounters* counters) {
   std::unique_ptr<ReadSession> s(new ReadSession);
@@ -442,7 +442,7 @@ std::unique_ptr<ReadSession> ReadSession::open(Env* env, const LoadOptions& opti
     // open at their first chunk: Note [Files in flight]).
     prepare_source(env, cf, options, f.get());
     if (f->remote) s->remote_threads_ = f->remote->connections();
-    if (f->network_fs) s->min_threads_ = effective_connections(options.resolve.remote);
+    if (f->network_fs) s->min_threads_ = effective_connections(options.remote);
     reads.push_back(std::move(r));
     s->files_.push_back(std::move(f));
   }

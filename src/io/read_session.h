@@ -28,15 +28,15 @@
 
 #include "io/cached_read_chooser.h"
 #include "io/read_counters.h"
-#include "io/remote/object_cache.h"
-#include "io/remote/remote_client.h"
 #include "io/stream_budget.h"
 #include "pinload/checkpoint.h"
 #include "pinload/file_identity.h"
 #include "pinload/io_template.h"
-#include "pinload/loader.h"  // LoadOptions only: the session knows no Loader
 #include "pinload/pool.h"
+#include "pinload/read_options.h"
 #include "pinload/read_plan.h"
+#include "remote/object_cache.h"
+#include "remote/remote_client.h"
 
 namespace pinload {
 
@@ -138,7 +138,7 @@ class ReadSession {
   // [Files in flight]), and counted as direct or buffered in *counters then.
   // With `staging_pool`, chunks are read into staging blocks of their own
   // (streaming). No memory is allocated. Throws pinload::Error.
-  static std::unique_ptr<ReadSession> open(Env* env, const LoadOptions& options, Checkpoint checkpoint,
+  static std::unique_ptr<ReadSession> open(Env* env, const ReadOptions& options, Checkpoint checkpoint,
                                            std::shared_ptr<Pool> staging_pool, const TemplateReads* replay,
                                            ReadCounters* counters);
 
@@ -224,7 +224,7 @@ class ReadSession {
   void close_in_flight(std::size_t index);
 
   Env* env_ = nullptr;
-  LoadOptions options_;  // of open(): how files are opened and read
+  ReadOptions options_;  // of open(): how files are opened and read
   DirectIo direct_mode_ = DirectIo::kAuto;
   CachedRead cached_read_ = CachedRead::kAuto;
   CachedReadChooser chooser_;  // kAuto: map or pread, chunk by chunk

@@ -15,6 +15,7 @@
 #include "format/dtype_convert.h"
 #include "io/read_session.h"
 #include "memory/first_touch.h"
+#include "os/read_full.h"
 #include "pinload/error.h"
 #include "pinload/loader.h"
 
@@ -60,14 +61,9 @@ class ScaleReader {
     std::vector<float> values(t.numel());
     auto* p = reinterpret_cast<std::byte*>(values.data());
     const std::uint64_t at = cf.header.data_offset() + t.begin;
-    std::uint64_t done = 0;
-    while (done < t.nbytes()) {
-      const std::int64_t n = env_->pread(it->second.get(), p + done, t.nbytes() - done, at + done);
-      if (n == -EINTR || n == -EAGAIN) continue;
-      if (n < 0) throw_os_error("read failed", static_cast<int>(-n), ErrorContext{cf.path, t.name, at + done});
-      if (n == 0) throw IoError("file ended inside a scale tensor", ErrorContext{cf.path, t.name, at + done});
-      done += static_cast<std::uint64_t>(n);
-    }
+    const ReadResult r = read_full(env_, it->second.get(), p, t.nbytes(), at);
+    if (r.error != 0) throw_os_error("read failed", r.error, ErrorContext{cf.path, t.name, at + r.bytes});
+    if (r.ended) throw IoError("file ended inside a scale tensor", ErrorContext{cf.path, t.name, at + r.bytes});
     return values;
   }
 

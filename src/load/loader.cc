@@ -576,7 +576,7 @@ StateDict Loader::run(const Checkpoint& checkpoint, const LoadRequest& request, 
     // Note [Streaming within a budget] (io/stream_budget.h): a host load that
     // keeps nothing it hands out takes each file's block as it reaches it,
     // within a budget; one file at a time where the budget may make it wait.
-    LoadOptions read_options = options_;
+    ReadOptions read_options = options_.read_options();
     // Note [Keeping the page cache]: cold files read buffered where they are
     // to stay cached; under kAuto only where the host keeps no copy of its own.
     const bool only_copy = device != nullptr && options_.target.mode == DeviceMode::kStreaming && conversions.empty();

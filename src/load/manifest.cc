@@ -13,6 +13,7 @@
 
 #include "load/sha256.h"
 #include "load/verify.h"
+#include "os/read_full.h"
 #include "pinload/checkpoint.h"
 #include "pinload/error.h"
 #include "pinload/remote.h"
@@ -111,14 +112,9 @@ ManifestFile hash_file(Env* env, const CheckpointFile& cf, const std::string& na
   for (int turn = 0; offset < out.size; turn ^= 1) {
     std::vector<std::byte>& buf = buffers[turn];
     const std::uint64_t n = std::min<std::uint64_t>(kReadBytes, out.size - offset);
-    std::uint64_t got = 0;
-    while (got < n) {
-      const std::int64_t r = env->pread(fd.get(), buf.data() + got, n - got, offset + got);
-      if (r == -EINTR) continue;
-      if (r < 0) throw_os_error("read", static_cast<int>(-r), ErrorContext{cf.path, {}, offset + got, offset + n});
-      if (r == 0) throw IoError("the file ended early", ErrorContext{cf.path, {}, offset + got, out.size});
-      got += static_cast<std::uint64_t>(r);
-    }
+    const ReadResult r = read_full(env, fd.get(), buf.data(), n, offset);
+    if (r.error != 0) throw_os_error("read", r.error, ErrorContext{cf.path, {}, offset + r.bytes, offset + n});
+    if (r.ended) throw IoError("the file ended early", ErrorContext{cf.path, {}, offset + r.bytes, out.size});
     if (whole.valid()) whole.get();  // the other buffer is free again
     if (options.threads > 1) {
       whole = std::async(std::launch::async, [&h, &buf, n] { h.whole.update(buf.data(), n); });
@@ -361,15 +357,9 @@ Manifest load_manifest(const std::string& file, Env* env) {
   const FileStat st = stat_or_throw(env, fd.get(), file);
   if (st.size > (std::uint64_t{1} << 32)) throw InvalidFileError("a manifest larger than 4 GiB", ErrorContext{file});
   std::string text(st.size, '\0');
-  std::uint64_t got = 0;
-  while (got < st.size) {
-    const std::int64_t r = env->pread(fd.get(), text.data() + got, st.size - got, got);
-    if (r == -EINTR) continue;
-    if (r < 0) throw_os_error("read", static_cast<int>(-r), ErrorContext{file});
-    if (r == 0) break;
-    got += static_cast<std::uint64_t>(r);
-  }
-  text.resize(got);
+  const ReadResult r = read_full(env, fd.get(), text.data(), st.size, 0);
+  if (r.error != 0) throw_os_error("read", r.error, ErrorContext{file});
+  text.resize(r.bytes);
   return parse_manifest(text, file);
 }
 

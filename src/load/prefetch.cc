@@ -87,7 +87,8 @@ void Prefetch::State::run() noexcept {
       finished = true;
       return;
     }
-    session = detail::ReadSession::open(env, loader.options(), std::move(cp), loader.staging_pool(), replay, &counters);
+    session = detail::ReadSession::open(env, loader.options().read_options(), std::move(cp), loader.staging_pool(),
+                                        replay, &counters);
     detail::ReadSession& s = *session;
     s.allocate_blocks(*loader.pool(), stop.get_token());
     // Streaming: keep each staging block until the load hands it to a copy.

@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "base/log.h"
+#include "os/read_full.h"
 #include "pinload/error.h"
 
 namespace pinload {
@@ -291,16 +292,20 @@ void ShardLoad::State::read_one(const ShardRead& r, std::byte* staging, std::byt
   std::uint64_t got = 0;
   while (got < r.valid) {
     const bool was_direct = direct[r.file].load();
-    const std::int64_t n = env->pread(fd_for(r.file), staging + got, static_cast<std::size_t>(r.length - got), r.offset + got);
-    if (n == -EINTR) continue;
-    if (n == -EINVAL && was_direct) {  // O_DIRECT refused at a read (tmpfs, FUSE): go buffered
+    const ReadResult res = read_full(env, fd_for(r.file), staging + got, r.valid - got, r.offset + got, r.length - got);
+    got += res.bytes;
+    if (res.error == EINVAL && was_direct) {  // O_DIRECT refused at a read (tmpfs, FUSE): go buffered
       direct[r.file] = false;
       log::debug("{}: O_DIRECT read refused, reading buffered", f.path);
       continue;
     }
-    if (n < 0) throw_os_error("pread", static_cast<int>(-n), ErrorContext{f.path, {}, r.offset + got, r.offset + r.length});
-    if (n == 0) throw IoError("file ended early (truncated while loading?)", ErrorContext{f.path, {}, r.offset + got, r.offset + r.valid});
-    got += static_cast<std::uint64_t>(n);
+    if (res.error != 0) {
+      throw_os_error("pread", res.error, ErrorContext{f.path, {}, r.offset + got, r.offset + r.length});
+    }
+    if (res.ended) {
+      throw IoError("file ended early (truncated while loading?)",
+                    ErrorContext{f.path, {}, r.offset + got, r.offset + r.valid});
+    }
   }
   bytes_read.fetch_add(got, std::memory_order_relaxed);
   for (std::uint32_t k = 0; k < r.piece_count; ++k) {

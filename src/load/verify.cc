@@ -5,6 +5,7 @@
 #include <cstring>
 #include <unordered_map>
 
+#include "os/read_full.h"
 #include "pinload/error.h"
 #include "pinload/remote.h"
 
@@ -133,14 +134,9 @@ Verifier::Verifier(Env* env, const VerifyOptions& options, const Checkpoint& che
     const std::uint64_t header_bytes = cf.header.data_offset();
     std::vector<std::byte> header(header_bytes);
     ScopedFd fd = open_or_throw(env, cf.path);
-    std::uint64_t got = 0;
-    while (got < header_bytes) {
-      const std::int64_t r = env->pread(fd.get(), header.data() + got, header_bytes - got, got);
-      if (r == -EINTR) continue;
-      if (r < 0) throw_os_error("read", static_cast<int>(-r), ErrorContext{cf.path, {}, got, header_bytes});
-      if (r == 0) throw IoError("the file ended early", ErrorContext{cf.path, {}, got, header_bytes});
-      got += static_cast<std::uint64_t>(r);
-    }
+    const ReadResult r = read_full(env, fd.get(), header.data(), header_bytes, 0);
+    if (r.error != 0) throw_os_error("read", r.error, ErrorContext{cf.path, {}, r.bytes, header_bytes});
+    if (r.ended) throw IoError("the file ended early", ErrorContext{cf.path, {}, r.bytes, header_bytes});
     f.whole.update(header.data(), header.size());
     f.next = header_bytes;
   }

@@ -4,6 +4,8 @@
 #include <string_view>
 #include <vector>
 
+#include "os/read_full.h"
+
 namespace pinload {
 namespace {
 
@@ -16,12 +18,11 @@ std::optional<std::string> read_text(Env* env, const std::string& path) {
   std::string text;
   char buffer[4096];
   for (;;) {
-    const std::int64_t n = env->pread(fd, buffer, sizeof buffer, text.size());
-    if (n == -EINTR) continue;
-    if (n < 0) return std::nullopt;
-    if (n == 0) return text;
-    text.append(buffer, static_cast<std::size_t>(n));
+    const ReadResult r = read_full(env, fd, buffer, sizeof buffer, text.size());
+    if (r.error != 0) return std::nullopt;
+    text.append(buffer, static_cast<std::size_t>(r.bytes));
     if (text.size() > (1u << 20)) return std::nullopt;
+    if (r.ended) return text;
   }
 }
 

@@ -15,7 +15,6 @@
 
 #include "common.h"
 #include "dlpack_export.h"
-#include "io/held_file_env.h"
 #include "errors.h"
 #include "options.h"
 #include "pinload/batch.h"
@@ -23,6 +22,7 @@
 #include "pinload/copy_engine.h"
 #include "pinload/device.h"
 #include "pinload/dtype.h"
+#include "pinload/env.h"
 #include "pinload/error.h"
 #include "pinload/loader.h"
 #include "pinload/model_cache.h"
@@ -176,7 +176,7 @@ class PyLoadHandle {
 };
 
 // One file held open from its header read to its load (Note [Holding a file]
-// in io/held_file_env.h): what safe_open reads through.
+// in pinload/env.h): what safe_open reads through.
 class PyHeldFile {
  public:
   explicit PyHeldFile(const std::string& path) {

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "base/log.h"
+#include "os/read_full.h"
 #include "pinload/env.h"
 #include "trace/pre_content.h"
 
@@ -243,11 +244,10 @@ WarmReport warm(const WarmPlan& plan, const WarmOptions& options) {
       const int fd = fds[piece.file];
       std::uint64_t done = 0;
       while (done < length && !stopping()) {
-        const std::size_t n = static_cast<std::size_t>(std::min<std::uint64_t>(buffer.size(), length - done));
-        const std::int64_t got = env->pread(fd, buffer.data(), n, piece.offset + done);
-        if (got == -EINTR) continue;
-        if (got <= 0) break;
-        done += static_cast<std::uint64_t>(got);
+        const std::uint64_t n = std::min<std::uint64_t>(buffer.size(), length - done);
+        const ReadResult got = read_full(env, fd, buffer.data(), n, piece.offset + done);
+        done += got.bytes;
+        if (got.error != 0 || got.ended) break;
       }
       lock.lock();
       report.warmed += done;

@@ -1,4 +1,4 @@
-"""CLI regressions of the adversarial pass (issue 13): hostile names and metadata are escaped
+"""CLI reliability: hostile names and metadata are escaped
 (Note [Printable text] in src/cli/command.h) and `inspect --json` stays exact; special files are
 refused at once; --pool-bytes; a memory cgroup smaller than the model is an error, not a SIGKILL."""
 

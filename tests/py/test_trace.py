@@ -322,7 +322,7 @@ def test_warm_follows_a_consumer_in_a_memory_cgroup_smaller_than_the_model(tmp_p
     assert w["mode"].startswith("follow"), w
     assert w["dropped_bytes"] > 0, (w, werr)
     total = consumer_read + w["proc_io"]["read_bytes"]
-    # The target (1.1x) is measured by bench/trace_bench.py; on a loaded 2-core VM the
+    # The 1.1x target is measured by bench/trace_bench.py; on a loaded 2-core VM the
     # consumer's own readahead can add a few MB here, so the test guards against thrashing
     # (native under this cgroup rereads far more) with a little slack.
     assert total <= 1.15 * size, (total, size, w, werr)

@@ -103,7 +103,7 @@ def test_backend_and_os_paths(library):
 
 
 def test_a_batch_larger_than_its_budget_stays_within_it(tmp_path):
-    """Issue 13 item 2, the batch path: with pool_bytes smaller than the library, the batch holds at
+    """Streaming within a budget, the batch path: with pool_bytes smaller than the library, the batch holds at
     most the budget; each path that does not fit fails alone with OutOfMemoryError naming it (the
     consumer drops what it has and asks again), and the others are whole and exact."""
     g = torch.Generator().manual_seed(5)

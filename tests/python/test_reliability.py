@@ -1,4 +1,4 @@
-"""Regressions of the adversarial pass (issue 13) through the Python package: one version of each
+"""Reliability under hostile input and limits, through the Python package: one version of each
 file per load, safe_open holding its file, special files, typed errors for what torch cannot hold,
 F4 as the reference loads it, descriptors under a low RLIMIT_NOFILE, the pool budget."""
 

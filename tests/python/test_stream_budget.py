@@ -1,4 +1,4 @@
-"""Issue 13 item 2: iter_tensors streams a checkpoint larger than the process's memory cgroup,
+"""Streaming within a budget: iter_tensors streams a checkpoint larger than the process's memory cgroup,
 within a pool budget (Note [Streaming within a budget] in src/io/stream_budget.h). Before, the
 load reserved every block at its start and was refused (or, without a check, OOM-killed)."""
 

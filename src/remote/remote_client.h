@@ -59,8 +59,8 @@
 #include <string>
 #include <vector>
 
-#include "io/remote/remote_url.h"
 #include "pinload/remote.h"
+#include "remote/remote_url.h"
 
 namespace pinload::remote {
 

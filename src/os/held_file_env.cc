@@ -1,4 +1,4 @@
-#include "io/held_file_env.h"
+#include "pinload/env.h"
 
 #include <utility>
 

@@ -1,4 +1,4 @@
-#include "io/remote/remote_url.h"
+#include "remote/remote_url.h"
 
 #include <algorithm>
 #include <cctype>

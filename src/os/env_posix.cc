@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "base/madvise.h"
+#include "os/read_full.h"
 #include "pinload/env.h"
 #include "pinload/error.h"
 
@@ -287,19 +288,13 @@ ScopedFd open_regular_or_throw(Env* env, const std::string& path, FileStat* st, 
 
 void pread_exact(Env* env, int fd, void* buffer, std::size_t bytes, std::uint64_t offset,
                  const std::string& path) {
-  auto* out = static_cast<std::byte*>(buffer);
-  std::size_t done = 0;
-  while (done < bytes) {
-    std::int64_t n = env->pread(fd, out + done, bytes - done, offset + done);
-    if (n == -EINTR || n == -EAGAIN) continue;
-    if (n < 0) {
-      throw_os_error("read failed", static_cast<int>(-n), ErrorContext{path, {}, offset + done, offset + bytes});
-    }
-    if (n == 0) {
-      throw InvalidFileError("file ended early: expected bytes up to " + std::to_string(offset + bytes),
-                             ErrorContext{path, {}, offset + done, offset + bytes});
-    }
-    done += static_cast<std::size_t>(n);
+  const ReadResult r = read_full(env, fd, buffer, bytes, offset);
+  if (r.error != 0) {
+    throw_os_error("read failed", r.error, ErrorContext{path, {}, offset + r.bytes, offset + bytes});
+  }
+  if (r.ended) {
+    throw InvalidFileError("file ended early: expected bytes up to " + std::to_string(offset + bytes),
+                           ErrorContext{path, {}, offset + r.bytes, offset + bytes});
   }
 }
 

@@ -32,7 +32,7 @@
 #include <memory>
 #include <string>
 
-#include "io/remote/remote_client.h"
+#include "remote/remote_client.h"
 
 namespace pinload::remote {
 

@@ -1,4 +1,4 @@
-#include "io/remote/remote_client.h"
+#include "remote/remote_client.h"
 
 #include <curl/curl.h>
 
@@ -12,8 +12,8 @@
 #include <thread>
 
 #include "base/log.h"
-#include "io/remote/object_cache.h"
 #include "pinload/error.h"
+#include "remote/object_cache.h"
 
 namespace pinload::remote {
 

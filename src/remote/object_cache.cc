@@ -1,4 +1,4 @@
-#include "io/remote/object_cache.h"
+#include "remote/object_cache.h"
 
 #include <fcntl.h>
 #include <openssl/evp.h>
