@@ -80,7 +80,7 @@ def node_used() -> int:
 
 
 HOLDER = """
-import sys, pinload
+import sys, torch, pinload
 sd = pinload.load_files([sys.argv[1]], **eval(sys.argv[2])) if sys.argv[1] != "-" else {}
 sum(int(t.view(-1)[:: 4096 // max(t.element_size(), 1)].float().sum() != 0) for t in sd.values() if t.numel())
 print("ready", flush=True)
@@ -90,14 +90,17 @@ sys.stdin.read()
 
 def memory_case(path: str, holders: int, env: dict, store_socket: str | None) -> dict:
     """`holders` processes holding `path`: the node's memory in use once all are ready, less what
-    as many holders of nothing (their interpreters, torch) take."""
-    if path != "-":
-        empty = memory_case("-", holders, env, None)
-        loaded = memory_case(path, holders, env, store_socket)
-        size = os.path.getsize(path)
-        used = loaded["node_used_bytes"] - empty["node_used_bytes"]
-        return {"holders": holders, "set_bytes": size, "node_used_bytes": used, "processes_bytes": empty["node_used_bytes"],
-                "shmem_bytes": loaded["shmem_bytes"], "x_set": used / size}
+    as many holders of nothing (their interpreters) take."""
+    empty = holding("-", holders, env, None)
+    loaded = holding(path, holders, env, store_socket)
+    size = os.path.getsize(path)
+    used = loaded["node_used_bytes"] - empty["node_used_bytes"]
+    return {"holders": holders, "set_bytes": size, "node_used_bytes": used, "processes_bytes": empty["node_used_bytes"],
+            "shmem_bytes": loaded["shmem_bytes"], "x_set": used / size}
+
+
+def holding(path: str, holders: int, env: dict, store_socket: str | None) -> dict:
+    """The node's memory in use (and Shmem) while `holders` processes hold `path` ("-": nothing)."""
     options = {"store": store_socket} if store_socket else {"zero_copy": "off"}
     subprocess.run(["sync"])
     time.sleep(1)
@@ -165,7 +168,9 @@ def main(argv=None) -> int:
         if key not in digests:
             digests[key] = checkpoint.reference_digests(paths)
         r = fb.run_one(system, "set", paths, digests[key], cold, store_env if with_store else env, device,
-                       case=case, keep_cache=keep, sentinel=sentinel)
+                       case=case, keep_cache=keep,
+                       # the store's files are not in the page cache: its restart needs none of them there
+                       sentinel=None if with_store else sentinel)
         r["system"] = STORE if with_store else system
         r["round"] = rnd
         runs.append(r)

@@ -30,6 +30,7 @@
 #include "base/log.h"
 #include "pinload/memory_limit.h"
 #include "pinload/store.h"
+#include "os/read_full.h"
 #include "store/socket_path.h"
 #include "store/wire.h"
 
@@ -56,18 +57,12 @@ std::string sha256_hex(const void* bytes, std::size_t size) {
   return out;
 }
 
-// Reads [offset, offset + bytes) fully; 0 or -errno (-ENODATA: the file ended).
+// Reads [offset, offset + bytes) fully (os/read_full.h); 0 or -errno
+// (-ENODATA: the file ended first).
 int read_fully(Env* env, int fd, std::byte* into, std::size_t bytes, std::uint64_t offset) {
-  while (bytes > 0) {
-    const std::int64_t n = env->pread(fd, into, bytes, offset);
-    if (n == -EINTR) continue;
-    if (n < 0) return static_cast<int>(n);
-    if (n == 0) return -ENODATA;
-    into += n;
-    bytes -= static_cast<std::size_t>(n);
-    offset += static_cast<std::uint64_t>(n);
-  }
-  return 0;
+  const ReadResult r = read_full(env, fd, into, bytes, offset);
+  if (r.error != 0) return -r.error;
+  return r.bytes < bytes ? -ENODATA : 0;
 }
 
 // Kilobytes of huge pages (ShmemPmdMapped) in this process's mapping at `address`.
@@ -351,19 +346,12 @@ void Store::fill(Entry& entry, int fd) {
       if (direct.valid()) {
         // Whole 4 KiB pages: the memfd is sized past the file's end.
         const std::size_t aligned = (n + 4095) / 4096 * 4096;
-        std::size_t got = 0;
-        rc = 0;
-        while (got < n) {
-          const std::int64_t r = env_->pread(direct.get(), base + at + got, aligned - got, at + got);
-          if (r == -EINTR) continue;
-          if (r <= 0) {
-            rc = r == 0 ? -ENODATA : static_cast<int>(r);
-            break;
-          }
-          got += static_cast<std::size_t>(r);
-        }
+        const ReadResult r = read_full(env_, direct.get(), base + at, n, at, aligned, 4096);
+        rc = r.error != 0 ? -r.error : r.bytes >= n ? 0 : r.ended ? -ENODATA : -EINVAL;
       }
-      if (rc == -EINVAL || !direct.valid()) rc = read_fully(env_, fd, base + at, n, at);
+      // EINVAL: O_DIRECT refused, or a short read left the position off the
+      // alignment: the rest of the chunk through the client's descriptor.
+      if (rc == -EINVAL) rc = read_fully(env_, fd, base + at, n, at);
       if (rc != 0) {
         std::lock_guard lock(mu);
         if (!error) {
