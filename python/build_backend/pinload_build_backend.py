@@ -5,14 +5,16 @@ pip runs a build backend with its output captured and shows none of it unless `p
 (pypa/pip#6634), so `pip install .` sat for minutes behind a spinner. While this backend builds a
 wheel and its output is not a terminal, it copies that output, CMake's and ninja's `[n/N]` lines,
 to the terminal the build was started from (/dev/tty) as well; pip still receives all of it (its
-log, `-v`, the report of a failed build). Without a terminal (CI, `pip install` in a script whose
-output is a file) nothing changes. PINLOAD_BUILD_TTY=0 turns the copy off.
+log, `-v`, the report of a failed build). Without a controlling terminal (CI, cron, a container
+run without -t), or under `pip -v` (which shows the output itself), nothing changes.
+PINLOAD_BUILD_TTY=0 turns the copy off.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sys
 import threading
 
@@ -24,7 +26,8 @@ __all__ = list(_skbuild_all)
 for _name in ("prepare_metadata_for_build_wheel", "prepare_metadata_for_build_editable"):
     if hasattr(_skbuild, _name):
         globals()[_name] = getattr(_skbuild, _name)
-        __all__.append(_name)
+        if _name not in __all__:
+            __all__.append(_name)
 
 
 def _flush():
@@ -33,10 +36,20 @@ def _flush():
             stream.flush()
 
 
+def _pip_verbose():
+    """Whether the process that runs this backend (pip) was given -v: it then prints the output."""
+    try:
+        with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+            args = f.read().decode(errors="replace").split("\0")
+    except OSError:
+        return False
+    return any(a == "--verbose" or re.fullmatch(r"-[a-zA-Z]*v[a-zA-Z]*", a) for a in args)
+
+
 @contextlib.contextmanager
 def _copied_to_terminal():
     """Tees file descriptors 1 and 2 (the build's subprocesses inherit them) to /dev/tty."""
-    if os.environ.get("PINLOAD_BUILD_TTY") == "0" or os.isatty(1):
+    if os.environ.get("PINLOAD_BUILD_TTY") == "0" or os.isatty(1) or _pip_verbose():
         yield
         return
     try:
