@@ -35,6 +35,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "pinload/env.h"
@@ -56,6 +57,8 @@ struct Checkpoint {
   std::vector<std::string> index_files;  // the index.json files that were read
   std::uint64_t data_bytes() const;      // sum of the files' data sections
   std::uint64_t tensor_count() const;
+  // The files' "__metadata__", merged in load order (the first file wins a key).
+  std::vector<std::pair<std::string, std::string>> metadata() const;
 };
 
 struct ResolveOptions {

@@ -241,6 +241,16 @@ std::uint64_t Checkpoint::tensor_count() const {
   return total;
 }
 
+std::vector<std::pair<std::string, std::string>> Checkpoint::metadata() const {
+  std::vector<std::pair<std::string, std::string>> out;
+  for (const CheckpointFile& f : files) {
+    for (const auto& kv : f.header.metadata) {
+      if (std::none_of(out.begin(), out.end(), [&](const auto& m) { return m.first == kv.first; })) out.push_back(kv);
+    }
+  }
+  return out;
+}
+
 CheckpointFile read_checkpoint_file(Env* env, const std::string& path) {
   if (is_remote_path(path)) return detail::read_remote_checkpoint_file(RemoteOptions{}, path);
   CheckpointFile file;

@@ -60,16 +60,6 @@ Tensor renamed(const Tensor& t, std::string name) {
   return out;
 }
 
-// "__metadata__" of a path's files, merged as a load of the path alone merges it.
-std::vector<std::pair<std::string, std::string>> merged_metadata(const Checkpoint& checkpoint) {
-  std::vector<std::pair<std::string, std::string>> out;
-  for (const CheckpointFile& f : checkpoint.files) {
-    for (const auto& kv : f.header.metadata) {
-      if (std::none_of(out.begin(), out.end(), [&](const auto& m) { return m.first == kv.first; })) out.push_back(kv);
-    }
-  }
-  return out;
-}
 
 }  // namespace
 
@@ -123,7 +113,7 @@ std::vector<BatchItem> load_batch(const Loader& loader, const std::vector<std::s
       tensors.at(index).push_back(renamed(t, std::string(name)));
     }
     all.reset();
-    for (std::size_t i : swept) items[i].state = StateDict(std::move(tensors[i]), merged_metadata(*checkpoints[i]));
+    for (std::size_t i : swept) items[i].state = StateDict(std::move(tensors[i]), checkpoints[i]->metadata());
     return items;
   }
   for (std::size_t i : swept) {

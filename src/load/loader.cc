@@ -204,12 +204,8 @@ TensorIndex index_tensors(const Checkpoint& checkpoint, const ReadSession& s,
           index.tensors.emplace_back(cf.name_prefix + t.name, t.dtype, t.shape, s.block(i), base + t.begin, t.nbytes());
       if (on_device) tensor.set_device(device_buffers[i], t.begin);
     }
-    for (const auto& kv : cf.header.metadata) {
-      if (std::none_of(index.metadata.begin(), index.metadata.end(), [&](const auto& m) { return m.first == kv.first; })) {
-        index.metadata.push_back(kv);
-      }
-    }
   }
+  index.metadata = checkpoint.metadata();
   return index;
 }
 

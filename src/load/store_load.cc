@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <filesystem>
 #include <string>
 
 #include "base/log.h"
@@ -17,12 +16,6 @@ namespace {
 
 std::atomic<bool> warned{false};
 
-// The name the store shows the file by (status, its log).
-std::string absolute_path(const std::string& path) {
-  std::error_code ec;
-  const std::filesystem::path p = std::filesystem::absolute(path, ec);
-  return ec ? path : p.lexically_normal().string();
-}
 
 // Note [Store clients]: an unreachable store is a warning once per process,
 // and the load reads the files itself; with `required`, an error.
@@ -66,7 +59,7 @@ std::optional<std::vector<MappedFile>> map_from_store(const LoadOptions& options
     check_identity(env, fd.get(), cf.path, FileIdentity::of(cf.stat));
     StoreConnection::Served served;
     try {
-      served = connection->get(fd.get(), absolute_path(cf.path), /*hold=*/true);
+      served = connection->get(fd.get(), store_name(cf.path), /*hold=*/true);
     } catch (const UnavailableError& e) {
       unavailable(store, e);
       return std::nullopt;
@@ -113,7 +106,6 @@ std::optional<StateDict> load_to_device_from_store(const LoadOptions& options, E
   std::vector<Tensor> host;
   host.reserve(checkpoint.tensor_count());
   std::uint64_t bytes = 0;
-  std::vector<std::pair<std::string, std::string>> metadata;
   for (std::size_t i = 0; i < checkpoint.files.size(); ++i) {
     const CheckpointFile& cf = checkpoint.files[i];
     const std::uint64_t base = cf.header.data_offset();
@@ -121,16 +113,11 @@ std::optional<StateDict> load_to_device_from_store(const LoadOptions& options, E
       host.emplace_back(cf.name_prefix + t.name, t.dtype, t.shape, (*mapped)[i].block, base + t.begin, t.nbytes());
     }
     bytes += cf.header.data_size();
-    for (const auto& kv : cf.header.metadata) {
-      if (std::none_of(metadata.begin(), metadata.end(), [&](const auto& m) { return m.first == kv.first; })) {
-        metadata.push_back(kv);
-      }
-    }
   }
   counters->bytes_total += bytes;
   if (stop.stop_requested()) throw CancelledError("load cancelled");
   // Straight from the shared pages to the device: no staging copy.
-  StateDict both = upload(StateDict(std::move(host), metadata), *options.target.device, options.target.copy);
+  StateDict both = upload(StateDict(std::move(host), checkpoint.metadata()), *options.target.device, options.target.copy);
   counters->files_store += checkpoint.files.size();
   counters->bytes_done += bytes;
   counters->bytes_copied += bytes;

@@ -262,7 +262,6 @@ StateDict hand_out_mapped(const LoadOptions& options, const Checkpoint& checkpoi
   std::vector<Tensor> tensors;
   tensors.reserve(checkpoint.tensor_count());
   std::size_t next_read = 0;
-  std::vector<std::pair<std::string, std::string>> metadata;
   for (std::size_t i = 0; i < checkpoint.files.size(); ++i) {
     const CheckpointFile& cf = checkpoint.files[i];
     if (!by_file[i].empty() || cf.header.tensors.empty()) {
@@ -270,13 +269,8 @@ StateDict hand_out_mapped(const LoadOptions& options, const Checkpoint& checkpoi
     } else {
       for (std::size_t k = 0; k < cf.header.tensors.size(); ++k) tensors.push_back(read_part[next_read++]);
     }
-    for (const auto& kv : cf.header.metadata) {
-      if (std::none_of(metadata.begin(), metadata.end(), [&](const auto& m) { return m.first == kv.first; })) {
-        metadata.push_back(kv);
-      }
-    }
   }
-  return StateDict(std::move(tensors), std::move(metadata));
+  return StateDict(std::move(tensors), checkpoint.metadata());
 }
 
 }  // namespace pinload::detail

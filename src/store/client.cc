@@ -18,6 +18,12 @@
 namespace pinload {
 namespace detail {
 
+std::string store_name(const std::string& path) {
+  std::error_code ec;
+  const std::filesystem::path p = std::filesystem::absolute(path, ec);
+  return ec ? path : p.lexically_normal().string();
+}
+
 std::shared_ptr<StoreConnection> StoreConnection::connect(const std::string& socket) {
   return std::shared_ptr<StoreConnection>(new StoreConnection(connect_to(socket), socket));
 }
@@ -102,9 +108,7 @@ std::vector<std::string> local_files(Env* env, const std::vector<std::string>& p
       if (!f.version.empty()) {
         throw InvalidArgumentError("the store keeps local files; a remote object is not one", ErrorContext{f.path});
       }
-      std::error_code ec;
-      const std::filesystem::path p = std::filesystem::absolute(f.path, ec);
-      files.push_back(ec ? f.path : p.lexically_normal().string());
+      files.push_back(store_name(f.path));
     }
   }
   return files;

@@ -53,6 +53,9 @@ class StoreConnection {
   std::string socket_;
 };
 
+// The name the store shows a file by (status, its log): its absolute path.
+std::string store_name(const std::string& path);
+
 // A store entry mapped private (copy-on-write) into this process, keeping its
 // connection, and so its hold, alive.
 class StoreMapping : public std::enable_shared_from_this<StoreMapping> {
