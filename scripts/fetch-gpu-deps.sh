@@ -21,6 +21,14 @@ PACKAGES=(
   libbenchmark-dev libbenchmark1debian  # Google Benchmark (bench/)
   libssl-dev libssl3              # OpenSSL::Crypto (the CLI's checksums)
   libhwy-dev libhwy1              # Highway: the host conversions' SIMD kernels
+  libcli11-dev                    # CLI11 (header-only): the command line's parser
+  libcurl4-openssl-dev libcurl4   # libcurl: remote sources
+  # libcurl4's run-time closure, less libc and what every image has (the GPU image is
+  # another distribution; only pinload's own binaries see these, through LD_LIBRARY_PATH)
+  libbrotli1 libgssapi-krb5-2 libidn2-0 libk5crypto3 libkeyutils1 libkrb5-3 libkrb5support0
+  libldap-2.5-0 libnghttp2-14 libpsl5 librtmp1 libsasl2-2 libsasl2-modules-db libssh2-1
+  libunistring2 libgnutls30 libhogweed6 libnettle8 libp11-kit0 libtasn1-6 libffi8 libgmp10
+  libcom-err2 libdb5.3
 )
 
 if [[ ${1:-} == --force ]]; then

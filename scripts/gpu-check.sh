@@ -50,6 +50,7 @@ MEASURE_MIB=${PINLOAD_MEASURE_MIB:-1024}
 JOBS=$(nproc)
 START=$(date +%s)
 ORIG_LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}
+PY_LD_LIBRARY_PATH=$ORIG_LD_LIBRARY_PATH
 : >"$OUT/gpu-check.log"
 : >"$OUT/build.log"
 : >"$OUT/tests.log"
@@ -96,8 +97,11 @@ run_step() {
 # ---- dependencies
 if [[ -d .deps/usr ]]; then
   export CMAKE_PREFIX_PATH="$ROOT/.deps/usr${CMAKE_PREFIX_PATH:+:$CMAKE_PREFIX_PATH}"
-  export LD_LIBRARY_PATH="$ROOT/.deps/usr/lib/x86_64-linux-gnu:$ROOT/.deps/usr/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  export LD_LIBRARY_PATH="$ROOT/.deps/usr/lib/x86_64-linux-gnu:$ROOT/.deps/usr/lib:$ROOT/.deps/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   log "using .deps/usr ($(wc -l <.deps/MANIFEST 2>/dev/null || echo '?') packages)"
+  # Python processes load torch too: the machine's libraries first, .deps/ only for what it lacks
+  # (pinload's module finds libcurl's own libraries, libssh2 and the rest, only there).
+  PY_LD_LIBRARY_PATH="${ORIG_LD_LIBRARY_PATH:+$ORIG_LD_LIBRARY_PATH:}$ROOT/.deps/usr/lib/x86_64-linux-gnu:$ROOT/.deps/lib/x86_64-linux-gnu"
 else
   log "no .deps/ folder: relying on the machine's own CMake packages"
 fi
@@ -112,7 +116,7 @@ trap 'rm -rf "$PROBE"' EXIT
 cat >"$PROBE/CMakeLists.txt" <<'EOF'
 cmake_minimum_required(VERSION 3.25)
 project(pinload_probe LANGUAGES C CXX)
-foreach(pkg nlohmann_json spdlog GTest benchmark CUDAToolkit)
+foreach(pkg nlohmann_json spdlog GTest benchmark CUDAToolkit CLI11 CURL hwy)
   find_package(${pkg} QUIET)
   message(STATUS "probe: ${pkg}=${${pkg}_FOUND}")
 endforeach()
@@ -122,11 +126,11 @@ EOF
 run_step probe 60 "$OUT/build.log" cmake -S "$PROBE" -B "$PROBE/build" "${GENERATOR[@]}"
 found() { grep -q "probe: $1=\(1\|TRUE\|ON\|YES\)$" "$OUT/build.log"; }
 MISSING=()
-for pkg in nlohmann_json spdlog OpenSSL GTest; do found "$pkg" || MISSING+=("$pkg"); done
+for pkg in nlohmann_json spdlog OpenSSL GTest CLI11 CURL hwy; do found "$pkg" || MISSING+=("$pkg"); done
 found CUDAToolkit || MISSING+=(CUDAToolkit)
 BENCH=OFF
 found benchmark && BENCH=ON
-DEPS_JSON=$(for pkg in nlohmann_json spdlog OpenSSL GTest benchmark CUDAToolkit; do
+DEPS_JSON=$(for pkg in nlohmann_json spdlog OpenSSL GTest benchmark CUDAToolkit CLI11 CURL hwy; do
   found "$pkg" && printf '"%s": true, ' "$pkg" || printf '"%s": false, ' "$pkg"
 done)
 
@@ -164,7 +168,7 @@ for line in open(os.path.join(out, "tests.log"), errors="replace"):
     if line.startswith("torch_reference: "):
         res["torch_reference"] = json.loads(line[len("torch_reference: "):])
 fp8 = os.environ.get("FP8_JSON", "")
-if fp8 and os.path.exists(fp8):
+if fp8 and os.path.exists(fp8) and os.path.getsize(fp8) > 0:
     with open(fp8) as f:
         res["fp8_device"] = json.load(f)  # fp8-bench --device cuda:0: FP8 -> bf16 loads, bf16 loads, pinned copy
 fresh = os.environ.get("FRESH_JSON")
@@ -194,10 +198,14 @@ log "dependencies found (benchmark: $BENCH)"
 
 # ---- build
 FAILED=0
+# pybind11 from pip keeps its CMake package inside the Python package.
+PYBIND11_ARGS=()
+PYBIND11_DIR=$(python3 -m pybind11 --cmakedir 2>/dev/null) && PYBIND11_ARGS=(-Dpybind11_DIR="$PYBIND11_DIR")
 run_step configure 120 "$OUT/build.log" cmake -S . -B "$BUILD" "${GENERATOR[@]}" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-  -DPINLOAD_WITH_CUDA=ON -DPINLOAD_WITH_PYTHON=AUTO -DPINLOAD_BUILD_BENCH="$BENCH" || FAILED=1
+  -DPINLOAD_WITH_CUDA=ON -DPINLOAD_WITH_PYTHON=AUTO -DPINLOAD_BUILD_BENCH="$BENCH" "${PYBIND11_ARGS[@]}" || FAILED=1
 if ((FAILED == 0)); then
-  run_step build_device_tests 300 "$OUT/build.log" cmake --build "$BUILD" -j "$JOBS" --target device_test copy_engine_test device_loader_test ||
+  run_step build_device_tests 300 "$OUT/build.log" cmake --build "$BUILD" -j "$JOBS" --target device_test copy_engine_test device_loader_test \
+    $(grep -q '^build torch_adapter_test\|torch_adapter_test:' "$BUILD/build.ninja" "$BUILD/Makefile" 2>/dev/null && echo torch_adapter_test) ||
     FAILED=1
 fi
 if ((FAILED)); then
@@ -211,8 +219,16 @@ fi
 TESTS_FAILED=0
 export PINLOAD_MEASURE_MIB=$MEASURE_MIB
 GTEST_DIR=$(mktemp -d)
-for t in device_test copy_engine_test device_loader_test; do
-  run_step "$t" 150 "$OUT/tests.log" "$BUILD/tests/$t" --gtest_output="json:$GTEST_DIR/$t.json" || TESTS_FAILED=1
+for t in device_test copy_engine_test device_loader_test torch_adapter_test; do
+  [[ -x $BUILD/tests/$t ]] || continue
+  if ! run_step "$t" 150 "$OUT/tests.log" "$BUILD/tests/$t" --gtest_output="json:$GTEST_DIR/$t.json"; then
+    TESTS_FAILED=1
+    # Where a test crashed, the stack of the crash (cuda-gdb runs programs without GPU code too).
+    if command -v cuda-gdb >/dev/null && [[ ${RC[$t]} =~ ^[0-9]+$ ]] && ((RC[$t] > 128 && RC[$t] != 137)); then
+      run_step "${t}_backtrace" 90 "$OUT/tests.log" cuda-gdb -batch -ex run -ex bt -ex 'info sharedlibrary' \
+        --args "$BUILD/tests/$t"
+    fi
+  fi
 done
 python3 - "$GTEST_DIR" "$OUT/gtest.json" <<'EOF'
 import glob, json, os, sys
@@ -288,20 +304,6 @@ if (($(remaining) > 200)) && run_step build_bench 120 "$OUT/build.log" cmake --b
   fi
 fi
 
-# ---- a fresh process's device load (issue 16): bench/fresh_bench.py's set at scale 0.05 (0.39 GB),
-# every system in a fresh worker per load to cuda:0, cold and warm, one round; pinload's default
-# streams through pinned staging (Note [Device loads from Python]), so pinning only the staging is
-# its fresh-memory cost. Its JSON goes into results.json as fresh_device.
-export FRESH_JSON=$(mktemp)
-if (($(remaining) > 240)) && ls "$BUILD"/python/pinload/_core*.so >/dev/null 2>&1; then
-  run_step fresh_device 150 "$OUT/bench.log" env LD_LIBRARY_PATH="$ORIG_LD_LIBRARY_PATH" \
-    python3 bench/fresh_bench.py --device cuda:0 --scale 0.05 --workloads set --rounds 1 --no-st09 \
-    --pool-settle 0 --fio-runtime 5 --build "$BUILD" \
-    --dir "$MODELS/fresh-bench-0.05" --out "$FRESH_JSON"
-else
-  log "fresh_device: skipped ($(remaining)s left or no Python module)"
-fi
-
 # ---- a device load from the node store (docs/store.md): the daemon holds the checkpoint; a CLI
 # load to cuda:0 copies from its shared pages (no staging copy). Compare its GB/s in store.log with
 # bench_device's pinned cudaMemcpy (target: >= 0.9 x).
@@ -322,6 +324,20 @@ if (($(remaining) > 120)) && [[ -x "$BUILD/pinload" && -d "${M:-}" ]]; then
   rm -rf "$STORE_DIR"
 else
   log "store_device: skipped ($(remaining)s left or no checkpoint)"
+fi
+
+# ---- a fresh process's device load (issue 16): bench/fresh_bench.py's set at scale 0.05 (0.39 GB),
+# every system in a fresh worker per load to cuda:0, cold and warm, one round; pinload's default
+# streams through pinned staging (Note [Device loads from Python]), so pinning only the staging is
+# its fresh-memory cost. Its JSON goes into results.json as fresh_device.
+export FRESH_JSON=$(mktemp)
+if (($(remaining) > 240)) && ls "$BUILD"/python/pinload/_core*.so >/dev/null 2>&1; then
+  run_step fresh_device 150 "$OUT/bench.log" env LD_LIBRARY_PATH="$PY_LD_LIBRARY_PATH" \
+    python3 bench/fresh_bench.py --device cuda:0 --scale 0.05 --workloads set --rounds 1 --no-st09 \
+    --pool-settle 0 --fio-runtime 5 --build "$BUILD" \
+    --dir "$MODELS/fresh-bench-0.05" --out "$FRESH_JSON"
+else
+  log "fresh_device: skipped ($(remaining)s left or no Python module)"
 fi
 
 # ---- the vLLM plugin on cuda:0 (tests/serving/gpu_vllm_check.py): pinload's iterator against
@@ -357,7 +373,7 @@ fi
 # transformer layers of the last level, to fit the budget), rank 32 and 128; its JSON comes back as
 # $OUT/lora_bench.json (not part of the verdict)
 if (($(remaining) > 200)) && ls "$BUILD"/python/pinload/_core*.so >/dev/null 2>&1; then
-  run_step lora_bench 180 "$OUT/bench.log" env PYTHONPATH="$BUILD/python:$ROOT/python" LD_LIBRARY_PATH="$ORIG_LD_LIBRARY_PATH" \
+  run_step lora_bench 180 "$OUT/bench.log" env PYTHONPATH="$BUILD/python:$ROOT/python" LD_LIBRARY_PATH="$PY_LD_LIBRARY_PATH" \
     python3 bench/lora_bench.py --device cuda:0 --switches 10 --peer-switches 3 \
     --config "transformer_layers_per_block=[1,2,2]" --dir "$MODELS/lora-bench" --json "$OUT/lora_bench.json" || true
 else
@@ -371,7 +387,7 @@ fi
 if (($(remaining) > 90)) && ls "$BUILD"/python/pinload/_core*.so >/dev/null 2>&1; then
   PINLOAD_MODELS="$MODELS" python3 scripts/gen_checkpoints.py --scale small >>"$OUT/bench.log" 2>&1 ||
     PINLOAD_MODELS="$MODELS" python3 scripts/gen_checkpoints.py --scale small --only flux >>"$OUT/bench.log" 2>&1 || true
-  run_step bench_quick $(($(remaining) - 20)) "$OUT/bench.log" env PINLOAD_MODELS="$MODELS" LD_LIBRARY_PATH="$ORIG_LD_LIBRARY_PATH" \
+  run_step bench_quick $(($(remaining) - 20)) "$OUT/bench.log" env PINLOAD_MODELS="$MODELS" LD_LIBRARY_PATH="$PY_LD_LIBRARY_PATH" \
     python3 bench/run_all.py --quick --no-setup --device cuda:0 --scenarios limits,cold,warm,switch \
     --bin "$BUILD/bench/pinload-bench" --build "$BUILD" --out "$OUT/run_all.quick.json" || true
 else
