@@ -7,7 +7,10 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <limits>
 #include <random>
 #include <thread>
@@ -118,6 +121,48 @@ TEST(CudaAvailability, ReasonMatchesWhatOpenSays) {
     EXPECT_NE(std::string(e.what()).find(why), std::string::npos) << e.what() << " vs " << why;
   }
   EXPECT_EQ(cuda_available(nullptr), false);  // a null reason is fine too
+}
+
+// Note [CUDA at run time]: the runtime is opened with dlopen, once per process, so each case
+// runs in a process of its own (a death test that re-executes this binary).
+TEST(CudaRuntime, AMissingRuntimeIsATypedErrorNamingWhatWasTried) {
+  if (!built_with_cuda()) GTEST_SKIP() << "built without CUDA";
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(
+      {
+        setenv("PINLOAD_CUDART", "/nonexistent/libcudart.so.99", 1);
+        std::string why;
+        if (cuda_available(&why)) std::_Exit(2);
+        if (why.find("/nonexistent/libcudart.so.99") == std::string::npos) std::_Exit(3);
+        if (why.find("PINLOAD_CUDART") == std::string::npos) std::_Exit(4);
+        try {
+          open_device("cuda:0");
+          std::_Exit(5);
+        } catch (const DeviceError& e) {
+          if (std::string(e.what()).find("could not be loaded") == std::string::npos) std::_Exit(6);
+        }
+        std::_Exit(0);
+      },
+      ::testing::ExitedWithCode(0), "");
+}
+
+TEST(CudaRuntime, TheToolkitsRuntimeOpensWithoutBeingLinked) {
+  if (!built_with_cuda()) GTEST_SKIP() << "built without CUDA";
+  const char* toolkit = "/usr/local/cuda/lib64";
+  if (!std::filesystem::exists(toolkit)) GTEST_SKIP() << "no CUDA toolkit at " << toolkit;
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(
+      {
+        unsetenv("PINLOAD_CUDART");
+        std::string why;
+        // Opened: available, or unavailable for the machine's reason (no driver, no GPU).
+        if (!cuda_available(&why) && why.find("could not be loaded") != std::string::npos) {
+          std::fprintf(stderr, "%s\n", why.c_str());
+          std::_Exit(2);
+        }
+        std::_Exit(0);
+      },
+      ::testing::ExitedWithCode(0), "");
 }
 
 // ------------------------------------------------------- the contract, per device

@@ -1,6 +1,8 @@
-// The CUDA device (device.h), on the CUDA runtime API alone: no kernels, so
-// this file is plain C++ built by the host compiler against CUDA::cudart.
-// Without PINLOAD_HAVE_CUDA it builds the stubs at the bottom instead.
+// The CUDA device (device.h), on the CUDA runtime API, which it opens at run
+// time (device/cuda_runtime.h): plain C++ built by the host compiler, linked to
+// no CUDA library. The conversion kernel comes as a fat binary built by nvcc
+// and loaded with cudaLibraryLoadData (device/cuda_convert.h). Without
+// PINLOAD_HAVE_CUDA it builds the stubs at the bottom instead.
 //
 // Every call is checked; a failure throws DeviceError (OutOfMemoryError for
 // cudaErrorMemoryAllocation) as "<call> failed on cuda:N: <cudaErrorName>:
@@ -31,18 +33,22 @@
 
 #include "base/log.h"
 #include "device/cuda_convert.h"
+#include "device/cuda_runtime.h"
 
 namespace pinload {
 namespace {
 
+// The runtime, opened by open_cuda_device before anything here runs.
+const cuda::Runtime& rt() { return cuda::require_runtime("CUDA"); }
+
 constexpr std::size_t kHugePage = 2u << 20;
 
 std::string cuda_message(cudaError_t err) {
-  return std::string(cudaGetErrorName(err)) + ": " + cudaGetErrorString(err);
+  return std::string(rt().cudaGetErrorName(err)) + ": " + rt().cudaGetErrorString(err);
 }
 
 [[noreturn]] void throw_cuda(const char* call, cudaError_t err, const std::string& where) {
-  (void)cudaGetLastError();  // clear a non-sticky error; sticky ones stay regardless
+  (void)rt().cudaGetLastError();  // clear a non-sticky error; sticky ones stay regardless
   std::string message = std::string(call) + " failed" + (where.empty() ? "" : " on " + where) + ": " +
                         cuda_message(err);
   if (err == cudaErrorMemoryAllocation) throw OutOfMemoryError(std::move(message));
@@ -60,14 +66,14 @@ std::string where(int ordinal) { return "cuda:" + std::to_string(ordinal); }
 class DeviceGuard {
  public:
   explicit DeviceGuard(int ordinal) {
-    check(cudaGetDevice(&previous_), "cudaGetDevice", where(ordinal));
+    check(rt().cudaGetDevice(&previous_), "cudaGetDevice", where(ordinal));
     if (previous_ != ordinal) {
-      check(cudaSetDevice(ordinal), "cudaSetDevice", where(ordinal));
+      check(rt().cudaSetDevice(ordinal), "cudaSetDevice", where(ordinal));
       changed_ = true;
     }
   }
   ~DeviceGuard() {
-    if (changed_) (void)cudaSetDevice(previous_);
+    if (changed_) (void)rt().cudaSetDevice(previous_);
   }
   DeviceGuard(const DeviceGuard&) = delete;
   DeviceGuard& operator=(const DeviceGuard&) = delete;
@@ -81,12 +87,12 @@ class DeviceGuard {
 class QuietDeviceGuard {
  public:
   explicit QuietDeviceGuard(int ordinal) noexcept {
-    if (cudaGetDevice(&previous_) == cudaSuccess && previous_ != ordinal) {
-      changed_ = cudaSetDevice(ordinal) == cudaSuccess;
+    if (rt().cudaGetDevice(&previous_) == cudaSuccess && previous_ != ordinal) {
+      changed_ = rt().cudaSetDevice(ordinal) == cudaSuccess;
     }
   }
   ~QuietDeviceGuard() {
-    if (changed_) (void)cudaSetDevice(previous_);
+    if (changed_) (void)rt().cudaSetDevice(previous_);
   }
   QuietDeviceGuard(const QuietDeviceGuard&) = delete;
   QuietDeviceGuard& operator=(const QuietDeviceGuard&) = delete;
@@ -100,22 +106,22 @@ class CudaStream final : public detail::StreamImpl {
  public:
   CudaStream(std::uint64_t device, int ordinal) : StreamImpl(device), ordinal_(ordinal) {
     DeviceGuard guard(ordinal_);
-    check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreateWithFlags", where(ordinal_));
+    check(rt().cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreateWithFlags", where(ordinal_));
   }
   // cudaStreamDestroy returns at once; queued work still completes.
   ~CudaStream() override {
     QuietDeviceGuard guard(ordinal_);
-    (void)cudaStreamDestroy(stream);
+    (void)rt().cudaStreamDestroy(stream);
   }
   void synchronize() override {
     DeviceGuard guard(ordinal_);
-    check(cudaStreamSynchronize(stream), "cudaStreamSynchronize", where(ordinal_));
+    check(rt().cudaStreamSynchronize(stream), "cudaStreamSynchronize", where(ordinal_));
   }
   bool query() override {
     DeviceGuard guard(ordinal_);
-    const cudaError_t err = cudaStreamQuery(stream);
+    const cudaError_t err = rt().cudaStreamQuery(stream);
     if (err == cudaErrorNotReady) {
-      (void)cudaGetLastError();
+      (void)rt().cudaGetLastError();
       return false;
     }
     check(err, "cudaStreamQuery", where(ordinal_));
@@ -134,23 +140,23 @@ class CudaEvent final : public detail::EventImpl {
   CudaEvent(int ordinal, cudaStream_t stream) : ordinal_(ordinal) {
     DeviceGuard guard(ordinal_);
     // BlockingSync: a waiting thread sleeps instead of spinning a core.
-    check(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming | cudaEventBlockingSync), "cudaEventCreateWithFlags",
+    check(rt().cudaEventCreateWithFlags(&event_, cudaEventDisableTiming | cudaEventBlockingSync), "cudaEventCreateWithFlags",
           where(ordinal_));
-    const cudaError_t err = cudaEventRecord(event_, stream);
+    const cudaError_t err = rt().cudaEventRecord(event_, stream);
     if (err != cudaSuccess) {
-      (void)cudaEventDestroy(event_);
+      (void)rt().cudaEventDestroy(event_);
       throw_cuda("cudaEventRecord", err, where(ordinal_));
     }
   }
   ~CudaEvent() override {
     QuietDeviceGuard guard(ordinal_);
-    (void)cudaEventDestroy(event_);
+    (void)rt().cudaEventDestroy(event_);
   }
   bool query() override {
     DeviceGuard guard(ordinal_);
-    const cudaError_t err = cudaEventQuery(event_);
+    const cudaError_t err = rt().cudaEventQuery(event_);
     if (err == cudaErrorNotReady) {
-      (void)cudaGetLastError();
+      (void)rt().cudaGetLastError();
       return false;
     }
     check(err, "cudaEventQuery", where(ordinal_));
@@ -158,7 +164,7 @@ class CudaEvent final : public detail::EventImpl {
   }
   void synchronize() override {
     DeviceGuard guard(ordinal_);
-    check(cudaEventSynchronize(event_), "cudaEventSynchronize", where(ordinal_));
+    check(rt().cudaEventSynchronize(event_), "cudaEventSynchronize", where(ordinal_));
   }
   cudaEvent_t event() const noexcept { return event_; }
 
@@ -173,12 +179,12 @@ class CudaAllocator final : public DeviceAllocator {
   void* allocate(std::size_t bytes) override {
     DeviceGuard guard(ordinal_);
     void* data = nullptr;
-    check(cudaMalloc(&data, bytes), "cudaMalloc", where(ordinal_) + " (" + std::to_string(bytes) + " bytes)");
+    check(rt().cudaMalloc(&data, bytes), "cudaMalloc", where(ordinal_) + " (" + std::to_string(bytes) + " bytes)");
     return data;
   }
   void deallocate(void* data, std::size_t) noexcept override {
     QuietDeviceGuard guard(ordinal_);
-    (void)cudaFree(data);  // fails only at process teardown (cudaErrorCudartUnloading)
+    (void)rt().cudaFree(data);  // fails only at process teardown (cudaErrorCudartUnloading)
   }
   std::string_view name() const noexcept override { return "cudaMalloc"; }
 
@@ -238,7 +244,7 @@ class HostAllocBackend final : public HostMemoryBackend {
   }
   void release(const HostRange& range) noexcept override {
     QuietDeviceGuard guard(ordinal_);
-    (void)cudaFreeHost(range.data);
+    (void)rt().cudaFreeHost(range.data);
   }
   std::size_t alignment() const noexcept override { return static_cast<std::size_t>(::sysconf(_SC_PAGESIZE)); }
   std::string_view name() const noexcept override { return "cuda-host-alloc"; }
@@ -247,10 +253,10 @@ class HostAllocBackend final : public HostMemoryBackend {
   HostRange allocate(std::size_t bytes) {
     DeviceGuard guard(ordinal_);
     void* data = nullptr;
-    check(cudaHostAlloc(&data, bytes, cudaHostAllocPortable), "cudaHostAlloc",
+    check(rt().cudaHostAlloc(&data, bytes, cudaHostAllocPortable), "cudaHostAlloc",
           where(ordinal_) + " (" + std::to_string(bytes) + " bytes)");
     if (reinterpret_cast<std::uintptr_t>(data) % alignment() != 0) {
-      (void)cudaFreeHost(data);
+      (void)rt().cudaFreeHost(data);
       throw DeviceError("cudaHostAlloc returned memory that is not page-aligned");
     }
     return HostRange{data, bytes, /*locked=*/true, /*huge_pages=*/false};
@@ -280,7 +286,7 @@ class HostRegisterBackend final : public HostMemoryBackend {
     }
     if (binding_.node() >= 0) binding_.bind(range.data, bytes);  // before cudaHostRegister faults the pages in
     DeviceGuard guard(ordinal_);
-    const cudaError_t rc = cudaHostRegister(range.data, bytes, cudaHostRegisterPortable);
+    const cudaError_t rc = rt().cudaHostRegister(range.data, bytes, cudaHostRegisterPortable);
     if (rc != cudaSuccess) {
       env_->unmap(range.data, bytes);
       throw_cuda("cudaHostRegister", rc, where(ordinal_) + " (" + std::to_string(bytes) + " bytes)");
@@ -291,7 +297,7 @@ class HostRegisterBackend final : public HostMemoryBackend {
   void release(const HostRange& range) noexcept override {
     {
       QuietDeviceGuard guard(ordinal_);
-      (void)cudaHostUnregister(range.data);
+      (void)rt().cudaHostUnregister(range.data);
     }
     env_->unmap(range.data, range.bytes);
   }
@@ -312,17 +318,17 @@ class CudaDevice final : public Device {
   explicit CudaDevice(int ordinal)
       : ordinal_(ordinal), name_(where(ordinal)), allocator_(std::make_shared<CudaAllocator>(ordinal)) {
     DeviceGuard guard(ordinal_);
-    check(cudaFree(nullptr), "cudaFree(nullptr) (context creation)", name_);  // create the context now
+    check(rt().cudaFree(nullptr), "cudaFree(nullptr) (context creation)", name_);  // create the context now
     cudaDeviceProp prop{};
-    check(cudaGetDeviceProperties(&prop, ordinal_), "cudaGetDeviceProperties", name_);
+    check(rt().cudaGetDeviceProperties(&prop, ordinal_), "cudaGetDeviceProperties", name_);
     char gib[32];
     std::snprintf(gib, sizeof gib, "%.1f GiB", static_cast<double>(prop.totalGlobalMem) / (1u << 30));
     description_ = std::string(prop.name) + " (" + name_ + ", " + gib + ", cc " + std::to_string(prop.major) + "." +
                    std::to_string(prop.minor) + ", " + std::to_string(prop.asyncEngineCount) + " copy engines)";
     // Only NUMA placement needs it: without it the device's node is unknown.
     char bus_id[32] = {};
-    if (const cudaError_t rc = cudaDeviceGetPCIBusId(bus_id, sizeof bus_id, ordinal_); rc != cudaSuccess) {
-      (void)cudaGetLastError();
+    if (const cudaError_t rc = rt().cudaDeviceGetPCIBusId(bus_id, sizeof bus_id, ordinal_); rc != cudaSuccess) {
+      (void)rt().cudaGetLastError();
       log::debug("{}: cudaDeviceGetPCIBusId failed ({}); NUMA node unknown", name_, cuda_message(rc));
     } else {
       try {
@@ -352,7 +358,7 @@ class CudaDevice final : public Device {
 
   void synchronize() override {
     DeviceGuard guard(ordinal_);
-    check(cudaDeviceSynchronize(), "cudaDeviceSynchronize", name_);
+    check(rt().cudaDeviceSynchronize(), "cudaDeviceSynchronize", name_);
   }
 
  protected:
@@ -362,7 +368,7 @@ class CudaDevice final : public Device {
 
   void do_copy_to_device_async(void* dst, const void* src, std::size_t bytes, Stream& stream) override {
     DeviceGuard guard(ordinal_);
-    check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, static_cast<CudaStream*>(stream.impl())->stream),
+    check(rt().cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, static_cast<CudaStream*>(stream.impl())->stream),
           "cudaMemcpyAsync", name_);
   }
 
@@ -370,25 +376,28 @@ class CudaDevice final : public Device {
     auto* e = dynamic_cast<CudaEvent*>(event.impl());
     if (e == nullptr) throw InvalidFileError("an event of another device given to " + name_);
     DeviceGuard guard(ordinal_);
-    check(cudaStreamWaitEvent(static_cast<CudaStream*>(stream.impl())->stream, e->event(), 0), "cudaStreamWaitEvent",
+    check(rt().cudaStreamWaitEvent(static_cast<CudaStream*>(stream.impl())->stream, e->event(), 0), "cudaStreamWaitEvent",
           where(ordinal_));
   }
 
   void do_convert_async(void* dst, const void* src, const ElementConversion& c, Stream& stream) override {
-#if defined(PINLOAD_HAVE_CUDA_KERNELS)
     DeviceGuard guard(ordinal_);
-    check(static_cast<cudaError_t>(cuda::launch_convert(dst, src, c, static_cast<CudaStream*>(stream.impl())->stream)),
+    cuda::KernelLaunch launch;
+    try {
+      launch = cuda::convert_launch(dst, src, c);
+    } catch (const DeviceError& e) {
+      throw DeviceError(name_ + ": " + e.what());
+    }
+    auto args = launch.args();
+    check(rt().cudaLaunchKernel(launch.kernel, launch.grid, launch.block, args.data(), 0,
+                                static_cast<CudaStream*>(stream.impl())->stream),
           "dtype conversion kernel launch", name_);
-#else
-    (void)dst, (void)src, (void)c, (void)stream;
-    throw DeviceError(name_ + ": pinload was built without the CUDA conversion kernels (no nvcc)");
-#endif
   }
 
   void do_copy_to_host(void* dst, const void* src, std::size_t bytes) override {
     DeviceGuard guard(ordinal_);
-    check(cudaDeviceSynchronize(), "cudaDeviceSynchronize", name_);
-    check(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost), "cudaMemcpy", name_);
+    check(rt().cudaDeviceSynchronize(), "cudaDeviceSynchronize", name_);
+    check(rt().cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost), "cudaMemcpy", name_);
   }
 
  private:
@@ -404,11 +413,13 @@ class CudaDevice final : public Device {
 bool built_with_cuda() noexcept { return true; }
 
 bool cuda_available(std::string* why) {
+  const cuda::Runtime* runtime = cuda::runtime(why);
+  if (runtime == nullptr) return false;
   int count = 0;
-  const cudaError_t err = cudaGetDeviceCount(&count);
+  const cudaError_t err = runtime->cudaGetDeviceCount(&count);
   if (err != cudaSuccess) {
-    (void)cudaGetLastError();
-    if (why != nullptr) *why = cudaGetErrorString(err);
+    (void)runtime->cudaGetLastError();
+    if (why != nullptr) *why = runtime->cudaGetErrorString(err);
     return false;
   }
   if (count == 0) {
@@ -420,12 +431,13 @@ bool cuda_available(std::string* why) {
 }
 
 std::unique_ptr<Device> open_cuda_device(int ordinal) {
+  const cuda::Runtime& runtime = cuda::require_runtime("cannot open " + where(ordinal));
   int count = 0;
-  const cudaError_t err = cudaGetDeviceCount(&count);
+  const cudaError_t err = runtime.cudaGetDeviceCount(&count);
   if (err != cudaSuccess) {
-    (void)cudaGetLastError();
-    throw DeviceError("cannot open " + where(ordinal) + ": no CUDA device: " + cudaGetErrorString(err) +
-                      " (cudaGetDeviceCount: " + cudaGetErrorName(err) + ")");
+    (void)runtime.cudaGetLastError();
+    throw DeviceError("cannot open " + where(ordinal) + ": no CUDA device: " + runtime.cudaGetErrorString(err) +
+                      " (cudaGetDeviceCount: " + runtime.cudaGetErrorName(err) + ")");
   }
   if (ordinal < 0 || ordinal >= count) {
     throw DeviceError("cannot open " + where(ordinal) + ": " + std::to_string(count) + " CUDA device(s) visible");

@@ -10,6 +10,7 @@
 #include "pinload/torch.h"
 
 #if PINLOAD_TORCH_CUDA
+#include <ATen/Context.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
@@ -246,6 +247,14 @@ std::shared_ptr<DeviceAllocator> torch_cuda_allocator(int ordinal) {
   if (ordinal < 0 || ordinal >= count) {
     throw DeviceError("torch_cuda_allocator: no CUDA device " + std::to_string(ordinal) + " (torch sees " +
                       std::to_string(count) + ")");
+  }
+  // The caching allocator is set up by torch's lazy CUDA initialisation, which a C++ program
+  // that has made no CUDA tensor yet has not run ("Allocator not initialized for device").
+  try {
+    at::globalContext().lazyInitDevice(c10::DeviceType::CUDA);
+  } catch (const c10::Error& e) {
+    throw DeviceError(std::string("torch_cuda_allocator: torch's CUDA initialisation failed: ") +
+                      e.what_without_backtrace());
   }
   return std::make_shared<TorchCudaAllocator>(ordinal);
 }
