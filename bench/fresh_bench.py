@@ -208,8 +208,9 @@ def limits(bench_bin: str, files: list[str], settle: int, fio_runtime: int) -> d
 
 def run_one(system: str, workload: str, files: list[str], digests: dict, cold: bool, env: dict,
             device: str = "cpu", case: str | None = None, keep_cache: bool = False, mem_limit: int | None = None,
-            sentinel: str | None = None) -> dict:
-    step = {"paths": files, "files": files, "digests": digests, "label": workload}
+            sentinel: str | None = None, paths: list[str] | None = None) -> dict:
+    # paths: what the worker loads where it is not the local files (URLs of copies of them)
+    step = {"paths": paths or files, "files": files, "digests": digests, "label": workload}
     r = harness.run_system(system, [step], device=device, cold=cold, drop_all=True, env=env, timeout=3600,
                            keep_cache=keep_cache, mem_limit=mem_limit, sentinel=sentinel)
     rec = {"system": system, "workload": workload, "case": case or ("cold" if cold else "warm"), "cache": r.get("cache"),

@@ -16,6 +16,10 @@ pinload with PINLOAD_STORE set to its socket. Cases (each system in turn, rotate
   memory   --holders (8) processes loading the same --memory-gb file and holding it: the node's
            memory in use (MemTotal - MemAvailable) and Shmem, beside 8 pinload processes with pools
            of their own (zero_copy="off": 8 copies).
+  s3       the set uploaded to a SeaweedFS S3 server on this machine (tests/remote/servers.py): a
+           fresh worker loading it from S3 directly (pinload), then with the
+           store: the daemon's first fetch, and a fresh worker once the store holds it. The
+           server's files stay in the page cache (no drop), so S3 rows measure the server's path.
 Limits measured in the same run: fio's direct read and a fresh pool's first touch (pinload-bench),
 the set's files. Output: --out JSON (default bench/results/store.<scale>.json) and a markdown table.
 """
@@ -42,14 +46,14 @@ STORE = "pinload + store"
 
 
 class Daemon:
-    def __init__(self, binary: str, folder: str, budget: int) -> None:
+    def __init__(self, binary: str, folder: str, budget: int, env: dict | None = None) -> None:
         self.binary, self.socket = binary, os.path.join(folder, "store.sock")
         ready = os.path.join(folder, "store.ready")
         if os.path.exists(ready):
             os.unlink(ready)
         self.log = open(os.path.join(folder, "store.log"), "a")
         self.proc = subprocess.Popen([binary, "store", "serve", "--socket", self.socket, "--budget", str(budget),
-                                      "--ready-file", ready], stderr=self.log, stdout=subprocess.DEVNULL)
+                                      "--ready-file", ready], stderr=self.log, stdout=subprocess.DEVNULL, env=env)
         deadline = time.monotonic() + 30
         while not os.path.exists(ready):
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -124,7 +128,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--scale", type=float, default=1.0, help="the set's bytes, times 7.8 GB")
     ap.add_argument("--rounds", type=int, default=1)
-    ap.add_argument("--cases", default="restart,device,elastic,memory")
+    ap.add_argument("--cases", default="restart,device,elastic,memory,s3")
     ap.add_argument("--memory-gb", type=float, default=2.0, help="the memory case's file (GB)")
     ap.add_argument("--holders", type=int, default=8)
     ap.add_argument("--build", default="build")
@@ -158,19 +162,32 @@ def main(argv=None) -> int:
     if a.shmem_huge_pages != "keep":
         with open(thp, "w") as f:
             f.write(a.shmem_huge_pages)
-    daemon = Daemon(binary, folder, int(2.5 * set_bytes) + (1 << 30))
+    weed, urls, s3_env = None, None, {}
+    if "s3" in cases:
+        sys.path.insert(0, os.path.join(ROOT, "tests", "remote"))
+        import servers  # noqa: E402  (the remote tests' SeaweedFS)
+        weed = servers.Seaweed()
+        client = weed.client()
+        client.create_bucket(Bucket="store-bench")
+        for f in files:
+            client.upload_file(f, "store-bench", os.path.basename(f))
+        urls = [f"s3://store-bench/{os.path.basename(f)}" for f in files]
+        s3_env = weed.env()
+    # The daemon fetches S3 objects with its own credentials (docs/store.md, the trust model).
+    daemon = Daemon(binary, folder, int(2.5 * set_bytes) + (1 << 30), env=dict(os.environ, **s3_env))
     store_env = dict(env, PINLOAD_STORE=daemon.socket)
 
-    def one(system, case, paths, cold, keep, device="cpu", with_store=False, evict=False):
+    def one(system, case, paths, cold, keep, device="cpu", with_store=False, evict=False, remote=False):
         if evict:
             daemon.evict()
         key = tuple(paths)
         if key not in digests:
             digests[key] = checkpoint.reference_digests(paths)
-        r = fb.run_one(system, "set", paths, digests[key], cold, store_env if with_store else env, device,
+        run_env = store_env if with_store else env
+        r = fb.run_one(system, "set", paths, digests[key], cold, dict(run_env, **s3_env) if remote else run_env, device,
                        case=case, keep_cache=keep,
                        # the store's files are not in the page cache: its restart needs none of them there
-                       sentinel=None if with_store else sentinel)
+                       sentinel=None if with_store or remote else sentinel, paths=urls if remote else None)
         r["system"] = STORE if with_store else system
         r["round"] = rnd
         runs.append(r)
@@ -216,9 +233,15 @@ def main(argv=None) -> int:
                     memory.append(m)
                     fb.log(f"[round {rnd + 1}] memory {label}: {m['node_used_bytes'] / 1e9:.2f} GB in use "
                            f"({m['x_set']:.2f} x the file), Shmem +{m['shmem_bytes'] / 1e9:.2f} GB")
+            if "s3" in cases:
+                one("pinload", "s3: direct", files, False, True, remote=True)
+                one("pinload", "s3: store fetch", files, False, True, with_store=True, evict=True, remote=True)
+                one("pinload", "s3: store", files, False, True, with_store=True, remote=True)
         store_status = daemon.status()
     finally:
         daemon.stop()
+        if weed is not None:
+            weed.cleanup()
         with open(thp, "w") as f:
             f.write(thp_before)
     out = {"tool": "store_bench", "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
@@ -264,6 +287,12 @@ def table(out: dict) -> str:
         a1, a2 = med(s, "elastic: A cold"), med(s, "elastic: A again")
         if a1 and a2:
             lines.append(f"| elastic A -> B -> A | {s} | {a2:.2f} | A again {a2 / a1:.1f} x A cold |")
+    direct, stored = med("pinload", "s3: direct"), med(STORE, "s3: store")
+    if direct and stored:
+        for s, c in (("pinload", "s3: direct"), (STORE, "s3: store fetch"), (STORE, "s3: store")):
+            if med(s, c):
+                lines.append(f"| S3, fresh worker | {s}: {c} | {med(s, c):.2f} | "
+                             f"{stored / med(s, c):.1f} x (store / this) |")
     for m in out["memory"]:
         lines.append(f"| memory, {m['holders']} holders of {m['set_bytes'] / 1e9:.2f} GB | {m['system']} | "
                      f"{m['node_used_bytes'] / 1e9:.2f} GB | {m['x_set']:.2f} x the file |")

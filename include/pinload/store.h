@@ -34,12 +34,29 @@
 //
 // Note [Store clients]
 // A load with LoadOptions::store set (CLI --store, Python store=, or the
-// PINLOAD_STORE variable) asks the store for each local file of a host load
+// PINLOAD_STORE variable) asks the store for each local file, and each
+// remote object with a strong ETag (Note [Remote store entries]), of a load
 // without conversion or verification; what the store does not serve is read
 // as usual. Where the daemon cannot be reached, the load warns once per
 // process and reads the files itself, unless StoreOptions::required, which
 // makes that an UnavailableError. A load to a device takes its host copy from
 // the store and copies it to the device from there (no staging copy).
+//
+// Note [Remote store entries]
+// A remote object (s3://, http(s)://) whose ETag is a strong one is an entry
+// too, keyed by its URL (without the query) and that ETag:
+//  - The client reads the header itself, with its own credentials, which
+//    fixes the ETag (Note [Remote consistency]); only then does it ask the
+//    store, naming the URL, the ETag and the size. A client that cannot read
+//    the object never learns its ETag and never asks.
+//  - On a miss the daemon fetches the object with its own remote client: the
+//    credentials of its own environment (AWS_*), or those a presigned URL's
+//    query carries. Every range is asked If-Match the client's ETag, so the
+//    entry is the version whose header the client parsed, or the fill fails
+//    and the client reads the object itself (an error under `required`).
+//  - Objects without a strong ETag (nginx's coarse ones, weak ones, none)
+//    are read by the client as before: nothing would pin the version.
+// docs/store.md says what this means for whose credentials a node trusts.
 //
 // Note [Huge pages for the store]
 // A client's mapping of an entry costs a page-table entry per page. In 4 KiB

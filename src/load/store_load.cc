@@ -9,6 +9,7 @@
 #include "load/zero_copy.h"
 #include "pinload/error.h"
 #include "pinload/store.h"
+#include "remote/remote_url.h"
 #include "store/client.h"
 
 namespace pinload::detail {
@@ -38,9 +39,11 @@ std::optional<std::vector<MappedFile>> map_from_store(const LoadOptions& options
                                                       const Checkpoint& checkpoint, std::stop_token stop) {
   const StoreOptions store = StoreOptions::from_environment(options.store);
   if (!store.active()) return std::nullopt;
-  if (std::none_of(checkpoint.files.begin(), checkpoint.files.end(), [](const auto& f) { return f.version.empty(); })) {
-    return std::nullopt;
-  }
+  // Note [Remote store entries]: a remote object is an entry where its ETag is a strong one.
+  const auto servable = [](const CheckpointFile& f) {
+    return f.version.empty() || remote::classify_validator(f.version, 0) == remote::Validator::kStrong;
+  };
+  if (std::none_of(checkpoint.files.begin(), checkpoint.files.end(), servable)) return std::nullopt;
   std::shared_ptr<StoreConnection> connection;
   try {
     connection = StoreConnection::connect(store.socket);
@@ -51,15 +54,24 @@ std::optional<std::vector<MappedFile>> map_from_store(const LoadOptions& options
   std::vector<MappedFile> mapped(checkpoint.files.size());
   for (std::size_t i = 0; i < checkpoint.files.size(); ++i) {
     const CheckpointFile& cf = checkpoint.files[i];
-    if (!cf.version.empty()) continue;  // remote: read as usual
+    const bool remote = !cf.version.empty();
+    if (!servable(cf)) {
+      log::debug("{}: no strong ETag ({}): read without the store", remote::display_url(cf.path), cf.version);
+      continue;
+    }
     if (stop.stop_requested()) throw CancelledError("load cancelled");
-    // The client opens the file: the store never serves a file its client
-    // could not read (Note [The node store]).
-    ScopedFd fd = open_or_throw(env, cf.path);
-    check_identity(env, fd.get(), cf.path, FileIdentity::of(cf.stat));
     StoreConnection::Served served;
     try {
-      served = connection->get(fd.get(), store_name(cf.path), /*hold=*/true);
+      if (remote) {
+        // The client read the header with its own credentials, at this ETag.
+        served = connection->get_remote(cf.path, cf.version, cf.stat.size, /*hold=*/true);
+      } else {
+        // The client opens the file: the store never serves a file its client
+        // could not read (Note [The node store]).
+        ScopedFd fd = open_or_throw(env, cf.path);
+        check_identity(env, fd.get(), cf.path, FileIdentity::of(cf.stat));
+        served = connection->get(fd.get(), store_name(cf.path), /*hold=*/true);
+      }
     } catch (const UnavailableError& e) {
       unavailable(store, e);
       return std::nullopt;
@@ -70,13 +82,15 @@ std::optional<std::vector<MappedFile>> map_from_store(const LoadOptions& options
       log::warn("{}; reading it without the store", e.what());
       continue;
     }
-    // Note [One version per load]: the entry is of the version whose header was parsed.
-    if (!(served.identity == FileIdentity::of(cf.stat))) {
+    // Note [One version per load]: the entry is of the version whose header was parsed (a
+    // remote entry's ETag says so).
+    if (!remote && !(served.identity == FileIdentity::of(cf.stat))) {
       throw IoError("replaced or modified since its header was read (the store has " + served.identity.describe() +
                         ", the header was read from " + FileIdentity::of(cf.stat).describe() + ")",
                     ErrorContext{cf.path});
     }
-    log::debug("{}: {} the store", cf.path, served.hit ? "mapped from" : "read into");
+    log::debug("{}: {} the store", remote ? remote::display_url(cf.path) : cf.path,
+               served.hit ? "mapped from" : "read into");
     std::shared_ptr<StoreMapping> m = StoreMapping::map(connection, std::move(served), cf.path);
     mapped[i] = MappedFile{m->data(), m->block()};
   }

@@ -55,25 +55,51 @@ StoreConnection::~StoreConnection() {
   }
 }
 
-StoreConnection::Served StoreConnection::get(int fd, const std::string& path, bool hold) {
-  std::vector<ScopedFd> fds;
-  const int send[1] = {fd};
-  const nlohmann::json reply = request({{"op", "get"}, {"path", path}, {"hold", hold}}, send, &fds);
-  Served out;
+namespace {
+
+// The entry a "get" or "get_remote" reply carries.
+StoreConnection::Served served_from(const nlohmann::json& reply, std::vector<ScopedFd>& fds, bool has_identity,
+                                    const std::string& socket) {
+  StoreConnection::Served out;
   try {
     out.bytes = reply.at("bytes").get<std::uint64_t>();
     out.mapped = reply.at("mapped").get<std::uint64_t>();
     out.hit = reply.at("hit").get<bool>();
-    const auto& id = reply.at("identity");
-    out.identity = FileIdentity{id.at("device").get<std::uint64_t>(), id.at("inode").get<std::uint64_t>(),
-                                id.at("size").get<std::uint64_t>(), id.at("mtime_ns").get<std::int64_t>()};
+    if (has_identity) {
+      const auto& id = reply.at("identity");
+      out.identity = FileIdentity{id.at("device").get<std::uint64_t>(), id.at("inode").get<std::uint64_t>(),
+                                  id.at("size").get<std::uint64_t>(), id.at("mtime_ns").get<std::int64_t>()};
+    }
   } catch (const nlohmann::json::exception& e) {
-    throw UnavailableError(std::string("the store's reply lacks a field: ") + e.what(), ErrorContext{socket_});
+    throw UnavailableError(std::string("the store's reply lacks a field: ") + e.what(), ErrorContext{socket});
   }
   if (fds.size() != 1 || out.mapped < out.bytes) {
-    throw UnavailableError("the store's reply carries no entry", ErrorContext{socket_});
+    throw UnavailableError("the store's reply carries no entry", ErrorContext{socket});
   }
   out.memfd = std::move(fds[0]);
+  return out;
+}
+
+}  // namespace
+
+StoreConnection::Served StoreConnection::get(int fd, const std::string& path, bool hold) {
+  std::vector<ScopedFd> fds;
+  const int send[1] = {fd};
+  const nlohmann::json reply = request({{"op", "get"}, {"path", path}, {"hold", hold}}, send, &fds);
+  return served_from(reply, fds, /*has_identity=*/true, socket_);
+}
+
+StoreConnection::Served StoreConnection::get_remote(const std::string& url, const std::string& version,
+                                                    std::uint64_t size, bool hold) {
+  std::vector<ScopedFd> fds;
+  const nlohmann::json reply =
+      request({{"op", "get_remote"}, {"url", url}, {"version", version}, {"size", size}, {"hold", hold}}, {}, &fds);
+  Served out = served_from(reply, fds, /*has_identity=*/false, socket_);
+  if (out.bytes != size) {
+    throw UnavailableError("the store's entry for an object of " + std::to_string(size) + " bytes has " +
+                               std::to_string(out.bytes),
+                           ErrorContext{socket_});
+  }
   return out;
 }
 

@@ -39,6 +39,9 @@ class StoreConnection {
   // The entry for the open file `fd` (named `path` in messages), held by
   // this connection when `hold`.
   Served get(int fd, const std::string& path, bool hold);
+  // The entry for version `version` (a strong ETag) of the remote object `url`, of `size`
+  // bytes, which the daemon fetches on a miss (Note [Remote store entries]).
+  Served get_remote(const std::string& url, const std::string& version, std::uint64_t size, bool hold);
 
   const std::string& socket() const noexcept { return socket_; }
 

@@ -20,6 +20,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <list>
 #include <map>
 #include <memory>
@@ -29,8 +30,11 @@
 
 #include "base/log.h"
 #include "pinload/memory_limit.h"
+#include "pinload/remote.h"
 #include "pinload/store.h"
 #include "os/read_full.h"
+#include "remote/remote_client.h"
+#include "remote/remote_url.h"
 #include "store/socket_path.h"
 #include "store/wire.h"
 
@@ -124,12 +128,20 @@ class Store {
 
  private:
   json get(const detail::WireMessage& message, std::vector<std::shared_ptr<Entry>>* held, std::vector<int>* fds_out);
+  json get_remote(const detail::WireMessage& message, std::vector<std::shared_ptr<Entry>>* held,
+                  std::vector<int>* fds_out);
+  // What get and get_remote share: the entry for `key` (made by `fill` on a miss, once however
+  // many ask at once), held by the connection when `hold`, its memfd added to `fds_out`.
+  json serve(const std::string& key, const std::string& path, const FileIdentity& identity, std::uint64_t bytes,
+             bool hold, const std::function<void(Entry&)>& fill, std::vector<std::shared_ptr<Entry>>* held,
+             std::vector<int>* fds_out);
   json evict(const detail::WireMessage& message);
   // Makes room for `charge` bytes: the budget first (evicting), then the
   // memory the daemon can still take. Called with mu_ held; throws
   // OutOfMemoryError.
   void make_room(std::uint64_t charge, const std::string& path);
   void fill(Entry& entry, int fd);
+  void fill_remote(Entry& entry, const std::string& url, const std::string& version);
 
   const StoreServerOptions& options_;
   Env* env_;
@@ -147,6 +159,7 @@ json Store::handle(const detail::WireMessage& message, std::vector<std::shared_p
   if (op == message.body.end() || !op->is_string()) throw InvalidArgumentError("a request without an \"op\"");
   const std::string name = op->get<std::string>();
   if (name == "get") return get(message, held, fds_out);
+  if (name == "get_remote") return get_remote(message, held, fds_out);
   if (name == "status") return {{"ok", true}, {"status", status()}};
   if (name == "evict") return evict(message);
   if (name == "release") {
@@ -195,6 +208,47 @@ json Store::get(const detail::WireMessage& message, std::vector<std::shared_ptr<
   const std::string key = std::to_string(identity.device) + ":" + std::to_string(identity.inode) + ":" +
                           std::to_string(identity.size) + ":" + std::to_string(identity.mtime_ns) + ":" +
                           sha256_hex(header.data(), header.size());
+  json reply = serve(key, path, identity, st.size, hold, [&](Entry& e) { fill(e, fd); }, held, fds_out);
+  if (reply.value("ok", false)) {
+    reply["identity"] = {{"device", identity.device}, {"inode", identity.inode}, {"size", identity.size},
+                         {"mtime_ns", identity.mtime_ns}};
+  }
+  return reply;
+}
+
+// Note [Remote store entries] in pinload/store.h.
+json Store::get_remote(const detail::WireMessage& message, std::vector<std::shared_ptr<Entry>>* held,
+                       std::vector<int>* fds_out) {
+  if (!message.fds.empty()) throw InvalidArgumentError("\"get_remote\" takes no file descriptor");
+  const auto text = [&](const char* field) {
+    const auto it = message.body.find(field);
+    if (it == message.body.end() || !it->is_string() || it->get_ref<const std::string&>().empty()) {
+      throw InvalidArgumentError(std::string("\"get_remote\" needs a non-empty string \"") + field + "\"");
+    }
+    return it->get<std::string>();
+  };
+  const std::string url = text("url");
+  const std::string version = text("version");
+  const auto size = message.body.find("size");
+  if (size == message.body.end() || !size->is_number_unsigned()) {
+    throw InvalidArgumentError("\"get_remote\" needs the object's \"size\"");
+  }
+  bool hold = true;
+  if (const auto h = message.body.find("hold"); h != message.body.end() && h->is_boolean()) hold = h->get<bool>();
+  const std::string shown = remote::display_url(url);
+  if (!is_remote_path(url)) throw InvalidArgumentError("not an s3:// or http(s):// URL", ErrorContext{shown});
+  if (remote::classify_validator(version, 0) != remote::Validator::kStrong) {
+    throw InvalidArgumentError("a remote entry needs the object's strong ETag, not " + version, ErrorContext{shown});
+  }
+  // The object's name without a query (a presigned URL's signature changes; the object does not).
+  const std::string key = "remote " + shown + " " + version;
+  return serve(key, shown, FileIdentity{}, size->get<std::uint64_t>(), hold,
+               [&](Entry& e) { fill_remote(e, url, version); }, held, fds_out);
+}
+
+json Store::serve(const std::string& key, const std::string& path, const FileIdentity& identity,
+                  std::uint64_t bytes, bool hold, const std::function<void(Entry&)>& fill_entry,
+                  std::vector<std::shared_ptr<Entry>>* held, std::vector<int>* fds_out) {
   std::shared_ptr<Entry> entry;
   bool hit = false;
   {
@@ -219,9 +273,9 @@ json Store::get(const detail::WireMessage& message, std::vector<std::shared_ptr<
       entry->key = key;
       entry->path = path;
       entry->identity = identity;
-      entry->bytes = st.size;
-      const std::size_t round = st.size >= kHugePage ? kHugePage : 4096;
-      entry->charge = std::max<std::uint64_t>((st.size + round - 1) / round * round, 4096);
+      entry->bytes = bytes;
+      const std::size_t round = bytes >= kHugePage ? kHugePage : 4096;
+      entry->charge = std::max<std::uint64_t>((bytes + round - 1) / round * round, 4096);
       make_room(entry->charge, path);
       bytes_ += entry->charge;
       entries_.emplace(key, entry);
@@ -235,7 +289,7 @@ json Store::get(const detail::WireMessage& message, std::vector<std::shared_ptr<
   if (!hit) {
     json failure;
     try {
-      fill(*entry, fd);
+      fill_entry(*entry);
     } catch (const Error& e) {
       failure = detail::error_reply(e);
     } catch (const std::bad_alloc&) {
@@ -264,13 +318,9 @@ json Store::get(const detail::WireMessage& message, std::vector<std::shared_ptr<
     return entry->failure;
   }
   fds_out->push_back(entry->memfd.get());
-  return {{"ok", true},
-          {"bytes", entry->bytes},
-          {"mapped", entry->charge},
-          {"hit", hit},
-          {"identity", {{"device", identity.device}, {"inode", identity.inode}, {"size", identity.size},
-                        {"mtime_ns", identity.mtime_ns}}}};
+  return {{"ok", true}, {"bytes", entry->bytes}, {"mapped", entry->charge}, {"hit", hit}};
 }
+
 
 void Store::make_room(std::uint64_t charge, const std::string& path) {
   const std::uint64_t budget = options_.budget_bytes;
@@ -306,24 +356,82 @@ void Store::make_room(std::uint64_t charge, const std::string& path) {
   }
 }
 
+// An entry's memory while it is filled: a memfd of the entry's charge, mapped writable, in huge
+// pages where shmem_enabled allows and on the store's NUMA node; seal() ends the writing.
+class EntryWriter {
+ public:
+  EntryWriter(Entry& entry, int numa_node, Env* env) : entry_(entry) {
+    const std::string& path = entry.path;
+    const int memfd = ::memfd_create("pinload-store", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    if (memfd < 0) throw OutOfMemoryError(std::string("memfd_create failed: ") + std::strerror(errno), ErrorContext{path});
+    entry.memfd = ScopedFd(default_env(), memfd);
+    if (::ftruncate(memfd, static_cast<off_t>(entry.charge)) != 0) {
+      throw OutOfMemoryError(std::string("sizing the entry failed: ") + std::strerror(errno), ErrorContext{path});
+    }
+    void* map = ::mmap(nullptr, entry.charge, PROT_READ | PROT_WRITE, MAP_SHARED, memfd, 0);
+    if (map == MAP_FAILED) {
+      throw OutOfMemoryError(std::string("mapping the entry failed: ") + std::strerror(errno), ErrorContext{path});
+    }
+    base_ = static_cast<std::byte*>(map);
+    (void)::madvise(map, entry.charge, MADV_HUGEPAGE);
+    if (numa_node >= 0) (void)env->bind_memory(map, entry.charge, numa_node);
+  }
+  ~EntryWriter() {
+    if (base_ != nullptr) ::munmap(base_, entry_.charge);
+  }
+  EntryWriter(const EntryWriter&) = delete;
+  EntryWriter& operator=(const EntryWriter&) = delete;
+
+  std::byte* data() const noexcept { return base_; }
+
+  // Sealed: no process can write, grow or shrink what others map.
+  void seal() {
+    entry_.huge_bytes = huge_page_bytes_at(base_);
+    ::munmap(base_, entry_.charge);
+    base_ = nullptr;
+    if (::fcntl(entry_.memfd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE | F_SEAL_SEAL) != 0) {
+      throw IoError(std::string("sealing the entry failed: ") + std::strerror(errno), ErrorContext{entry_.path});
+    }
+  }
+
+ private:
+  Entry& entry_;
+  std::byte* base_ = nullptr;
+};
+
+// Runs work(at, n) for each kFillChunk of `bytes` on `threads` threads; stops at the first
+// failure, which it rethrows.
+void fill_in_chunks(std::uint64_t bytes, unsigned threads, const std::function<void(std::uint64_t, std::size_t)>& work) {
+  const std::size_t chunks = static_cast<std::size_t>((bytes + kFillChunk - 1) / kFillChunk);
+  std::atomic<std::size_t> next{0};
+  std::atomic<bool> failed{false};
+  std::mutex mu;
+  std::exception_ptr error;
+  auto run = [&] {
+    for (std::size_t k; (k = next.fetch_add(1)) < chunks && !failed.load();) {
+      const std::uint64_t at = k * kFillChunk;
+      try {
+        work(at, static_cast<std::size_t>(std::min<std::uint64_t>(kFillChunk, bytes - at)));
+      } catch (...) {
+        std::lock_guard lock(mu);
+        if (!error) error = std::current_exception();
+        failed = true;
+      }
+    }
+  };
+  {
+    const unsigned n = static_cast<unsigned>(std::min<std::size_t>(std::max(threads, 1u), std::max<std::size_t>(chunks, 1)));
+    std::vector<std::jthread> workers;
+    for (unsigned t = 1; t < n; ++t) workers.emplace_back(run);
+    run();
+  }
+  if (error) std::rethrow_exception(error);
+}
+
 void Store::fill(Entry& entry, int fd) {
   const std::string& path = entry.path;
-  const int memfd = ::memfd_create("pinload-store", MFD_CLOEXEC | MFD_ALLOW_SEALING);
-  if (memfd < 0) throw OutOfMemoryError(std::string("memfd_create failed: ") + std::strerror(errno), ErrorContext{path});
-  entry.memfd = ScopedFd(default_env(), memfd);
-  if (::ftruncate(memfd, static_cast<off_t>(entry.charge)) != 0) {
-    throw OutOfMemoryError(std::string("sizing the entry failed: ") + std::strerror(errno), ErrorContext{path});
-  }
-  void* map = ::mmap(nullptr, entry.charge, PROT_READ | PROT_WRITE, MAP_SHARED, memfd, 0);
-  if (map == MAP_FAILED) throw OutOfMemoryError(std::string("mapping the entry failed: ") + std::strerror(errno), ErrorContext{path});
-  struct Unmap {
-    void* p;
-    std::size_t n;
-    ~Unmap() { ::munmap(p, n); }
-  } unmap{map, entry.charge};
-  auto* base = static_cast<std::byte*>(map);
-  (void)::madvise(map, entry.charge, MADV_HUGEPAGE);  // shared memory in huge pages where shmem_enabled allows
-  if (options_.numa_node >= 0) (void)env_->bind_memory(map, entry.charge, options_.numa_node);
+  EntryWriter out(entry, options_.numa_node, env_);
+  std::byte* base = out.data();
   // Direct reads where the file allows them (a reopen of the client's file
   // through /proc, so the client's own descriptor keeps its flags), buffered
   // through the client's descriptor otherwise.
@@ -333,56 +441,49 @@ void Store::fill(Entry& entry, int fd) {
     FileStat again;
     if (env_->stat(direct.get(), &again) != 0 || !(FileIdentity::of(again) == entry.identity)) direct.reset();
   }
-  const std::size_t chunks = static_cast<std::size_t>((entry.bytes + kFillChunk - 1) / kFillChunk);
-  std::atomic<std::size_t> next{0};
-  std::atomic<bool> failed{false};
-  std::mutex mu;
-  std::optional<IoError> error;
-  auto work = [&] {
-    for (std::size_t k; (k = next.fetch_add(1)) < chunks && !failed.load();) {
-      const std::uint64_t at = k * kFillChunk;
-      const std::size_t n = static_cast<std::size_t>(std::min<std::uint64_t>(kFillChunk, entry.bytes - at));
-      int rc = -EINVAL;
-      if (direct.valid()) {
-        // Whole 4 KiB pages: the memfd is sized past the file's end.
-        const std::size_t aligned = (n + 4095) / 4096 * 4096;
-        const ReadResult r = read_full(env_, direct.get(), base + at, n, at, aligned, 4096);
-        rc = r.error != 0 ? -r.error : r.bytes >= n ? 0 : r.ended ? -ENODATA : -EINVAL;
-      }
-      // EINVAL: O_DIRECT refused, or a short read left the position off the
-      // alignment: the rest of the chunk through the client's descriptor.
-      if (rc == -EINVAL) rc = read_fully(env_, fd, base + at, n, at);
-      if (rc != 0) {
-        std::lock_guard lock(mu);
-        if (!error) {
-          error.emplace(rc == -ENODATA ? std::string("the file ended early: it was cut while the store read it")
-                                       : std::string("reading for the store failed: ") + std::strerror(-rc),
-                        ErrorContext{path, {}, at, at + n});
-        }
-        failed = true;
-      }
+  fill_in_chunks(entry.bytes, options_.threads, [&](std::uint64_t at, std::size_t n) {
+    int rc = -EINVAL;
+    if (direct.valid()) {
+      // Whole 4 KiB pages: the memfd is sized past the file's end.
+      const std::size_t aligned = (n + 4095) / 4096 * 4096;
+      const ReadResult r = read_full(env_, direct.get(), base + at, n, at, aligned, 4096);
+      rc = r.error != 0 ? -r.error : r.bytes >= n ? 0 : r.ended ? -ENODATA : -EINVAL;
     }
-  };
-  {
-    const unsigned n = static_cast<unsigned>(std::min<std::size_t>(std::max(options_.threads, 1u), std::max<std::size_t>(chunks, 1)));
-    std::vector<std::jthread> workers;
-    for (unsigned t = 1; t < n; ++t) workers.emplace_back(work);
-    work();
-  }
-  if (error) throw *error;
+    // EINVAL: O_DIRECT refused, or a short read left the position off the
+    // alignment: the rest of the chunk through the client's descriptor.
+    if (rc == -EINVAL) rc = read_fully(env_, fd, base + at, n, at);
+    if (rc != 0) {
+      throw IoError(rc == -ENODATA ? std::string("the file ended early: it was cut while the store read it")
+                                   : std::string("reading for the store failed: ") + std::strerror(-rc),
+                    ErrorContext{path, {}, at, at + n});
+    }
+  });
   FileStat after;
   if (env_->stat(fd, &after) != 0 || !(FileIdentity::of(after) == entry.identity)) {
     throw IoError("the file was modified while the store read it", ErrorContext{path});
   }
-  entry.huge_bytes = huge_page_bytes_at(map);
-  ::munmap(map, entry.charge);
-  unmap.n = 0;
-  unmap.p = nullptr;
-  // Sealed: no process can write, grow or shrink what others map.
-  if (::fcntl(memfd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE | F_SEAL_SEAL) != 0) {
-    throw IoError(std::string("sealing the entry failed: ") + std::strerror(errno), ErrorContext{path});
-  }
+  out.seal();
   log::info("store: read {} ({} bytes, {} direct, {} in huge pages)", path, entry.bytes, direct.valid() ? "" : "not",
+            entry.huge_bytes);
+}
+
+// Note [Remote store entries]: the daemon reads the object with its own remote client (its own
+// environment's credentials, or the URL's presigned query), every range asked If-Match the
+// client's ETag, so the entry is the version the client's header came from or the fill fails.
+void Store::fill_remote(Entry& entry, const std::string& url, const std::string& version) {
+  EntryWriter out(entry, options_.numa_node, env_);
+  std::byte* base = out.data();
+  RemoteOptions remote_options;
+  remote_options.connections = std::max(options_.threads, 1u);
+  const std::shared_ptr<remote::RemoteClient> client = remote::client_for(remote_options);
+  remote::ObjectInfo object;
+  object.path = url;
+  object.size = entry.bytes;
+  object.etag = version;
+  fill_in_chunks(entry.bytes, options_.threads,
+                 [&](std::uint64_t at, std::size_t n) { client->read(object, at, n, base + at); });
+  out.seal();
+  log::info("store: fetched {} ({} bytes, ETag {}, {} in huge pages)", entry.path, entry.bytes, version,
             entry.huge_bytes);
 }
 

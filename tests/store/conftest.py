@@ -26,8 +26,9 @@ def pinload_bin(request) -> str:
 class Daemon:
     """`pinload store serve` in a subprocess; its stderr goes to `log`."""
 
-    def __init__(self, binary: str, folder: Path, *args: str, prefix: tuple = ()) -> None:
+    def __init__(self, binary: str, folder: Path, *args: str, prefix: tuple = (), env: dict = None) -> None:
         self.binary, self.folder, self.args, self.prefix = binary, folder, list(args), list(prefix)
+        self.env = env
         self.socket = str(folder / "store.sock")
         self.ready = folder / "daemon.ready"
         self.log = folder / "daemon.log"
@@ -36,7 +37,8 @@ class Daemon:
     def start(self) -> "Daemon":
         self.ready.unlink(missing_ok=True)
         cmd = self.prefix + [self.binary, "store", "serve", "--socket", self.socket, "--ready-file", str(self.ready)]
-        self.proc = subprocess.Popen(cmd + self.args, stderr=open(self.log, "a"), stdout=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(cmd + self.args, stderr=open(self.log, "a"), stdout=subprocess.DEVNULL,
+                                     env=self.env)
         deadline = time.monotonic() + 30
         while not self.ready.exists():
             if self.proc.poll() is not None:

@@ -37,9 +37,9 @@ def digests(path: Path) -> dict:
     return {k: hashlib.sha256(np.ascontiguousarray(v).tobytes()).hexdigest() for k, v in st_load(str(path)).items()}
 
 
-def cli_digests(pinload_bin, socket_path, model, *extra, check=True):
+def cli_digests(pinload_bin, socket_path, model, *extra, check=True, env=None):
     r = subprocess.run([pinload_bin, "load", "--store", socket_path, "--digest", "-q", *extra, str(model)],
-                       capture_output=True, text=True, env=CLIENT_ENV, timeout=120)
+                       capture_output=True, text=True, env=env or CLIENT_ENV, timeout=120)
     if check:
         assert r.returncode == 0, r.stderr
     out = {}
