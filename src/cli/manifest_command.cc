@@ -46,7 +46,7 @@ void add_manifest_command(CLI::App& app) {
       ->type_name("1..2")
       ->capture_default_str();
   add_variant_option(*command, &args->resolve);
-  command->add_option("PATH", args->paths, "a .safetensors file, a *.safetensors.index.json, or a folder; local only")
+  command->add_option("PATH", args->paths, "a .safetensors file, an *.index.json, or a folder (local only)")
       ->required()
       ->type_name("");
   command->callback([args] { run_manifest(*args); });

@@ -24,7 +24,11 @@ std::string progress_line(std::uint64_t done, std::uint64_t total, double second
 // The line for a terminal `columns` wide, as tqdm draws it with ncols: the bar
 // takes what the other fields leave (at least one character), and a line
 // that is still too wide is cut at `columns`. The line is never wider than
-// the terminal, so it never wraps, and "\r" redraws it in place.
+// the terminal, so it never wraps, and "\r" redraws it in place. Written
+// here, not taken from a C++ library: indicators, the usual one, gives a bar
+// a fixed width (BarWidth) when it is made. This line follows tqdm's layout
+// field by field, so the CLI's bar reads as the Python package's, which is
+// tqdm itself (tests/python/test_progress.py compares the two).
 std::string progress_line(std::uint64_t done, std::uint64_t total, double seconds, int columns);
 
 // The width of the terminal on `fd` (TIOCGWINSZ), else $COLUMNS, else 80.

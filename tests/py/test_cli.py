@@ -534,8 +534,10 @@ def test_duplicate_across_paths(tmp_path, run_pinload):
     assert "'y'" in line
 
 
-@pytest.mark.parametrize("command", [[], ["inspect"], ["load"], ["convert"], ["trace"], ["warm"], ["agent"]],
-                         ids=lambda c: c[0] if c else "pinload")
+@pytest.mark.parametrize("command", [[], ["inspect"], ["load"], ["convert"], ["trace"], ["warm"], ["agent"],
+                                     ["manifest"], ["store"], ["store", "serve"], ["store", "status"],
+                                     ["store", "warm"], ["store", "evict"]],
+                         ids=lambda c: " ".join(c) if c else "pinload")
 def test_every_help_is_short(run_pinload, command):
     """Every --help fits a 100-column terminal, one line an option, and a screen or so."""
     run = assert_ok(run_pinload(*command, "--help"))

@@ -249,11 +249,13 @@ def test_tls_verified_by_default(pinload_bin, shapes, tls_nginx):
 
 
 def test_missing_object_and_bucket_are_not_found(pinload_bin, weed, nginx):
-    for url, env in ((f"s3://{BUCKET}/no/such.safetensors", weed.env()),
-                     (f"s3://no-such-bucket-x/m.safetensors", weed.env()),
-                     (f"{nginx.url}/no/such.safetensors", {})):
+    # The server's own reason, as in Python (test_remote_python.py): NoSuchKey and NoSuchBucket
+    # are different mistakes, and neither is "No such file or directory".
+    for url, env, reason in ((f"s3://{BUCKET}/no/such.safetensors", weed.env(), "NoSuchKey"),
+                             (f"s3://no-such-bucket-x/m.safetensors", weed.env(), "NoSuchBucket"),
+                             (f"{nginx.url}/no/such.safetensors", {}, "HTTP 404")):
         line = one_error(run(pinload_bin, "load", "--digest", url, env={**env, **FAST_RETRIES}), url)
-        assert "404" in line or "no such" in line, line
+        assert reason in line and "No such file or directory" not in line, line
 
 
 def test_weed_listens_only_on_ports_the_tests_chose(weed):
