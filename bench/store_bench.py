@@ -234,6 +234,14 @@ def main(argv=None) -> int:
                     fb.log(f"[round {rnd + 1}] memory {label}: {m['node_used_bytes'] / 1e9:.2f} GB in use "
                            f"({m['x_set']:.2f} x the file), Shmem +{m['shmem_bytes'] / 1e9:.2f} GB")
             if "s3" in cases:
+                # The server's own limit: each object read whole by boto3 (one GET, one stream).
+                t = time.monotonic()
+                for f in files:
+                    body = client.get_object(Bucket="store-bench", Key=os.path.basename(f))["Body"]
+                    while body.read(64 << 20):
+                        pass
+                lim["s3_raw_get_gbps"] = set_bytes / (time.monotonic() - t) / 1e9
+                fb.log(f"[round {rnd + 1}] limits: S3 raw GET {lim['s3_raw_get_gbps']:.2f} GB/s")
                 one("pinload", "s3: direct", files, False, True, remote=True)
                 one("pinload", "s3: store fetch", files, False, True, with_store=True, evict=True, remote=True)
                 one("pinload", "s3: store", files, False, True, with_store=True, remote=True)
@@ -288,6 +296,9 @@ def table(out: dict) -> str:
         if a1 and a2:
             lines.append(f"| elastic A -> B -> A | {s} | {a2:.2f} | A again {a2 / a1:.1f} x A cold |")
     direct, stored = med("pinload", "s3: direct"), med(STORE, "s3: store")
+    raw = [lim["s3_raw_get_gbps"] for lim in out["limits"] if "s3_raw_get_gbps" in lim]
+    if raw:
+        lines.append(f"| S3, the server's limit | boto3 GET, one stream per object | {sorted(raw)[len(raw) // 2]:.2f} | |")
     if direct and stored:
         for s, c in (("pinload", "s3: direct"), (STORE, "s3: store fetch"), (STORE, "s3: store")):
             if med(s, c):
