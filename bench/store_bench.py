@@ -166,7 +166,7 @@ def main(argv=None) -> int:
     if "s3" in cases:
         sys.path.insert(0, os.path.join(ROOT, "tests", "remote"))
         import servers  # noqa: E402  (the remote tests' SeaweedFS)
-        weed = servers.Seaweed()
+        weed = servers.Seaweed(volume_max=int(set_bytes / (256 << 20)) + 8)  # 256 MB volumes
         client = weed.client()
         client.create_bucket(Bucket="store-bench")
         for f in files:

@@ -115,7 +115,8 @@ class Seaweed(_Process):
     """`weed server -s3` with one identity (ACCESS_KEY/SECRET_KEY, all actions)
     and anonymous read of the bucket "public"."""
 
-    def __init__(self):
+    def __init__(self, volume_max: int = 8):
+        """volume_max: how many 256 MB volumes the server may make (what it can hold)."""
         super().__init__()
         weed = shutil.which("weed")
         if weed is None:
@@ -135,7 +136,7 @@ class Seaweed(_Process):
                     ' {"name": "anonymous", "actions": ["Read:public", "List:public"]}]}' % (ACCESS_KEY, SECRET_KEY))
         data = os.path.join(self.workdir, "data")
         os.mkdir(data)
-        args = [weed, "server", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-volume.max=8",
+        args = [weed, "server", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-volume.max={volume_max}",
                 "-master.volumeSizeLimitMB=256", "-filer", "-s3", f"-s3.config={config}",
                 "-master.telemetry=false", "-webdav=false", "-mq.agent=false"]
         args += [f"-{flag}={port}" for flag, port in ports.items()]

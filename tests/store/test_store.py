@@ -141,33 +141,33 @@ def test_a_killed_daemon_leaves_tensors_valid_and_loads_fall_back_or_fail(tmp_pa
     model = write_model(tmp_path / "m.safetensors", 4, 4)
     expected = digests(model)
     d = Daemon(pinload_bin, tmp_path, "--budget", "256M").start()
-    client = py_client(model, d.socket)
-    assert answer(client) == expected
-    d.kill()
-    assert os.path.exists(d.socket)  # a crash leaves its socket behind
-    client.stdin.write("again\n")
-    client.stdin.flush()
-    assert answer(client) == expected  # still the same bytes, from the shared pages
-    client.stdin.close()
-    client.wait(30)
-    # Not required: one warning, then the load reads the file itself.
-    got, r = cli_digests(pinload_bin, d.socket, model)
-    assert got == expected
-    assert r.stderr.count("loading without the store") == 1, r.stderr
-    # Required: a typed error, exit 1.
-    _, r = cli_digests(pinload_bin, d.socket, model, "--store-required", check=False)
-    assert r.returncode == 1 and "no store answers" in r.stderr, r.stderr
-    required = py_client(model, d.socket, required=True)
-    _, err = required.communicate(timeout=60)
-    assert required.returncode != 0 and "UnavailableError" in err, err
-    # A new daemon replaces the stale socket and serves.
-    d.start()
     try:
+        client = py_client(model, d.socket)
+        assert answer(client) == expected
+        d.kill()
+        assert os.path.exists(d.socket)  # a crash leaves its socket behind
+        client.stdin.write("again\n")
+        client.stdin.flush()
+        assert answer(client) == expected  # still the same bytes, from the shared pages
+        client.stdin.close()
+        client.wait(30)
+        # Not required: one warning, then the load reads the file itself.
+        got, r = cli_digests(pinload_bin, d.socket, model)
+        assert got == expected
+        assert r.stderr.count("loading without the store") == 1, r.stderr
+        # Required: a typed error, exit 1.
+        _, r = cli_digests(pinload_bin, d.socket, model, "--store-required", check=False)
+        assert r.returncode == 1 and "no store answers" in r.stderr, r.stderr
+        required = py_client(model, d.socket, required=True)
+        _, err = required.communicate(timeout=60)
+        assert required.returncode != 0 and "UnavailableError" in err, err
+        # A new daemon replaces the stale socket and serves.
+        d.start()
         got, r = cli_digests(pinload_bin, d.socket, model, "-v")
         assert got == expected and "1 from the store" in r.stderr
         assert "stale socket" in d.log.read_text()
     finally:
-        d.stop()
+        d.stop()  # whichever daemon runs, also where an assertion failed
 
 
 def test_a_second_daemon_on_a_live_socket_is_refused(tmp_path, pinload_bin, daemon):
