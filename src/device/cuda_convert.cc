@@ -2,7 +2,6 @@
 // (device/cuda_convert.h).
 #include "device/cuda_convert.h"
 
-#include <mutex>
 #include <string>
 
 #include "device/cuda_runtime.h"
@@ -23,33 +22,55 @@ extern "C" __attribute__((visibility("hidden"))) const unsigned char pinload_cud
 namespace pinload::cuda {
 namespace {
 
-const char* type_name(DType t) {
+// The kernels' dtypes, in the order of the table below; -1: none.
+int source_index(DType t) {
   switch (t) {
-    case DType::kF8_E4M3: return "E4M3";
-    case DType::kF8_E5M2: return "E5M2";
-    case DType::kBF16: return "BF16";
-    case DType::kF16: return "F16";
-    case DType::kF32: return "F32";
-    default: return nullptr;
+    case DType::kF8_E4M3: return 0;
+    case DType::kF8_E5M2: return 1;
+    case DType::kBF16: return 2;
+    case DType::kF16: return 3;
+    case DType::kF32: return 4;
+    default: return -1;
   }
 }
-
-bool is_target(DType t) { return t == DType::kBF16 || t == DType::kF16 || t == DType::kF32; }
+int target_index(DType t) { return t == DType::kBF16 ? 0 : t == DType::kF16 ? 1 : t == DType::kF32 ? 2 : -1; }
 
 #if defined(PINLOAD_CUDA_FATBIN)
-// The library, loaded once for every device (cudaLibraryLoadData is context-independent).
-cudaLibrary_t library(const Runtime& rt) {
-  static std::once_flag once;
-  static cudaLibrary_t loaded = nullptr;
-  static cudaError_t error = cudaSuccess;
-  std::call_once(once, [&] {
-    error = rt.cudaLibraryLoadData(&loaded, pinload_cuda_convert_fatbin, nullptr, nullptr, 0, nullptr, nullptr, 0);
-    if (error != cudaSuccess) (void)rt.cudaGetLastError();
-  });
-  if (error != cudaSuccess) {
-    throw DeviceError(std::string("cudaLibraryLoadData (the conversion kernels) failed: ") + rt.cudaGetErrorName(error) +
-                      ": " + rt.cudaGetErrorString(error));
-  }
+constexpr const char* kSourceNames[] = {"E4M3", "E5M2", "BF16", "F16", "F32"};
+constexpr const char* kTargetNames[] = {"BF16", "F16", "F32"};
+
+// The library, loaded once for every device (cudaLibraryLoadData is context-independent), and
+// each of its kernels, found by name once.
+struct Kernels {
+  cudaKernel_t by_pair[5][3] = {};
+  std::string error;  // why they could not be loaded; "" once they are
+};
+
+const Kernels& kernels(const Runtime& rt) {
+  static const Kernels loaded = [&] {
+    Kernels k;
+    const auto failed = [&](const std::string& call, cudaError_t err) {
+      (void)rt.cudaGetLastError();
+      k.error = call + " failed: " + rt.cudaGetErrorName(err) + ": " + rt.cudaGetErrorString(err);
+      return k;
+    };
+    cudaLibrary_t library = nullptr;
+    if (const cudaError_t err =
+            rt.cudaLibraryLoadData(&library, pinload_cuda_convert_fatbin, nullptr, nullptr, 0, nullptr, nullptr, 0);
+        err != cudaSuccess) {
+      return failed("cudaLibraryLoadData (the conversion kernels)", err);
+    }
+    for (int i = 0; i < 5; ++i) {
+      for (int j = 0; j < 3; ++j) {
+        const std::string name = std::string("pinload_convert_") + kSourceNames[i] + "_to_" + kTargetNames[j];
+        if (const cudaError_t err = rt.cudaLibraryGetKernel(&k.by_pair[i][j], library, name.c_str()); err != cudaSuccess) {
+          return failed("cudaLibraryGetKernel(" + name + ")", err);
+        }
+      }
+    }
+    return k;
+  }();
+  if (!loaded.error.empty()) throw DeviceError(loaded.error);
   return loaded;
 }
 #endif
@@ -57,21 +78,15 @@ cudaLibrary_t library(const Runtime& rt) {
 }  // namespace
 
 KernelLaunch convert_launch(void* dst, const void* src, const ElementConversion& c) {
-  const char* from = type_name(c.from);
-  if (from == nullptr || !is_target(c.to)) {
+  const int from = source_index(c.from), to = target_index(c.to);
+  if (from < 0 || to < 0) {
     throw DeviceError(std::string("no CUDA conversion kernel from ") + std::string(dtype_name(c.from)) + " to " +
                       std::string(dtype_name(c.to)));
   }
 #if defined(PINLOAD_CUDA_FATBIN)
   const Runtime& rt = require_runtime("the CUDA conversion kernels");
-  const std::string name = std::string("pinload_convert_") + from + "_to_" + type_name(c.to);
   KernelLaunch launch;
-  cudaKernel_t kernel = nullptr;
-  if (const cudaError_t err = rt.cudaLibraryGetKernel(&kernel, library(rt), name.c_str()); err != cudaSuccess) {
-    (void)rt.cudaGetLastError();
-    throw DeviceError("cudaLibraryGetKernel(" + name + ") failed: " + rt.cudaGetErrorName(err) + ": " +
-                      rt.cudaGetErrorString(err));
-  }
+  const cudaKernel_t kernel = kernels(rt).by_pair[from][to];
   constexpr unsigned kThreads = 256;
   constexpr std::uint64_t kMaxBlocks = 65535u * 8;
   const std::uint64_t blocks = (c.elements + kThreads - 1) / kThreads;

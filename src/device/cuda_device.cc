@@ -38,8 +38,11 @@
 namespace pinload {
 namespace {
 
-// The runtime, opened by open_cuda_device before anything here runs.
-const cuda::Runtime& rt() { return cuda::require_runtime("CUDA"); }
+// The runtime, opened by open_cuda_device before anything here runs (kept once found).
+const cuda::Runtime& rt() {
+  static const cuda::Runtime& runtime = cuda::require_runtime("CUDA");
+  return runtime;
+}
 
 constexpr std::size_t kHugePage = 2u << 20;
 
