@@ -11,6 +11,7 @@
 #include <cstring>
 #include <filesystem>
 #include <random>
+#include <set>
 #include <thread>
 
 #include "fault_env.h"
@@ -354,6 +355,15 @@ TEST(StoreTest, MalformedRequestsGetErrorsAndTheDaemonGoesOn) {
         {R"({"op": "evict"})", {file.get(), file.get()}},
         {std::string(70000, '{'), {}},
         {R"({"op": "get"})", {file.get(), file.get(), file.get(), file.get(), file.get(), file.get()}},
+        // Converted entries' options (Note [Converted store entries]).
+        {R"({"op": "get", "dtype": 3})", {file.get()}},
+        {R"({"op": "get", "dtype": {}})", {file.get()}},
+        {R"({"op": "get", "dtype": {"to": "Q7"}})", {file.get()}},
+        {R"({"op": "get", "dtype": {"to": "I64"}})", {file.get()}},
+        {R"({"op": "get", "dtype": {"to": "BF16", "keep": "x"}})", {file.get()}},
+        {R"({"op": "get", "dtype": {"to": "BF16", "keep": [1]}})", {file.get()}},
+        {R"({"op": "get", "dtype": {"to": "BF16", "prefix": []}})", {file.get()}},
+        {R"({"op": "get", "dtype": {"to": "BF16", "keep_to": "U8"}})", {file.get()}},
     };
     for (const auto& [bytes, fds] : cases) {
       const nlohmann::json reply = send_raw(fd, bytes, fds);
@@ -366,6 +376,7 @@ TEST(StoreTest, MalformedRequestsGetErrorsAndTheDaemonGoesOn) {
       std::string junk(rng() % 200, '\0');
       for (char& c : junk) c = static_cast<char>(rng());
       if (i % 3 == 0) junk = R"({"op": "get", "hold": )" + junk + "}";
+      if (i % 3 == 1) junk = R"({"op": "get", "dtype": {"to": "BF16", "keep": )" + junk + "}}";
       const nlohmann::json reply = send_raw(fd, junk.empty() ? std::string("x") : junk);
       EXPECT_TRUE(reply.is_object());
     }
@@ -375,7 +386,7 @@ TEST(StoreTest, MalformedRequestsGetErrorsAndTheDaemonGoesOn) {
   StateDict sd = load_through(daemon.socket(), m, &p);
   EXPECT_EQ(p.files_store, 1u);
   testing::expect_matches_file(sd, m.path, m.image);
-  EXPECT_GE(store_status(daemon.socket()).errors, 12u);
+  EXPECT_GE(store_status(daemon.socket()).errors, 20u);
   sd = StateDict();
   // The daemon closed every descriptor it was sent (it runs in this process).
   for (int i = 0; i < 200 && testing::open_fd_count() > before; ++i) {
@@ -437,6 +448,102 @@ TEST(StoreTest, DeviceLoadsCopyFromTheStoresCopy) {
     }
   }
   EXPECT_EQ(store_status(daemon.socket()).reads, 1u);
+}
+
+}  // namespace
+}  // namespace pinload
+
+namespace pinload {
+namespace {
+
+// Note [Converted store entries]: what the store hands out for a load with a
+// dtype equals what the same load converts locally: names and order, dtypes,
+// shapes, bytes and metadata, FP8 scales applied and dropped.
+void expect_same(const StateDict& got, const StateDict& want) {
+  ASSERT_EQ(got.size(), want.size());
+  EXPECT_EQ(got.metadata(), want.metadata());
+  for (std::size_t i = 0; i < want.size(); ++i) {
+    const Tensor& g = got[i];
+    const Tensor& w = want[i];
+    EXPECT_EQ(g.name(), w.name());
+    EXPECT_EQ(g.dtype(), w.dtype()) << w.name();
+    EXPECT_EQ(g.shape(), w.shape()) << w.name();
+    ASSERT_EQ(g.nbytes(), w.nbytes()) << w.name();
+    EXPECT_TRUE(w.nbytes() == 0 || std::memcmp(g.data(), w.data(), w.nbytes()) == 0) << w.name();
+  }
+}
+
+TEST(StoreTest, AConvertingLoadMapsAConvertedEntryEqualToALocalConversion) {
+  TempDir dir;
+  Daemon daemon(dir);
+  std::mt19937_64 rng(21);
+  const std::string source = dir.file("source.safetensors");
+  testing::write_file(source, testing::make_image({{"blocks.0.attn.weight", "F32", {64, 48}},
+                                                   {"blocks.0.attn.bias", "F16", {64}},
+                                                   {"blocks.0.norm.weight", "BF16", {48}},
+                                                   {"position_ids", "I64", {7}},
+                                                   {"odd", "U8", {3}},
+                                                   {"blocks.1.proj.weight", "F16", {32, 33}},
+                                                   {"head.weight", "BF16", {16, 8}}},
+                                                  rng, 8, R"({"format":"pt","note":"kept"})")
+                                  .bytes());
+  // An FP8 file in ComfyUI's layout: quantised weights, their scales and markers.
+  const std::string fp8 = dir.file("fp8.safetensors");
+  convert_checkpoint(source, fp8);
+  for (const std::string& path : {source, fp8}) {
+    for (const bool keep : {false, true}) {
+      LoadOptions local;
+      local.zero_copy = ZeroCopy::kOff;
+      local.dtype.to = DType::kBF16;
+      if (keep) {
+        local.dtype.keep = {"head"};
+        local.dtype.keep_to = DType::kF32;
+      }
+      const StateDict want = Loader(local).load({path});
+      LoadOptions through = with_store(daemon.socket(), /*required=*/true);
+      through.dtype = local.dtype;
+      for (int pass = 0; pass < 2; ++pass) {  // a miss (converted in the daemon), then a hit
+        Loader loader(through);
+        LoadHandle h = loader.load_async({path});
+        const StateDict got = h.wait();
+        EXPECT_EQ(h.progress().files_store, 1u) << path;
+        expect_same(got, want);
+      }
+    }
+  }
+  const StoreStatus s = store_status(daemon.socket());
+  EXPECT_EQ(s.misses, 4u);  // two files, two variants each
+  EXPECT_EQ(s.hits, 4u);
+  ASSERT_EQ(s.entries.size(), 4u);
+  std::set<std::string> variants;
+  for (const StoreEntryStatus& e : s.entries) variants.insert(e.dtype);
+  EXPECT_EQ(variants, (std::set<std::string>{"BF16", "BF16 keep=[\"head\"] keep_to=F32"}));
+  // A plain load of the file is an entry of its own; warming a variant already there reads nothing.
+  StateDict plain = load_through(daemon.socket(), Model{fp8, {}});
+  EXPECT_EQ(store_status(daemon.socket()).entries.size(), 5u);
+  DTypeOptions bf16;
+  bf16.to = DType::kBF16;
+  store_warm(daemon.socket(), {fp8}, nullptr, bf16);
+  EXPECT_EQ(store_status(daemon.socket()).reads, 5u);
+}
+
+// A file the daemon cannot convert (an FP8 weight's scale of the wrong dtype)
+// is the load's own InvalidFileError under store_required, and a local
+// conversion (with the same error) without it; the daemon keeps no entry.
+TEST(StoreTest, AFileTheDaemonCannotConvertLeavesNoEntry) {
+  TempDir dir;
+  Daemon daemon(dir);
+  std::mt19937_64 rng(22);
+  const std::string path = dir.file("bad.safetensors");
+  testing::write_file(path, testing::make_image({{"l.weight", "F8_E4M3", {4, 4}}, {"l.weight_scale", "F16", {}}}, rng).bytes());
+  LoadOptions o = with_store(daemon.socket(), /*required=*/true);
+  o.dtype.to = DType::kBF16;
+  EXPECT_THROW(Loader(o).load({path}), InvalidFileError);
+  o.store.required = false;
+  EXPECT_THROW(Loader(o).load({path}), InvalidFileError);
+  const StoreStatus s = store_status(daemon.socket());
+  EXPECT_TRUE(s.entries.empty());
+  EXPECT_EQ(s.bytes, 0u);
 }
 
 }  // namespace

@@ -58,6 +58,28 @@
 //    are read by the client as before: nothing would pin the version.
 // docs/store.md says what this means for whose credentials a node trusts.
 //
+// Note [Converted store entries]
+// A load with LoadOptions::dtype (Note [Conversion on load] in convert.h) to
+// the host asks the store for the converted variant of each file: an entry
+// of its own, keyed by the file's key plus the dtype options and the file's
+// name prefix (keep patterns match prefixed names).
+//  - On a miss the daemon loads the client's file with a converting Loader
+//    (the same conversion a local load does, FP8 scales included) and writes
+//    what that load hands out into the entry as a safetensors image: the
+//    tensors in load order, the file's __metadata__, the data section at a
+//    4096-byte offset. The image's size is planned from the header and the
+//    scales before the budget makes room for it; while it is written the
+//    daemon holds the converted bytes twice for a moment (the converting
+//    load's pool, then the entry).
+//  - The client parses the image's header out of its mapping and hands out
+//    views of it, in the order and with the metadata of a local conversion.
+//  - Only where every file is served, and no FP8 weight's scale lies in
+//    another file than the weight; otherwise the load converts locally.
+//    Device loads with a dtype convert on the device as before (the stored
+//    bytes cross the bus, fewer for FP8), and remote objects are converted by
+//    their client.
+// `pinload store warm --dtype` fills converted entries ahead.
+//
 // Note [Huge pages for the store]
 // A client's mapping of an entry costs a page-table entry per page. In 4 KiB
 // pages that is about 5 GB/s on this project's VM (MADV_POPULATE_READ of a
@@ -76,6 +98,7 @@
 #include <string>
 #include <vector>
 
+#include "pinload/convert.h"
 #include "pinload/env.h"
 #include "pinload/file_identity.h"
 
@@ -92,8 +115,9 @@ std::string default_store_socket();
 struct StoreOptions {
   std::string socket;     // "" = no store (unless PINLOAD_STORE is set)
   bool required = false;  // an unreachable store is an UnavailableError, not a local load
-  bool active() const noexcept { return !socket.empty(); }
-  // `socket`, else PINLOAD_STORE ("1", "default", "true": the default socket;
+  bool disabled = false;  // never the store, whatever PINLOAD_STORE says (the daemon's own loads)
+  bool active() const noexcept { return !disabled && !socket.empty(); }
+  // `socket`, else PINLOAD_STORE (not where `disabled`) ("1", "default", "true": the default socket;
   // "", "0", "off": none). Never throws.
   static StoreOptions from_environment(StoreOptions given);
 };
@@ -126,6 +150,7 @@ int serve_store(const StoreServerOptions& options);
 
 struct StoreEntryStatus {
   std::string path;  // as the first client named it
+  std::string dtype;  // "" as stored; a converted entry's dtype options: "BF16 keep=[...]"
   std::uint64_t bytes = 0;
   std::uint64_t holders = 0;  // connections holding it
   std::uint64_t hits = 0;
@@ -156,8 +181,10 @@ class StoreConnection;
 // The store's commands for the CLI and tools.
 StoreStatus store_status(const std::string& socket);
 // Puts each local file of `paths` (files, indexes, folders) in the store
-// without holding it. Returns the bytes now in the store for them.
-std::uint64_t store_warm(const std::string& socket, const std::vector<std::string>& paths, Env* env = nullptr);
+// without holding it, converted where `dtype` is active (Note [Converted
+// store entries]). Returns the bytes now in the store for them.
+std::uint64_t store_warm(const std::string& socket, const std::vector<std::string>& paths, Env* env = nullptr,
+                         const DTypeOptions& dtype = {});
 // Drops unheld entries: those of `paths`, or all where empty. Returns how
 // many were dropped.
 std::uint64_t store_evict(const std::string& socket, const std::vector<std::string>& paths, Env* env = nullptr);

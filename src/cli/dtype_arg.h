@@ -1,6 +1,7 @@
 // Internal to the command-line programs: the spellings of a load's --dtype.
 #pragma once
 
+#include <CLI/CLI.hpp>
 #include <optional>
 #include <string_view>
 
@@ -15,6 +16,12 @@ inline std::optional<DType> parse_dtype_arg(std::string_view text) {
   if (text == "fp16" || text == "float16" || text == "half" || text == "F16") return DType::kF16;
   if (text == "fp32" || text == "float32" || text == "float" || text == "F32") return DType::kF32;
   return std::nullopt;
+}
+
+// CLI11's check of a --dtype: exactly the spellings parse_dtype_arg takes.
+inline CLI::Validator dtype_validator() {
+  return CLI::IsMember({"bf16", "bfloat16", "BF16", "fp16", "float16", "half", "F16", "fp32", "float32", "float", "F32"})
+      .description("");
 }
 
 }  // namespace pinload::cli

@@ -176,9 +176,7 @@ void add_load_command(CLI::App& app) {
       ->type_name("SIZE");
   command->add_option("--dtype", args->dtype,
                       "floating tensors out in this dtype, FP8 dequantised (docs/fp8.md)")
-      ->check(CLI::IsMember({"bf16", "bfloat16", "BF16", "fp16", "float16", "half", "F16", "fp32", "float32",
-                             "float", "F32"})
-                  .description(""))
+      ->check(dtype_validator())
       ->type_name("bf16|fp16|fp32");
   command->add_option("--keep", args->load.dtype.keep, "a tensor pattern (glob or dotted name) --dtype leaves as stored")
       ->type_name("PATTERN")

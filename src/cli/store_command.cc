@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "cli/command.h"
+#include "cli/dtype_arg.h"
 #include "pinload/error.h"
 #include "pinload/io_template.h"
 #include "pinload/memory_limit.h"
@@ -76,7 +77,8 @@ void print_status(const StoreStatus& s, bool as_json) {
   if (as_json) {
     nlohmann::json entries = nlohmann::json::array();
     for (const auto& e : s.entries) {
-      entries.push_back({{"path", e.path}, {"bytes", e.bytes}, {"holders", e.holders}, {"hits", e.hits}});
+      entries.push_back(
+          {{"path", e.path}, {"dtype", e.dtype}, {"bytes", e.bytes}, {"holders", e.holders}, {"hits", e.hits}});
     }
     const nlohmann::json j = {{"budget_bytes", s.budget_bytes}, {"bytes", s.bytes},
                               {"huge_page_bytes", s.huge_page_bytes}, {"hits", s.hits},
@@ -99,9 +101,9 @@ void print_status(const StoreStatus& s, bool as_json) {
   std::printf("clients %llu, refused %llu, failed requests %llu\n", static_cast<unsigned long long>(s.clients),
               static_cast<unsigned long long>(s.refused), static_cast<unsigned long long>(s.errors));
   for (const auto& e : s.entries) {
-    std::printf("%14llu  %3llu held  %5llu hits  %s\n", static_cast<unsigned long long>(e.bytes),
+    std::printf("%14llu  %3llu held  %5llu hits  %s%s\n", static_cast<unsigned long long>(e.bytes),
                 static_cast<unsigned long long>(e.holders), static_cast<unsigned long long>(e.hits),
-                printable(e.path).c_str());
+                printable(e.path).c_str(), e.dtype.empty() ? "" : (" (as " + printable(e.dtype) + ")").c_str());
   }
 }
 
@@ -145,14 +147,26 @@ void add_store_command(CLI::App& app) {
     std::string socket;
     std::string template_file;
     std::vector<std::string> paths;
+    std::string dtype;
+    DTypeOptions conversion;
   };
   auto warm = std::make_shared<WarmArgs>();
   CLI::App* w = store->add_subcommand("warm", "read files into the store ahead of their loads");
   add_socket_option(*w, &warm->socket);
   w->add_option("--template", warm->template_file, "the files an I/O template names (pinload trace)")
       ->type_name("TEMPLATE");
+  w->add_option("--dtype", warm->dtype, "the entries a load with this --dtype maps (converted in the store)")
+      ->check(dtype_validator())
+      ->type_name("bf16|fp16|fp32");
+  w->add_option("--keep", warm->conversion.keep, "a tensor pattern --dtype leaves as stored (as load --keep)")
+      ->type_name("PATTERN")
+      ->take_all()
+      ->expected(1)
+      ->allow_extra_args(false);  // the PATHs after it are not patterns
   w->add_option("PATH", warm->paths, "checkpoints: files, indexes, folders");
   w->callback([warm] {
+    if (!warm->dtype.empty()) warm->conversion.to = parse_dtype_arg(warm->dtype);  // checked by CLI11
+    if (!warm->conversion.keep.empty() && !warm->conversion.to) throw UsageError("--keep needs --dtype");
     std::vector<std::string> paths = warm->paths;
     if (!warm->template_file.empty()) {
       const std::optional<IoTemplate> t = load_template(warm->template_file);
@@ -160,7 +174,7 @@ void add_store_command(CLI::App& app) {
       for (const TemplateFile& f : t->files) paths.push_back(f.path);
     }
     if (paths.empty()) throw UsageError("give PATHs or --template");
-    const std::uint64_t bytes = store_warm(warm->socket, paths);
+    const std::uint64_t bytes = store_warm(warm->socket, paths, nullptr, warm->conversion);
     std::fprintf(stderr, "pinload store: %.3f GB of %zu path(s) in the store\n", bytes / 1e9, paths.size());
   });
 

@@ -540,6 +540,16 @@ StateDict Loader::run(const Checkpoint& checkpoint, const LoadRequest& request, 
       return std::move(*sd);
     }
   }
+  // Note [Converted store entries]: a host conversion served converted by the node store.
+  if (may_map && options_.target.device == nullptr && options_.dtype.active() && !options_.verify.active() &&
+      request.adopt == nullptr && request.record == nullptr) {
+    auto hand_out = [&](std::vector<Tensor> ready) {
+      if (counters->ready != nullptr) counters->ready->push(std::move(ready));
+    };
+    if (std::optional<StateDict> sd = detail::load_converted_from_store(options_, env_, checkpoint, counters, stop, hand_out)) {
+      return std::move(*sd);
+    }
+  }
   if (may_map && options_.target.device != nullptr && !options_.dtype.active() && !options_.verify.active() &&
       request.adopt == nullptr && request.record == nullptr) {
     if (std::optional<StateDict> sd = detail::load_to_device_from_store(options_, env_, checkpoint, counters, stop)) {

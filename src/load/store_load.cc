@@ -2,12 +2,16 @@
 
 #include <algorithm>
 #include <atomic>
+#include <span>
+#include <stdexcept>
 #include <string>
+#include <string_view>
 
 #include "base/log.h"
 #include "load/load_counters.h"
 #include "load/zero_copy.h"
 #include "pinload/error.h"
+#include "pinload/safetensors.h"
 #include "pinload/store.h"
 #include "remote/remote_url.h"
 #include "store/client.h"
@@ -109,6 +113,94 @@ std::optional<StateDict> load_from_store(const LoadOptions& options, Env* env, c
   }
   return hand_out_mapped(options, checkpoint, std::move(*mapped), &counters->files_store, counters, stop, hand_out,
                          read);
+}
+
+namespace {
+
+// Whether each file converts as a checkpoint of its own, as the daemon
+// converts it: no FP8 weight whose scale (or quantisation marker) is in
+// another file (Note [Conversion on load] in convert.h).
+bool converts_file_by_file(const Checkpoint& checkpoint) {
+  if (checkpoint.files.size() < 2) return true;
+  static constexpr std::string_view kSuffixes[] = {"_scale", ".scale_weight", ".comfy_quant"};
+  for (std::size_t i = 0; i < checkpoint.files.size(); ++i) {
+    const CheckpointFile& cf = checkpoint.files[i];
+    for (const TensorInfo& t : cf.header.tensors) {
+      if (t.dtype != DType::kF8_E4M3 && t.dtype != DType::kF8_E5M2) continue;
+      const std::string layer = t.name.ends_with(".weight") ? t.name.substr(0, t.name.size() - 7) : t.name;
+      for (std::size_t j = 0; j < checkpoint.files.size(); ++j) {
+        if (j == i || checkpoint.files[j].name_prefix != cf.name_prefix) continue;
+        const Header& other = checkpoint.files[j].header;
+        if (other.find(t.name + "_scale") != nullptr) return false;
+        for (const std::string_view suffix : kSuffixes) {
+          if (other.find(layer + std::string(suffix)) != nullptr) return false;
+        }
+      }
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
+std::optional<StateDict> load_converted_from_store(const LoadOptions& options, Env* env, const Checkpoint& checkpoint,
+                                                   Loader::Counters* counters, std::stop_token stop,
+                                                   const std::function<void(std::vector<Tensor>)>& hand_out) {
+  const StoreOptions store = StoreOptions::from_environment(options.store);
+  if (!store.active() || checkpoint.files.empty()) return std::nullopt;
+  for (const CheckpointFile& cf : checkpoint.files) {
+    if (!cf.version.empty()) return std::nullopt;  // remote: converted by its client
+  }
+  if (!converts_file_by_file(checkpoint)) {
+    log::debug("an FP8 weight's scale lies in another file: converted without the store");
+    return std::nullopt;
+  }
+  std::shared_ptr<StoreConnection> connection;
+  try {
+    connection = StoreConnection::connect(store.socket);
+  } catch (const UnavailableError& e) {
+    unavailable(store, e);
+    return std::nullopt;
+  }
+  Checkpoint images;
+  images.index_files = checkpoint.index_files;
+  std::vector<MappedFile> mapped;
+  for (const CheckpointFile& cf : checkpoint.files) {
+    if (stop.stop_requested()) throw CancelledError("load cancelled");
+    StoreConnection::Served served;
+    try {
+      ScopedFd fd = open_or_throw(env, cf.path);
+      check_identity(env, fd.get(), cf.path, FileIdentity::of(cf.stat));
+      served = connection->get(fd.get(), store_name(cf.path), /*hold=*/true, StoreVariant{options.dtype, cf.name_prefix});
+    } catch (const UnavailableError& e) {
+      unavailable(store, e);
+      return std::nullopt;
+    } catch (const Error& e) {
+      // Refused (the budget, the daemon's memory, a file it cannot convert): converted here, every file.
+      if (store.required) throw;
+      log::warn("{}; converting without the store", e.what());
+      return std::nullopt;
+    }
+    if (!(served.identity == FileIdentity::of(cf.stat))) {
+      throw IoError("replaced or modified since its header was read (the store has " + served.identity.describe() +
+                        ", the header was read from " + FileIdentity::of(cf.stat).describe() + ")",
+                    ErrorContext{cf.path});
+    }
+    log::debug("{}: {} the store, converted", cf.path, served.hit ? "mapped from" : "converted into");
+    std::shared_ptr<StoreMapping> m = StoreMapping::map(connection, std::move(served), cf.path);
+    CheckpointFile image;
+    image.path = cf.path;
+    image.name_prefix = cf.name_prefix;
+    image.stat = cf.stat;
+    image.stat.size = m->size();
+    image.header = parse_safetensors(std::span<const std::byte>(m->data(), m->size()), cf.path + " (the store's converted entry)");
+    images.files.push_back(std::move(image));
+    mapped.push_back(MappedFile{m->data(), m->block()});
+  }
+  LoadOptions as_stored = options;
+  as_stored.dtype = {};
+  return hand_out_mapped(as_stored, images, std::move(mapped), &counters->files_store, counters, stop, hand_out,
+                         [](const Checkpoint&) -> StateDict { throw std::logic_error("every file is mapped"); });
 }
 
 std::optional<StateDict> load_to_device_from_store(const LoadOptions& options, Env* env, const Checkpoint& checkpoint,

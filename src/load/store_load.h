@@ -24,6 +24,17 @@ std::optional<StateDict> load_from_store(const LoadOptions& options, Env* env, c
                                          const std::function<void(std::vector<Tensor>)>& hand_out,
                                          const std::function<StateDict(const Checkpoint&)>& read);
 
+// A host load with LoadOptions::dtype whose files the store serves converted,
+// every one of them (Note [Converted store entries] in pinload/store.h):
+// views of each file's converted image, in the order and with the metadata
+// of a local conversion. nullopt where the store is not used, a file is
+// remote, an FP8 weight's scale lies in another file, or the store does not
+// serve every file (the load then converts locally). Throws as
+// load_from_store.
+std::optional<StateDict> load_converted_from_store(const LoadOptions& options, Env* env, const Checkpoint& checkpoint,
+                                                   Loader::Counters* counters, std::stop_token stop,
+                                                   const std::function<void(std::vector<Tensor>)>& hand_out);
+
 // A device load of `checkpoint` whose files the store serves, every one of
 // them: each is copied to the device from its mapping (upload(), no staging
 // copy); kCached tensors keep the mapping as their host copy. nullopt where

@@ -141,6 +141,7 @@ PYBIND11_MODULE(_core, m) {
         for (const StoreEntryStatus& e : s.entries) {
           py::dict d;
           d["path"] = e.path;
+          d["dtype"] = e.dtype;
           d["bytes"] = e.bytes;
           d["holders"] = e.holders;
           d["hits"] = e.hits;

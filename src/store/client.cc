@@ -82,10 +82,12 @@ StoreConnection::Served served_from(const nlohmann::json& reply, std::vector<Sco
 
 }  // namespace
 
-StoreConnection::Served StoreConnection::get(int fd, const std::string& path, bool hold) {
+StoreConnection::Served StoreConnection::get(int fd, const std::string& path, bool hold, const StoreVariant& variant) {
   std::vector<ScopedFd> fds;
   const int send[1] = {fd};
-  const nlohmann::json reply = request({{"op", "get"}, {"path", path}, {"hold", hold}}, send, &fds);
+  nlohmann::json message = {{"op", "get"}, {"path", path}, {"hold", hold}};
+  if (variant.active()) message["dtype"] = variant.to_json();
+  const nlohmann::json reply = request(message, send, &fds);
   return served_from(reply, fds, /*has_identity=*/true, socket_);
 }
 
@@ -126,15 +128,20 @@ std::shared_ptr<Block> StoreMapping::block() { return std::shared_ptr<Block>(sha
 
 namespace {
 
+struct LocalFile {
+  std::string path;  // store_name
+  std::string name_prefix;
+};
+
 // Each path resolved on its own: they may be different models.
-std::vector<std::string> local_files(Env* env, const std::vector<std::string>& paths) {
-  std::vector<std::string> files;
+std::vector<LocalFile> local_files(Env* env, const std::vector<std::string>& paths) {
+  std::vector<LocalFile> files;
   for (const std::string& path : paths) {
     for (const CheckpointFile& f : open_checkpoint(env, {path}).files) {
       if (!f.version.empty()) {
         throw InvalidArgumentError("the store keeps local files; a remote object is not one", ErrorContext{f.path});
       }
-      files.push_back(store_name(f.path));
+      files.push_back({store_name(f.path), f.name_prefix});
     }
   }
   return files;
@@ -163,7 +170,7 @@ StoreStatus store_status(const std::string& socket) {
     s.numa_node = j.at("numa_node");
     s.shmem_huge_pages = j.at("shmem_huge_pages");
     for (const auto& e : j.at("entries")) {
-      s.entries.push_back({e.at("path"), e.at("bytes"), e.at("holders"), e.at("hits")});
+      s.entries.push_back({e.at("path"), e.value("dtype", std::string()), e.at("bytes"), e.at("holders"), e.at("hits")});
     }
   } catch (const nlohmann::json::exception& e) {
     throw UnavailableError(std::string("the store's status lacks a field: ") + e.what(), ErrorContext{socket});
@@ -173,14 +180,15 @@ StoreStatus store_status(const std::string& socket) {
   return s;
 }
 
-std::uint64_t store_warm(const std::string& socket, const std::vector<std::string>& paths, Env* env) {
+std::uint64_t store_warm(const std::string& socket, const std::vector<std::string>& paths, Env* env,
+                         const DTypeOptions& dtype) {
   if (env == nullptr) env = default_env();
-  const std::vector<std::string> files = detail::local_files(env, paths);
+  const std::vector<detail::LocalFile> files = detail::local_files(env, paths);
   const auto connection = detail::StoreConnection::connect(socket);
   std::uint64_t bytes = 0;
-  for (const std::string& path : files) {
-    ScopedFd fd = open_or_throw(env, path);
-    bytes += connection->get(fd.get(), path, /*hold=*/false).bytes;
+  for (const detail::LocalFile& f : files) {
+    ScopedFd fd = open_or_throw(env, f.path);
+    bytes += connection->get(fd.get(), f.path, /*hold=*/false, detail::StoreVariant{dtype, f.name_prefix}).bytes;
   }
   return bytes;
 }
@@ -190,8 +198,8 @@ std::uint64_t store_evict(const std::string& socket, const std::vector<std::stri
   const auto connection = detail::StoreConnection::connect(socket);
   if (paths.empty()) return connection->request({{"op", "evict"}}).at("evicted").get<std::uint64_t>();
   std::uint64_t count = 0;
-  for (const std::string& path : detail::local_files(env, paths)) {
-    ScopedFd fd = open_or_throw(env, path);
+  for (const detail::LocalFile& f : detail::local_files(env, paths)) {
+    ScopedFd fd = open_or_throw(env, f.path);
     const int send[1] = {fd.get()};
     count += connection->request({{"op", "evict"}}, send).at("evicted").get<std::uint64_t>();
   }

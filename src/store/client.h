@@ -13,6 +13,7 @@
 #include "pinload/env.h"
 #include "pinload/file_identity.h"
 #include "pinload/pool.h"
+#include "store/wire.h"
 
 namespace pinload::detail {
 
@@ -37,8 +38,9 @@ class StoreConnection {
     FileIdentity identity;     // of the file the daemon was given
   };
   // The entry for the open file `fd` (named `path` in messages), held by
-  // this connection when `hold`.
-  Served get(int fd, const std::string& path, bool hold);
+  // this connection when `hold`; its converted image where `variant` is
+  // active (Note [Converted store entries]: `bytes` is the image's size).
+  Served get(int fd, const std::string& path, bool hold, const StoreVariant& variant = {});
   // The entry for version `version` (a strong ETag) of the remote object `url`, of `size`
   // bytes, which the daemon fetches on a miss (Note [Remote store entries]).
   Served get_remote(const std::string& url, const std::string& version, std::uint64_t size, bool hold);

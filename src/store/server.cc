@@ -35,6 +35,7 @@
 #include "os/read_full.h"
 #include "remote/remote_client.h"
 #include "remote/remote_url.h"
+#include "store/server.h"
 #include "store/socket_path.h"
 #include "store/wire.h"
 
@@ -101,6 +102,7 @@ std::string shmem_huge_pages() {
 struct Entry {
   std::string key;
   std::string path;             // as the first client named it
+  std::string variant;          // a converted entry's dtype options (StoreVariant::describe)
   FileIdentity identity;
   std::uint64_t bytes = 0;      // the file's size
   std::uint64_t charge = 0;     // the memfd's size: bytes rounded up
@@ -115,7 +117,8 @@ struct Entry {
 
 class Store {
  public:
-  explicit Store(const StoreServerOptions& options, Env* env) : options_(options), env_(env) {}
+  Store(const StoreServerOptions& options, Env* env, const detail::ImagePlanner& planner)
+      : options_(options), env_(env), planner_(planner) {}
 
   // Answers one request of a connection whose held entries are `held`.
   json handle(const detail::WireMessage& message, std::vector<std::shared_ptr<Entry>>* held, std::vector<int>* fds_out);
@@ -132,8 +135,8 @@ class Store {
                   std::vector<int>* fds_out);
   // What get and get_remote share: the entry for `key` (made by `fill` on a miss, once however
   // many ask at once), held by the connection when `hold`, its memfd added to `fds_out`.
-  json serve(const std::string& key, const std::string& path, const FileIdentity& identity, std::uint64_t bytes,
-             bool hold, const std::function<void(Entry&)>& fill, std::vector<std::shared_ptr<Entry>>* held,
+  json serve(const std::string& key, const std::string& path, const std::string& variant, const FileIdentity& identity,
+             std::uint64_t bytes, bool hold, const std::function<void(Entry&)>& fill, std::vector<std::shared_ptr<Entry>>* held,
              std::vector<int>* fds_out);
   json evict(const detail::WireMessage& message);
   // Makes room for `charge` bytes: the budget first (evicting), then the
@@ -142,9 +145,11 @@ class Store {
   void make_room(std::uint64_t charge, const std::string& path);
   void fill(Entry& entry, int fd);
   void fill_remote(Entry& entry, const std::string& url, const std::string& version);
+  void fill_image(Entry& entry, int fd, detail::ConvertedImage& image);
 
   const StoreServerOptions& options_;
   Env* env_;
+  const detail::ImagePlanner& planner_;
   std::mutex mu_;
   std::condition_variable filled_;
   std::map<std::string, std::shared_ptr<Entry>> entries_;
@@ -205,10 +210,25 @@ json Store::get(const detail::WireMessage& message, std::vector<std::shared_ptr<
     throw IoError("reading the header failed", ErrorContext{path, {}, 8, 8 + header_bytes});
   }
   const FileIdentity identity = FileIdentity::of(st);
-  const std::string key = std::to_string(identity.device) + ":" + std::to_string(identity.inode) + ":" +
-                          std::to_string(identity.size) + ":" + std::to_string(identity.mtime_ns) + ":" +
-                          sha256_hex(header.data(), header.size());
-  json reply = serve(key, path, identity, st.size, hold, [&](Entry& e) { fill(e, fd); }, held, fds_out);
+  std::string key = std::to_string(identity.device) + ":" + std::to_string(identity.inode) + ":" +
+                    std::to_string(identity.size) + ":" + std::to_string(identity.mtime_ns) + ":" +
+                    sha256_hex(header.data(), header.size());
+  // Note [Converted store entries]: a variant of its own, planned (header and scales) before the
+  // budget makes room for it.
+  detail::StoreVariant variant;
+  if (const auto d = message.body.find("dtype"); d != message.body.end() && !d->is_null()) {
+    variant = detail::StoreVariant::from_json(*d);
+  }
+  json reply;
+  if (variant.active()) {
+    if (!planner_) throw InvalidArgumentError("this store keeps no converted entries", ErrorContext{path});
+    key += " as " + variant.describe() + " prefix " + nlohmann::json(variant.name_prefix).dump();
+    const std::unique_ptr<detail::ConvertedImage> image = planner_(env_, fd, path, variant, options_.threads);
+    reply = serve(key, path, variant.describe(), identity, image->bytes(), hold,
+                  [&](Entry& e) { fill_image(e, fd, *image); }, held, fds_out);
+  } else {
+    reply = serve(key, path, {}, identity, st.size, hold, [&](Entry& e) { fill(e, fd); }, held, fds_out);
+  }
   if (reply.value("ok", false)) {
     reply["identity"] = {{"device", identity.device}, {"inode", identity.inode}, {"size", identity.size},
                          {"mtime_ns", identity.mtime_ns}};
@@ -242,12 +262,12 @@ json Store::get_remote(const detail::WireMessage& message, std::vector<std::shar
   }
   // The object's name without a query (a presigned URL's signature changes; the object does not).
   const std::string key = "remote " + shown + " " + version;
-  return serve(key, shown, FileIdentity{}, size->get<std::uint64_t>(), hold,
+  return serve(key, shown, {}, FileIdentity{}, size->get<std::uint64_t>(), hold,
                [&](Entry& e) { fill_remote(e, url, version); }, held, fds_out);
 }
 
-json Store::serve(const std::string& key, const std::string& path, const FileIdentity& identity,
-                  std::uint64_t bytes, bool hold, const std::function<void(Entry&)>& fill_entry,
+json Store::serve(const std::string& key, const std::string& path, const std::string& variant,
+                  const FileIdentity& identity, std::uint64_t bytes, bool hold, const std::function<void(Entry&)>& fill_entry,
                   std::vector<std::shared_ptr<Entry>>* held, std::vector<int>* fds_out) {
   std::shared_ptr<Entry> entry;
   bool hit = false;
@@ -272,6 +292,7 @@ json Store::serve(const std::string& key, const std::string& path, const FileIde
       entry = std::make_shared<Entry>();
       entry->key = key;
       entry->path = path;
+      entry->variant = variant;
       entry->identity = identity;
       entry->bytes = bytes;
       const std::size_t round = bytes >= kHugePage ? kHugePage : 4096;
@@ -467,6 +488,19 @@ void Store::fill(Entry& entry, int fd) {
             entry.huge_bytes);
 }
 
+// Note [Converted store entries]: the image of what a converting load hands out.
+void Store::fill_image(Entry& entry, int fd, detail::ConvertedImage& image) {
+  EntryWriter out(entry, options_.numa_node, env_);
+  image.write(out.data());
+  FileStat after;
+  if (env_->stat(fd, &after) != 0 || !(FileIdentity::of(after) == entry.identity)) {
+    throw IoError("the file was modified while the store converted it", ErrorContext{entry.path});
+  }
+  out.seal();
+  log::info("store: converted {} as {} ({} bytes, {} in huge pages)", entry.path, entry.variant, entry.bytes,
+            entry.huge_bytes);
+}
+
 // Note [Remote store entries]: the daemon reads the object with its own remote client (its own
 // environment's credentials, or the URL's presigned query), every range asked If-Match the
 // client's ETag, so the entry is the version the client's header came from or the fill fails.
@@ -532,7 +566,11 @@ json Store::status() {
   std::sort(ready.begin(), ready.end(), [](const auto& a, const auto& b) { return a->last_used > b->last_used; });
   json entries = json::array();
   for (const auto& e : ready) {
-    entries.push_back({{"path", e->path}, {"bytes", e->bytes}, {"holders", e->holders}, {"hits", e->hits}});
+    entries.push_back({{"path", e->path},
+                       {"dtype", e->variant},
+                       {"bytes", e->bytes},
+                       {"holders", e->holders},
+                       {"hits", e->hits}});
   }
   return {{"budget_bytes", options_.budget_bytes}, {"bytes", bytes_},     {"huge_page_bytes", huge},
           {"hits", hits_},                         {"misses", misses_},   {"reads", reads_},
@@ -595,7 +633,7 @@ void serve_connection(Store& store, int fd, const std::optional<IoError>& refusa
 
 }  // namespace
 
-int serve_store(const StoreServerOptions& given) {
+int detail::serve_store_with(const StoreServerOptions& given, const detail::ImagePlanner& planner) {
   StoreServerOptions options = given;
   Env* env = options.env != nullptr ? options.env : default_env();
   if (options.socket.empty()) options.socket = default_store_socket();
@@ -612,7 +650,7 @@ int serve_store(const StoreServerOptions& given) {
     log::warn("store: shared memory gets no huge pages here (transparent_hugepage/shmem_enabled is {}): clients "
               "map entries page by page; set it to advise (docs/store.md)", huge);
   }
-  Store store(options, env);
+  Store store(options, env, planner);
   struct Client {
     std::jthread thread;
     int fd;

@@ -23,7 +23,7 @@ std::string default_store_socket() {
 }
 
 StoreOptions StoreOptions::from_environment(StoreOptions given) {
-  if (given.active()) return given;
+  if (given.active() || given.disabled) return given;
   const char* value = std::getenv(kStoreVariable);
   if (value == nullptr) return given;
   const std::string v = value;

@@ -83,6 +83,54 @@ std::optional<WireMessage> receive_message(int socket) {
   return out;
 }
 
+nlohmann::json StoreVariant::to_json() const {
+  nlohmann::json j = {{"to", std::string(dtype_name(*dtype.to))}, {"keep", dtype.keep}, {"prefix", name_prefix}};
+  if (dtype.keep_to) j["keep_to"] = std::string(dtype_name(*dtype.keep_to));
+  return j;
+}
+
+StoreVariant StoreVariant::from_json(const nlohmann::json& j) {
+  constexpr std::size_t kMaxPatterns = 4096, kMaxPatternBytes = 4096;
+  if (!j.is_object()) throw InvalidArgumentError("\"dtype\" must be an object");
+  const auto dtype_of = [&](const char* field) -> std::optional<DType> {
+    const auto it = j.find(field);
+    if (it == j.end() || it->is_null()) return std::nullopt;
+    const std::optional<DType> d = it->is_string() ? dtype_from_name(it->get_ref<const std::string&>()) : std::nullopt;
+    if (!d || !is_float_dtype(*d)) throw InvalidArgumentError(std::string("\"dtype\": \"") + field + "\" is no floating dtype");
+    return d;
+  };
+  StoreVariant v;
+  v.dtype.to = dtype_of("to");
+  if (!v.dtype.to) throw InvalidArgumentError("\"dtype\" needs \"to\"");
+  v.dtype.keep_to = dtype_of("keep_to");
+  if (const auto keep = j.find("keep"); keep != j.end()) {
+    if (!keep->is_array() || keep->size() > kMaxPatterns) {
+      throw InvalidArgumentError("\"dtype\": \"keep\" must be an array of at most " + std::to_string(kMaxPatterns) +
+                                 " patterns");
+    }
+    for (const auto& pattern : *keep) {
+      if (!pattern.is_string() || pattern.get_ref<const std::string&>().size() > kMaxPatternBytes) {
+        throw InvalidArgumentError("\"dtype\": a \"keep\" pattern must be a string of at most " +
+                                   std::to_string(kMaxPatternBytes) + " bytes");
+      }
+      v.dtype.keep.push_back(pattern.get<std::string>());
+    }
+  }
+  if (const auto prefix = j.find("prefix"); prefix != j.end()) {
+    if (!prefix->is_string()) throw InvalidArgumentError("\"dtype\": \"prefix\" must be a string");
+    v.name_prefix = prefix->get<std::string>();
+  }
+  return v;
+}
+
+std::string StoreVariant::describe() const {
+  if (!dtype.active()) return {};
+  std::string out(dtype_name(*dtype.to));
+  if (!dtype.keep.empty()) out += " keep=" + nlohmann::json(dtype.keep).dump();
+  if (dtype.keep_to) out += " keep_to=" + std::string(dtype_name(*dtype.keep_to));
+  return out;
+}
+
 nlohmann::json error_reply(const Error& error) {
   nlohmann::json e = {{"code", error_code_name(error.code())}, {"message", error.message()}};
   if (!error.context().file.empty()) e["file"] = error.context().file;

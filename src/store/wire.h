@@ -13,6 +13,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "pinload/convert.h"
 #include "pinload/env.h"
 #include "pinload/error.h"
 
@@ -37,6 +38,23 @@ bool send_message(int socket, const nlohmann::json& body, std::span<const int> f
 // descriptors, not a JSON object) comes back with `malformed` set and its
 // descriptors closed. Retries EINTR; throws IoError for other failures.
 std::optional<WireMessage> receive_message(int socket);
+
+// A converted entry's request (Note [Converted store entries] in
+// pinload/store.h): the load's dtype options and the file's name prefix.
+// On the wire: "dtype": {"to", "keep", "keep_to", "prefix"}.
+struct StoreVariant {
+  DTypeOptions dtype;
+  std::string name_prefix;
+
+  bool active() const noexcept { return dtype.active(); }
+  nlohmann::json to_json() const;
+  // Throws InvalidArgumentError for a field of the wrong type, an unknown
+  // dtype, or more keep patterns (or longer ones) than a load takes.
+  static StoreVariant from_json(const nlohmann::json& j);
+  // "BF16", "BF16 keep=[a, b] keep_to=F32": the entry's name in status; with
+  // the prefix, its key.
+  std::string describe() const;
+};
 
 // {"ok": false, "error": {...}} for `error`.
 nlohmann::json error_reply(const Error& error);

@@ -305,3 +305,47 @@ def test_the_pinload_store_variable_routes_every_python_load(tmp_path, pinload_b
     assert r.returncode == 0, r.stderr
     py = eval(r.stdout)
     assert py["bytes"] == s["bytes"] > 0 and py["entries"][0]["path"] == str(model) and py["reads"] == 1
+
+
+CONVERT_CLIENT = textwrap.dedent("""
+    import sys, torch, pinload.torch
+    from safetensors.torch import load_file
+    model, sock = sys.argv[1], sys.argv[2]
+    got = pinload.torch.load_file(model, dtype=torch.bfloat16, keep=["bias"], store=sock, store_required=True)
+    # torch's own conversion of the file safetensors reads: floating tensors to bf16 but the kept ones.
+    want = {k: (v.to(torch.bfloat16) if v.is_floating_point() and "bias" not in k else v)
+            for k, v in load_file(model).items()}
+    assert list(got) == list(want), (list(got), list(want))
+    for k in want:
+        assert got[k].dtype == want[k].dtype and got[k].shape == want[k].shape, k
+        assert torch.equal(got[k].view(torch.uint8), want[k].view(torch.uint8)), k
+    print("ok")
+""")
+
+
+def test_a_converting_load_maps_the_stores_converted_entry(tmp_path, pinload_bin, daemon):
+    """Note [Converted store entries]: `store warm --dtype` converts once in the daemon; CLI and
+    Python loads with that dtype map it, bytes equal to torch's conversion; a plain load is an entry of its own."""
+    model = tmp_path / "m.safetensors"
+    rng = np.random.default_rng(12)
+    save_file({"blocks.0.weight": rng.standard_normal((256, 96), dtype=np.float32),
+               "blocks.0.bias": rng.standard_normal(96).astype(np.float16),
+               "ids": rng.integers(0, 9, 5, dtype=np.int64)}, str(model), metadata={"format": "pt"})
+    r = subprocess.run([pinload_bin, "store", "warm", "--socket", daemon.socket, "--dtype", "bf16", "--keep", "bias",
+                        str(model)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    s = status(pinload_bin, daemon.socket)
+    assert s["reads"] == 1 and [e["dtype"] for e in s["entries"]] == ['BF16 keep=["bias"]'], s
+    r = subprocess.run([sys.executable, "-c", CONVERT_CLIENT, str(model), daemon.socket], capture_output=True,
+                       text=True, timeout=120, env=CLIENT_ENV)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+    got, r = cli_digests(pinload_bin, daemon.socket, model, "--dtype", "bf16", "--keep", "bias", "-v")
+    assert "1 from the store" in r.stderr
+    s = status(pinload_bin, daemon.socket)
+    assert s["reads"] == 1 and s["hits"] == 2, s
+    assert "(as BF16 keep=" in subprocess.run([pinload_bin, "store", "status", "--socket", daemon.socket],
+                                              capture_output=True, text=True, timeout=30).stdout
+    # The same file as stored: another entry, the file's own bytes.
+    got, _ = cli_digests(pinload_bin, daemon.socket, model)
+    assert got == digests(model)
+    assert sorted(e["dtype"] for e in status(pinload_bin, daemon.socket)["entries"]) == ["", 'BF16 keep=["bias"]']
