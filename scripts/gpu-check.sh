@@ -305,8 +305,8 @@ if (($(remaining) > 200)) && run_step build_bench 120 "$OUT/build.log" cmake --b
 fi
 
 # ---- a device load from the node store (docs/store.md): the daemon holds the checkpoint; a CLI
-# load to cuda:0 copies from its shared pages (no staging copy). Compare its GB/s in store.log with
-# bench_device's pinned cudaMemcpy (target: >= 0.9 x).
+# load to cuda:0 copies from its shared pages (no staging copy), registered with the device or
+# pageable. Compare their GB/s in store.log with bench_device's pinned cudaMemcpy (target: >= 0.9 x).
 if (($(remaining) > 120)) && [[ -x "$BUILD/pinload" && -d "${M:-}" ]]; then
   STORE_DIR=$(mktemp -d)
   echo advise > /sys/kernel/mm/transparent_hugepage/shmem_enabled 2>/dev/null || true
@@ -315,9 +315,12 @@ if (($(remaining) > 120)) && [[ -x "$BUILD/pinload" && -d "${M:-}" ]]; then
   STORE_PID=$!
   for _ in $(seq 100); do [[ -f "$STORE_DIR/ready" ]] && break; sleep 0.1; done
   run_step store_warm 60 "$OUT/store.log" "$BUILD/pinload" store warm --socket "$STORE_DIR/s.sock" "$M/text_encoder" "$M/vae"
+  # Registered (the default: Note [Store device loads]) and pageable, alternating.
   for i in 1 2 3; do
-    run_step "store_device_$i" 60 "$OUT/store.log" "$BUILD/pinload" load --store "$STORE_DIR/s.sock" --store-required \
-      --device cuda:0 -v "$M/text_encoder" "$M/vae" || TESTS_FAILED=1
+    run_step "store_device_registered_$i" 60 "$OUT/store.log" "$BUILD/pinload" load --store "$STORE_DIR/s.sock" \
+      --store-required --device cuda:0 -v "$M/text_encoder" "$M/vae" || TESTS_FAILED=1
+    run_step "store_device_pageable_$i" 60 "$OUT/store.log" env PINLOAD_STORE_REGISTER=0 "$BUILD/pinload" load \
+      --store "$STORE_DIR/s.sock" --store-required --device cuda:0 -v "$M/text_encoder" "$M/vae" || TESTS_FAILED=1
   done
   "$BUILD/pinload" store status --socket "$STORE_DIR/s.sock" >>"$OUT/store.log" 2>&1 || true
   kill "$STORE_PID" 2>/dev/null; wait "$STORE_PID" 2>/dev/null || true

@@ -4,6 +4,7 @@
 #include "pinload/device.h"
 
 #include <gtest/gtest.h>
+#include <sys/mman.h>
 
 #include <atomic>
 #include <chrono>
@@ -404,6 +405,59 @@ INSTANTIATE_TEST_SUITE_P(Devices, DeviceContract, ::testing::ValuesIn(testing::k
                          testing::device_param_name);
 
 // ----------------------------------------------------------- sim only
+
+// Host memory mapped by other means (as a node-store entry is) and registered
+// copies as any other; the registration may end once its copies completed.
+TEST_P(DeviceContract, RegisteredHostMemoryCopies) {
+  Device& d = *device_;
+  const std::size_t size = 2 * MiB;
+  void* mapped = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ASSERT_NE(mapped, MAP_FAILED);
+  const auto source = make_pattern(size, 3);
+  std::memcpy(mapped, source.data(), size);
+  {
+    std::shared_ptr<void> registration = d.register_host(mapped, size);
+    if (d.kind() == DeviceKind::kSim) {
+      EXPECT_NE(registration, nullptr);
+    }
+    auto buffer = d.allocate(size);
+    Stream stream = d.create_stream();
+    d.copy_to_device_async(*buffer, 0, mapped, size, stream);
+    stream.synchronize();
+    registration.reset();
+    EXPECT_EQ(read_back(d, *buffer, 0, size), source);
+  }
+  EXPECT_EQ(d.register_host(nullptr, size), nullptr);
+  ::munmap(mapped, size);
+}
+
+// The stand-in holds register_host's contract: a copy from a registered range
+// that runs after its handle went fails the stream, as CUDA would fault.
+TEST(SimDevice, ACopyOutlivingItsRegistrationFailsTheStream) {
+  Gate gate;
+  SimDeviceOptions options;
+  options.before_copy = gate.hook();
+  std::atomic<std::int64_t> registered{0};
+  options.on_register = [&](std::size_t bytes, bool on) { registered += on ? std::int64_t(bytes) : -std::int64_t(bytes); };
+  auto d = make_sim_device(options);
+  const auto source = make_pattern(4096, 13);
+  auto buffer = d->allocate(4096);
+  Stream stream = d->create_stream();
+  OpenOnExit opener(gate);
+  std::shared_ptr<void> registration = d->register_host(source.data(), source.size());
+  EXPECT_EQ(registered.load(), 4096);
+  d->copy_to_device_async(*buffer, 0, source.data() + 100, 200, stream);
+  ASSERT_TRUE(gate.wait_waiting(1));
+  registration.reset();  // too early: the copy is still queued
+  EXPECT_EQ(registered.load(), 0);
+  gate.open();
+  try {
+    stream.synchronize();
+    FAIL() << "a copy ran after its registration ended";
+  } catch (const DeviceError& e) {
+    EXPECT_NE(std::string(e.what()).find("register_host"), std::string::npos) << e.what();
+  }
+}
 
 TEST(SimDevice, FreshMemoryIsPoisonedSoAMissedCopyShows) {
   auto d = make_sim_device();

@@ -427,7 +427,17 @@ TEST(StoreTest, DeviceLoadsCopyFromTheStoresCopy) {
   Daemon daemon(dir);
   const Model m = write_model(dir, "a.safetensors", 19);
   const std::vector<char> file = testing::slurp(m.path);
-  std::unique_ptr<Device> device = make_sim_device();
+  // Note [Store device loads]: the copies run from the mapping registered with the device, and
+  // the registration ends with them.
+  SimDeviceOptions sim;
+  std::atomic<std::int64_t> registered{0}, most{0};
+  sim.on_register = [&](std::size_t bytes, bool on) {
+    const std::int64_t now = registered += on ? std::int64_t(bytes) : -std::int64_t(bytes);
+    std::int64_t seen = most.load();
+    while (now > seen && !most.compare_exchange_weak(seen, now)) {
+    }
+  };
+  std::unique_ptr<Device> device = make_sim_device(sim);
   for (const DeviceMode mode : {DeviceMode::kCached, DeviceMode::kStreaming}) {
     LoadOptions o = with_store(daemon.socket());
     o.target.device = device.get();
@@ -446,6 +456,8 @@ TEST(StoreTest, DeviceLoadsCopyFromTheStoresCopy) {
       EXPECT_TRUE(std::equal(back.begin(), back.end(), file.begin() + static_cast<std::ptrdiff_t>(8 + m.image.header_json.size() + t.begin)))
           << t.name;
     }
+    EXPECT_GE(most.load(), static_cast<std::int64_t>(file.size()));
+    EXPECT_EQ(registered.load(), 0);
   }
   EXPECT_EQ(store_status(daemon.socket()).reads, 1u);
 }

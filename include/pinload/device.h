@@ -228,6 +228,16 @@ class Device {
   // `stream` belong to another device; DeviceError when the device fails.
   void copy_to_device_async(DeviceBuffer& dst, std::size_t dst_offset, const void* src, std::size_t bytes,
                             Stream& stream);
+  // Registers host memory that was mapped by other means (a node-store
+  // entry: store.h) so that copies from it run as from pinned memory, until
+  // the returned handle goes. CUDA: cudaHostRegister, portable and
+  // read-only (pinned without breaking the pages' copy-on-write sharing);
+  // "sim": recorded, and a copy from the range that runs after the handle
+  // went fails its stream, as a copy from unregistered memory would fault.
+  // Keep the handle until the copies from the range have completed. Null
+  // where the device cannot register the range: copies from it then run as
+  // from pageable memory. Never throws.
+  virtual std::shared_ptr<void> register_host(const void* data, std::size_t bytes) noexcept;
   // Queues on `stream` the element conversion `c` (dtype.h) of the
   // c.elements elements at src[src_offset] into dst[dst_offset] (CUDA: a
   // kernel; "sim": the host loops, on the stream's thread), after the work
@@ -274,6 +284,9 @@ struct SimDeviceOptions {
   // Called on the stream's thread before each conversion (convert_async),
   // with its element count; a throw fails the stream as before_copy's does.
   std::function<void(std::uint64_t elements)> before_convert;
+  // Called by register_host and when its handle goes (registered false),
+  // with the range's size. Must not throw.
+  std::function<void(std::size_t bytes, bool registered)> on_register;
   // Device memory limit for the default allocator (0: none); past it,
   // allocate() throws OutOfMemoryError.
   std::uint64_t memory_bytes = 0;

@@ -42,6 +42,23 @@
 // makes that an UnavailableError. A load to a device takes its host copy from
 // the store and copies it to the device from there (no staging copy).
 //
+// Note [Store device loads]
+// A device load whose files the store serves copies each tensor to the
+// device straight from the client's mapping of the entry (upload()): no
+// staging copy. Before the copies the client registers the mapping with the
+// device (Device::register_host: CUDA's cudaHostRegister, read-only, which
+// pins the shared pages without breaking their copy-on-write sharing), so
+// the copies run as from pinned memory; the registration ends once they
+// have completed. The pages are the node's one copy, resident in shared
+// memory; what each client pays is the registration of its mapping (page
+// tables: one entry per huge page where the entry has them). Where the
+// device refuses, the copies run from pageable memory;
+// PINLOAD_STORE_REGISTER=0 asks for that (scripts/gpu-check.sh measures
+// both). The alternative, a daemon that copies into its clients' device
+// buffers through CUDA IPC handles (sllm-store), would register once per
+// node but give the daemon a CUDA context per GPU; docs/store.md says what
+// decides between them.
+//
 // Note [Remote store entries]
 // A remote object (s3://, http(s)://) whose ETag is a strong one is an entry
 // too, keyed by its URL (without the query) and that ETag:

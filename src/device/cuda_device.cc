@@ -345,6 +345,33 @@ class CudaDevice final : public Device {
   const std::string& name() const noexcept override { return name_; }
   std::string description() const override { return description_; }
   DeviceKind kind() const noexcept override { return DeviceKind::kCuda; }
+
+  // Read-only: pinning a private mapping for writing would break its
+  // copy-on-write sharing, page by page.
+  std::shared_ptr<void> register_host(const void* data, std::size_t bytes) noexcept override {
+    if (data == nullptr || bytes == 0) return nullptr;
+    void* p = const_cast<void*>(data);
+    const int ordinal = ordinal_;
+    {
+      QuietDeviceGuard guard(ordinal);
+      if (const cudaError_t rc = rt().cudaHostRegister(p, bytes, cudaHostRegisterPortable | cudaHostRegisterReadOnly);
+          rc != cudaSuccess) {
+        (void)rt().cudaGetLastError();
+        log::debug("{}: cudaHostRegister of {} bytes failed ({}): copies from them run from pageable memory", name_,
+                   bytes, cuda_message(rc));
+        return nullptr;
+      }
+    }
+    const auto unregister = [ordinal](void* q) noexcept {
+      QuietDeviceGuard guard(ordinal);
+      (void)rt().cudaHostUnregister(q);
+    };
+    try {
+      return std::shared_ptr<void>(p, unregister);
+    } catch (...) {  // the control block's allocation: the deleter has run
+      return nullptr;
+    }
+  }
   std::string pci_bus_id() const override { return pci_bus_id_; }
 
   std::unique_ptr<HostMemoryBackend> make_pinned_backend(PinnedMemoryOptions options) override {

@@ -46,6 +46,8 @@ void Event::synchronize() {
 Device::Device() : id_(g_next_device_id.fetch_add(1, std::memory_order_relaxed)) {}
 Device::~Device() = default;
 
+std::shared_ptr<void> Device::register_host(const void*, std::size_t) noexcept { return nullptr; }
+
 int Device::numa_node(const NumaTopology& topology) const {
   const std::string bus_id = pci_bus_id();
   return bus_id.empty() ? -1 : topology.node_of_pci_device(bus_id);

@@ -47,12 +47,14 @@ class SimStreamCore {
     thread_.join();
   }
 
-  void enqueue_copy(void* dst, const void* src, std::size_t bytes) {
+  // `registration`: the register_host range `src` lies in, if any (it must
+  // outlive the copy).
+  void enqueue_copy(void* dst, const void* src, std::size_t bytes, std::shared_ptr<const void> registration = {}) {
     {
       std::lock_guard lock(mu_);
       throw_if_failed_locked(UINT64_MAX, "cudaMemcpyAsync (sim)");
       if (stop_) throw DeviceError("copy queued on a destroyed sim stream");
-      queue_.push_back(Task{++enqueued_, dst, src, bytes, {}});
+      queue_.push_back(Task{++enqueued_, dst, src, bytes, {}, registration, registration != nullptr});
     }
     work_.notify_one();
   }
@@ -64,7 +66,7 @@ class SimStreamCore {
       std::lock_guard lock(mu_);
       throw_if_failed_locked(UINT64_MAX, "kernel launch (sim)");
       if (stop_) throw DeviceError("work queued on a destroyed sim stream");
-      queue_.push_back(Task{++enqueued_, nullptr, nullptr, 0, std::move(work)});
+      queue_.push_back(Task{++enqueued_, nullptr, nullptr, 0, std::move(work), {}, false});
     }
     work_.notify_one();
   }
@@ -110,6 +112,8 @@ class SimStreamCore {
     const void* src;
     std::size_t bytes;
     std::function<void()> work;  // set: a kernel, not a copy
+    std::weak_ptr<const void> registration;
+    bool registered;  // src lay in a register_host range when the copy was queued
   };
 
   // Work numbered `seq` or earlier is affected when the failure came at or
@@ -163,6 +167,9 @@ class SimStreamCore {
           static_cast<double>(task.bytes) * 1e9 / static_cast<double>(o.bytes_per_second)));
     }
     if (delay.count() > 0) std::this_thread::sleep_for(delay);
+    if (task.registered && task.registration.expired()) {
+      throw DeviceError("a copy from host memory whose register_host handle went before the copy ran");
+    }
     std::memcpy(task.dst, task.src, task.bytes);
   }
 
@@ -300,6 +307,25 @@ class SimDevice final : public Device {
 
   std::shared_ptr<DeviceAllocator> default_allocator() const override { return allocator_; }
 
+  std::shared_ptr<void> register_host(const void* data, std::size_t bytes) noexcept override {
+    if (data == nullptr || bytes == 0) return nullptr;
+    try {
+      auto owned = std::make_unique<Registration>(Registration{static_cast<const std::byte*>(data), bytes});
+      if (options_->on_register) options_->on_register(bytes, true);
+      // From here the deleter reports the end, also where making the handle fails.
+      std::shared_ptr<Registration> r(owned.release(), [options = options_](Registration* q) {
+        if (options->on_register) options->on_register(q->bytes, false);
+        delete q;
+      });
+      std::lock_guard lock(mu_);
+      std::erase_if(registrations_, [](const std::weak_ptr<const Registration>& w) { return w.expired(); });
+      registrations_.push_back(r);
+      return r;
+    } catch (...) {
+      return nullptr;
+    }
+  }
+
   Stream create_stream() override {
     auto core = std::make_shared<SimStreamCore>(options_, name_);
     {
@@ -328,7 +354,19 @@ class SimDevice final : public Device {
   }
 
   void do_copy_to_device_async(void* dst, const void* src, std::size_t bytes, Stream& stream) override {
-    static_cast<SimStream*>(stream.impl())->core->enqueue_copy(dst, src, bytes);
+    std::shared_ptr<const void> registration;
+    {
+      const auto* from = static_cast<const std::byte*>(src);
+      std::lock_guard lock(mu_);
+      for (const auto& w : registrations_) {
+        std::shared_ptr<const Registration> r = w.lock();
+        if (r && from >= r->begin && from + bytes <= r->begin + r->bytes) {
+          registration = std::move(r);
+          break;
+        }
+      }
+    }
+    static_cast<SimStream*>(stream.impl())->core->enqueue_copy(dst, src, bytes, std::move(registration));
   }
 
   // The conversion a CUDA kernel does, with the host loops, in stream order.
@@ -358,8 +396,13 @@ class SimDevice final : public Device {
   const std::string name_ = "sim";
   const std::shared_ptr<const SimDeviceOptions> options_;
   const std::shared_ptr<SimAllocator> allocator_;
+  struct Registration {
+    const std::byte* begin;
+    std::size_t bytes;
+  };
   std::mutex mu_;
   std::vector<std::weak_ptr<SimStreamCore>> streams_;
+  std::vector<std::weak_ptr<const Registration>> registrations_;  // register_host's live ranges
 };
 
 }  // namespace

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <span>
 #include <stdexcept>
 #include <string>
@@ -20,6 +21,15 @@ namespace pinload::detail {
 namespace {
 
 std::atomic<bool> warned{false};
+
+// PINLOAD_STORE_REGISTER: "0", "off" or "false" copies from the store's pages unregistered
+// (pageable); anything else, or unset, registers them (Note [Store device loads]).
+bool register_store_pages() {
+  const char* v = std::getenv("PINLOAD_STORE_REGISTER");
+  if (v == nullptr) return true;
+  const std::string_view s = v;
+  return !(s == "0" || s == "off" || s == "false");
+}
 
 
 // Note [Store clients]: an unreachable store is a warning once per process,
@@ -222,8 +232,20 @@ std::optional<StateDict> load_to_device_from_store(const LoadOptions& options, E
   }
   counters->bytes_total += bytes;
   if (stop.stop_requested()) throw CancelledError("load cancelled");
-  // Straight from the shared pages to the device: no staging copy.
+  // Note [Store device loads] (store.h): the shared pages registered with the device for the copy
+  // (pinned: read-only, so their sharing stays), unless PINLOAD_STORE_REGISTER=0.
+  std::vector<std::shared_ptr<void>> registrations;
+  if (register_store_pages()) {
+    for (const MappedFile& m : *mapped) {
+      // Whole pages: the mapping is sized in whole pages past the file's end.
+      registrations.push_back(options.target.device->register_host(m.data, (m.block->size() + 4095) / 4096 * 4096));
+      if (!registrations.back()) registrations.pop_back();
+    }
+  }
+  // Straight from the shared pages to the device: no staging copy. upload() returns once the
+  // copies have completed, and only then do the registrations go.
   StateDict both = upload(StateDict(std::move(host), checkpoint.metadata()), *options.target.device, options.target.copy);
+  registrations.clear();
   counters->files_store += checkpoint.files.size();
   counters->bytes_done += bytes;
   counters->bytes_copied += bytes;
