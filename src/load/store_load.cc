@@ -43,6 +43,35 @@ void unavailable(const StoreOptions& store, const Error& e) {
   }
 }
 
+// The connection, or null (warned once) where the store cannot be reached and is not required.
+std::shared_ptr<StoreConnection> connect_to_store(const StoreOptions& store) {
+  try {
+    return StoreConnection::connect(store.socket);
+  } catch (const UnavailableError& e) {
+    unavailable(store, e);
+    return nullptr;
+  }
+}
+
+// The store's entry for the local file `cf` (its converted image where `variant` is active). The
+// client opens the file: the store never serves a file its client could not read (Note [The node
+// store]).
+StoreConnection::Served get_local(StoreConnection& connection, Env* env, const CheckpointFile& cf,
+                                  const StoreVariant& variant = {}) {
+  ScopedFd fd = open_or_throw(env, cf.path);
+  check_identity(env, fd.get(), cf.path, FileIdentity::of(cf.stat));
+  return connection.get(fd.get(), store_name(cf.path), /*hold=*/true, variant);
+}
+
+// Note [One version per load]: the entry must be of the file whose header was parsed.
+void check_served_version(const StoreConnection::Served& served, const CheckpointFile& cf) {
+  if (!(served.identity == FileIdentity::of(cf.stat))) {
+    throw IoError("replaced or modified since its header was read (the store has " + served.identity.describe() +
+                      ", the header was read from " + FileIdentity::of(cf.stat).describe() + ")",
+                  ErrorContext{cf.path});
+  }
+}
+
 }  // namespace
 
 namespace {
@@ -58,13 +87,8 @@ std::optional<std::vector<MappedFile>> map_from_store(const LoadOptions& options
     return f.version.empty() || remote::classify_validator(f.version, 0) == remote::Validator::kStrong;
   };
   if (std::none_of(checkpoint.files.begin(), checkpoint.files.end(), servable)) return std::nullopt;
-  std::shared_ptr<StoreConnection> connection;
-  try {
-    connection = StoreConnection::connect(store.socket);
-  } catch (const UnavailableError& e) {
-    unavailable(store, e);
-    return std::nullopt;
-  }
+  const std::shared_ptr<StoreConnection> connection = connect_to_store(store);
+  if (!connection) return std::nullopt;
   std::vector<MappedFile> mapped(checkpoint.files.size());
   for (std::size_t i = 0; i < checkpoint.files.size(); ++i) {
     const CheckpointFile& cf = checkpoint.files[i];
@@ -80,11 +104,7 @@ std::optional<std::vector<MappedFile>> map_from_store(const LoadOptions& options
         // The client read the header with its own credentials, at this ETag.
         served = connection->get_remote(cf.path, cf.version, cf.stat.size, /*hold=*/true);
       } else {
-        // The client opens the file: the store never serves a file its client
-        // could not read (Note [The node store]).
-        ScopedFd fd = open_or_throw(env, cf.path);
-        check_identity(env, fd.get(), cf.path, FileIdentity::of(cf.stat));
-        served = connection->get(fd.get(), store_name(cf.path), /*hold=*/true);
+        served = get_local(*connection, env, cf);
       }
     } catch (const UnavailableError& e) {
       unavailable(store, e);
@@ -96,13 +116,8 @@ std::optional<std::vector<MappedFile>> map_from_store(const LoadOptions& options
       log::warn("{}; reading it without the store", e.what());
       continue;
     }
-    // Note [One version per load]: the entry is of the version whose header was parsed (a
-    // remote entry's ETag says so).
-    if (!remote && !(served.identity == FileIdentity::of(cf.stat))) {
-      throw IoError("replaced or modified since its header was read (the store has " + served.identity.describe() +
-                        ", the header was read from " + FileIdentity::of(cf.stat).describe() + ")",
-                    ErrorContext{cf.path});
-    }
+    // A remote entry's ETag says it is the version whose header was parsed.
+    if (!remote) check_served_version(served, cf);
     log::debug("{}: {} the store", remote ? remote::display_url(cf.path) : cf.path,
                served.hit ? "mapped from" : "read into");
     std::shared_ptr<StoreMapping> m = StoreMapping::map(connection, std::move(served), cf.path);
@@ -165,13 +180,8 @@ std::optional<StateDict> load_converted_from_store(const LoadOptions& options, E
     log::debug("an FP8 weight's scale lies in another file: converted without the store");
     return std::nullopt;
   }
-  std::shared_ptr<StoreConnection> connection;
-  try {
-    connection = StoreConnection::connect(store.socket);
-  } catch (const UnavailableError& e) {
-    unavailable(store, e);
-    return std::nullopt;
-  }
+  const std::shared_ptr<StoreConnection> connection = connect_to_store(store);
+  if (!connection) return std::nullopt;
   Checkpoint images;
   images.index_files = checkpoint.index_files;
   std::vector<MappedFile> mapped;
@@ -179,9 +189,7 @@ std::optional<StateDict> load_converted_from_store(const LoadOptions& options, E
     if (stop.stop_requested()) throw CancelledError("load cancelled");
     StoreConnection::Served served;
     try {
-      ScopedFd fd = open_or_throw(env, cf.path);
-      check_identity(env, fd.get(), cf.path, FileIdentity::of(cf.stat));
-      served = connection->get(fd.get(), store_name(cf.path), /*hold=*/true, StoreVariant{options.dtype, cf.name_prefix});
+      served = get_local(*connection, env, cf, StoreVariant{options.dtype, cf.name_prefix});
     } catch (const UnavailableError& e) {
       unavailable(store, e);
       return std::nullopt;
@@ -191,11 +199,7 @@ std::optional<StateDict> load_converted_from_store(const LoadOptions& options, E
       log::warn("{}; converting without the store", e.what());
       return std::nullopt;
     }
-    if (!(served.identity == FileIdentity::of(cf.stat))) {
-      throw IoError("replaced or modified since its header was read (the store has " + served.identity.describe() +
-                        ", the header was read from " + FileIdentity::of(cf.stat).describe() + ")",
-                    ErrorContext{cf.path});
-    }
+    check_served_version(served, cf);
     log::debug("{}: {} the store, converted", cf.path, served.hit ? "mapped from" : "converted into");
     std::shared_ptr<StoreMapping> m = StoreMapping::map(connection, std::move(served), cf.path);
     CheckpointFile image;
