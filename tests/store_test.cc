@@ -539,6 +539,35 @@ TEST(StoreTest, AConvertingLoadMapsAConvertedEntryEqualToALocalConversion) {
   EXPECT_EQ(store_status(daemon.socket()).reads, 5u);
 }
 
+// A pipeline folder: keep patterns match the names the client's load sees
+// ("unet/..."), so the daemon converts each file under its component's prefix.
+TEST(StoreTest, ConvertedEntriesOfAPipelineKeepByComponent) {
+  TempDir dir;
+  Daemon daemon(dir);
+  std::mt19937_64 rng(23);
+  std::filesystem::create_directories(dir.path() / "unet");
+  std::filesystem::create_directories(dir.path() / "text_encoder");
+  testing::write_file(dir.file("model_index.json"), {'{', '}'});
+  testing::write_file(dir.file("unet/diffusion_pytorch_model.safetensors"),
+                      testing::make_image({{"conv.weight", "F32", {8, 4}}, {"w", "F16", {9}}}, rng).bytes());
+  testing::write_file(dir.file("text_encoder/model.safetensors"),
+                      testing::make_image({{"w", "F32", {16}}, {"ids", "I64", {2}}}, rng).bytes());
+  LoadOptions local;
+  local.zero_copy = ZeroCopy::kOff;
+  local.dtype.to = DType::kBF16;
+  local.dtype.keep = {"unet/*"};
+  const StateDict want = Loader(local).load({dir.path().string()});
+  EXPECT_EQ(want.at("unet/conv.weight").dtype(), DType::kF32);
+  EXPECT_EQ(want.at("text_encoder/w").dtype(), DType::kBF16);
+  LoadOptions through = with_store(daemon.socket(), /*required=*/true);
+  through.dtype = local.dtype;
+  Loader loader(through);
+  LoadHandle h = loader.load_async({dir.path().string()});
+  const StateDict got = h.wait();
+  EXPECT_EQ(h.progress().files_store, 2u);
+  expect_same(got, want);
+}
+
 // A file the daemon cannot convert (an FP8 weight's scale of the wrong dtype)
 // is the load's own InvalidFileError under store_required, and a local
 // conversion (with the same error) without it; the daemon keeps no entry.
