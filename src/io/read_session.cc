@@ -6,9 +6,10 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <condition_variable>
 #include <exception>
+#include <mutex>
 #include <optional>
-#include <semaphore>
 #include <thread>
 
 #include "base/log.h"
@@ -602,16 +603,42 @@ void ReadSession::allocate_blocks(Pool& pool, std::stop_token stop, std::uint64_
 
 namespace {
 
-// One of a load's `threads` slots for work on the CPU, held while it lasts.
+// A load's `threads` slots for work on the CPU. Not std::counting_semaphore:
+// libstdc++'s release() skips the wake-up where the count is already
+// positive, so two waiters and two releases can leave one asleep for good
+// (GCC bug 98033; a reader of convert_test hung on it, every slot free).
+class CpuSlots {
+ public:
+  explicit CpuSlots(unsigned count) : free_(count) {}
+  void acquire() {
+    std::unique_lock lock(mu_);
+    freed_.wait(lock, [&] { return free_ > 0; });
+    --free_;
+  }
+  void release() {
+    {
+      std::lock_guard lock(mu_);
+      ++free_;
+    }
+    freed_.notify_one();
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable freed_;
+  unsigned free_;
+};
+
+// One of the slots, held while it lasts.
 class CpuSlot {
  public:
-  explicit CpuSlot(std::counting_semaphore<kMaxThreads>& slots) : slots_(slots) { slots_.acquire(); }
+  explicit CpuSlot(CpuSlots& slots) : slots_(slots) { slots_.acquire(); }
   ~CpuSlot() { slots_.release(); }
   CpuSlot(const CpuSlot&) = delete;
   CpuSlot& operator=(const CpuSlot&) = delete;
 
  private:
-  std::counting_semaphore<kMaxThreads>& slots_;
+  CpuSlots& slots_;
 };
 
 }  // namespace
@@ -629,7 +656,7 @@ void ReadSession::execute(const std::vector<std::size_t>& todo, unsigned threads
   const detail::ReadsInFlight reading;  // Note [Huge pages for a kept pool]
   if (const unsigned network = network_readers(threads); network != 0) threads = network;  // Note [Remote reads]
   threads = std::max(threads, 1u);
-  std::counting_semaphore<kMaxThreads> cpu_slots(threads);
+  CpuSlots cpu_slots(threads);
   // Note [Direct reads in flight]: readers beyond `threads` only wait on the device.
   const unsigned reader_count =
       remote_threads_ == 0 && direct_mode_ != DirectIo::kOff ? std::max(threads, kDirectReadsInFlight) : threads;
