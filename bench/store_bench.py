@@ -16,6 +16,11 @@ pinload with PINLOAD_STORE set to its socket. Cases (each system in turn, rotate
   memory   --holders (8) processes loading the same --memory-gb file and holding it: the node's
            memory in use (MemTotal - MemAvailable) and Shmem, beside 8 pinload processes with pools
            of their own (zero_copy="off": 8 copies).
+  convert  converted entries (Note [Converted store entries]): an FP8 file (`pinload convert` of 24
+           finite fp16 matrices of 4096 x 12288: 1.2 GB) loaded as bf16 by a fresh `pinload load --dtype bf16` worker: converting
+           it itself (its file in the page cache, read beforehand), then with the store: the daemon's
+           conversion (the entry evicted first), and a fresh worker once the store holds the bf16
+           entry. Seconds per worker; the store's and the local load's digests are compared once.
   s3       the set uploaded to a SeaweedFS S3 server on this machine (tests/remote/servers.py): a
            fresh worker loading it from S3 directly (pinload), then with the
            store: the daemon's first fetch, and a fresh worker once the store holds it. The
@@ -128,7 +133,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--scale", type=float, default=1.0, help="the set's bytes, times 7.8 GB")
     ap.add_argument("--rounds", type=int, default=1)
-    ap.add_argument("--cases", default="restart,device,elastic,memory,s3")
+    ap.add_argument("--cases", default="restart,device,elastic,memory,s3,convert")
     ap.add_argument("--memory-gb", type=float, default=2.0, help="the memory case's file (GB)")
     ap.add_argument("--holders", type=int, default=8)
     ap.add_argument("--build", default="build")
@@ -233,6 +238,41 @@ def main(argv=None) -> int:
                     memory.append(m)
                     fb.log(f"[round {rnd + 1}] memory {label}: {m['node_used_bytes'] / 1e9:.2f} GB in use "
                            f"({m['x_set']:.2f} x the file), Shmem +{m['shmem_bytes'] / 1e9:.2f} GB")
+            if "convert" in cases:
+                fp8 = os.path.join(root, "fp8", "weights.fp8.safetensors")
+                if not os.path.exists(fp8):
+                    # Finite weights (random bytes hold infinities, which FP8 with a scale cannot):
+                    # 24 fp16 matrices of 4096 x 12288 (2.4 GB), then their FP8 copy (1.2 GB).
+                    import numpy as np
+                    from safetensors.numpy import save_file
+                    source = os.path.join(root, "fp8", "weights.fp16.safetensors")
+                    os.makedirs(os.path.dirname(fp8), exist_ok=True)
+                    rng = np.random.default_rng(34)
+                    save_file({f"blocks.{i}.mlp.weight": (rng.standard_normal((4096, 12288), dtype=np.float32) * 0.02)
+                               .astype(np.float16) for i in range(24)}, source)
+                    subprocess.run([binary, "convert", source, fp8], check=True, capture_output=True)
+                    os.remove(source)
+                harness.read_all([fp8])
+
+                def convert_worker(with_store: bool, digest: bool = False) -> subprocess.CompletedProcess:
+                    cmd = [binary, "load", "--dtype", "bf16", "-q"] + (["--digest"] if digest else [])
+                    cmd += (["--store", daemon.socket, "--store-required"] if with_store else []) + [fp8]
+                    return subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
+
+                for label, with_store, evict in (("convert: local", False, False),
+                                                 ("convert: store fill", True, True),
+                                                 ("convert: store", True, False)):
+                    if evict:
+                        daemon.evict()
+                    t = time.monotonic()
+                    convert_worker(with_store)
+                    seconds = time.monotonic() - t
+                    r = {"system": STORE if with_store else "pinload", "case": label, "round": rnd,
+                         "seconds": seconds, "bytes": os.path.getsize(fp8), "gbps": os.path.getsize(fp8) / seconds / 1e9}
+                    runs.append(r)
+                    fb.log(f"[round {rnd + 1}] {label}: {seconds:.3f} s")
+                if rnd == 0 and convert_worker(True, True).stdout != convert_worker(False, True).stdout:
+                    raise SystemExit("store_bench: the store's bf16 entry differs from a local conversion")
             if "s3" in cases:
                 # The server's own limit: each object read whole by boto3 (one GET, one stream).
                 t = time.monotonic()
@@ -303,6 +343,12 @@ def table(out: dict) -> str:
         for s, c in (("pinload", "s3: direct"), (STORE, "s3: store fetch"), (STORE, "s3: store")):
             if med(s, c):
                 lines.append(f"| S3, fresh worker | {s}: {c} | {med(s, c):.2f} | "
+                             f"{stored / med(s, c):.1f} x (store / this) |")
+    local, stored = med("pinload", "convert: local"), med(STORE, "convert: store")
+    if local and stored:
+        for s, c in (("pinload", "convert: local"), (STORE, "convert: store fill"), (STORE, "convert: store")):
+            if med(s, c):
+                lines.append(f"| FP8 file as bf16, fresh worker (GB/s of the FP8 file) | {s}: {c} | {med(s, c):.2f} | "
                              f"{stored / med(s, c):.1f} x (store / this) |")
     for m in out["memory"]:
         lines.append(f"| memory, {m['holders']} holders of {m['set_bytes'] / 1e9:.2f} GB | {m['system']} | "
