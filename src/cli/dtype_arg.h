@@ -3,25 +3,35 @@
 
 #include <CLI/CLI.hpp>
 #include <optional>
+#include <string>
 #include <string_view>
+#include <utility>
+#include <vector>
 
 #include "pinload/dtype.h"
 
 namespace pinload::cli {
 
-// bf16|bfloat16, fp16|float16|half, fp32|float32|float, or the format's
-// spelling (BF16, F16, F32); nullopt for anything else.
+// Every spelling of a --dtype: ours, torch's and the format's.
+inline constexpr std::pair<std::string_view, DType> kDTypeSpellings[] = {
+    {"bf16", DType::kBF16}, {"bfloat16", DType::kBF16}, {"BF16", DType::kBF16},
+    {"fp16", DType::kF16},  {"float16", DType::kF16},   {"half", DType::kF16},  {"F16", DType::kF16},
+    {"fp32", DType::kF32},  {"float32", DType::kF32},   {"float", DType::kF32}, {"F32", DType::kF32},
+};
+
+// The dtype `text` spells; nullopt for anything else.
 inline std::optional<DType> parse_dtype_arg(std::string_view text) {
-  if (text == "bf16" || text == "bfloat16" || text == "BF16") return DType::kBF16;
-  if (text == "fp16" || text == "float16" || text == "half" || text == "F16") return DType::kF16;
-  if (text == "fp32" || text == "float32" || text == "float" || text == "F32") return DType::kF32;
+  for (const auto& [spelling, dtype] : kDTypeSpellings) {
+    if (text == spelling) return dtype;
+  }
   return std::nullopt;
 }
 
-// CLI11's check of a --dtype: exactly the spellings parse_dtype_arg takes.
+// CLI11's check of a --dtype: exactly the spellings above.
 inline CLI::Validator dtype_validator() {
-  return CLI::IsMember({"bf16", "bfloat16", "BF16", "fp16", "float16", "half", "F16", "fp32", "float32", "float", "F32"})
-      .description("");
+  std::vector<std::string> spellings;
+  for (const auto& [spelling, dtype] : kDTypeSpellings) spellings.emplace_back(spelling);
+  return CLI::IsMember(spellings).description("");
 }
 
 }  // namespace pinload::cli

@@ -21,6 +21,7 @@
 #include <unordered_map>
 
 #include "base/log.h"
+#include "base/parallel_for.h"
 #include "format/dtype_convert.h"
 #include "os/read_full.h"
 #include "pinload/error.h"
@@ -206,38 +207,6 @@ FilePlan plan_file(const CheckpointFile& cf, const ConvertOptions& options) {
   return plan;
 }
 
-// Runs fn(i) for i in [0, n) on `threads` workers; rethrows the first error
-// after all have joined.
-template <class Fn>
-void parallel_for(std::size_t n, unsigned threads, Fn fn) {
-  std::atomic<std::size_t> next{0};
-  std::atomic<bool> failed{false};
-  std::mutex mu;
-  std::exception_ptr error;
-  auto worker = [&] {
-    for (;;) {
-      if (failed.load()) return;
-      const std::size_t i = next.fetch_add(1);
-      if (i >= n) return;
-      try {
-        fn(i);
-      } catch (...) {
-        std::lock_guard lock(mu);
-        if (!error) error = std::current_exception();
-        failed = true;
-        return;
-      }
-    }
-  };
-  {
-    std::vector<std::jthread> pool;
-    const std::size_t count = std::min<std::size_t>(std::max(threads, 1u), std::max<std::size_t>(n, 1));
-    for (std::size_t t = 1; t < count; ++t) pool.emplace_back(worker);
-    worker();
-  }
-  if (error) std::rethrow_exception(error);
-}
-
 // Note [Infinite weights]: a scale is the largest magnitude over the FP8
 // maximum, so one infinite element makes it infinite and every dequantised
 // value of the tensor non-finite. FP8 cannot hold the tensor: the conversion
@@ -288,7 +257,7 @@ void write_file(Env* env, const CheckpointFile& cf, const FilePlan& plan, const 
     }
     read_exact(env, in.get(), dst, bytes, offset, cf.path);
   };
-  parallel_for(items.size(), options.threads, [&](std::size_t k) {
+  detail::parallel_for(items.size(), options.threads, [&](std::size_t k) {
     const OutTensor& o = plan.tensors[items[k]];
     const TensorInfo& t = cf.header.tensors[o.source];
     std::vector<std::byte> buffer(std::min<std::uint64_t>(piece, std::max<std::uint64_t>(t.nbytes(), 1)));

@@ -10,32 +10,13 @@
 #include <utility>
 
 #include "base/log.h"
+#include "base/parallel_for.h"
 #include "pinload/checkpoint.h"
 #include "pinload/error.h"
 
 namespace pinload {
 
 namespace {
-
-// Runs fn(i) for i in [0, n) on up to `threads` threads (the caller's one of
-// them). fn must not throw.
-template <typename Fn>
-void parallel_for(std::size_t n, unsigned threads, Fn fn) {
-  std::atomic<std::size_t> next{0};
-  auto worker = [&] {
-    for (std::size_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n;) fn(i);
-  };
-  const std::size_t count = std::min<std::size_t>(std::max(threads, 1u), n);
-  std::vector<std::jthread> workers;
-  for (std::size_t t = 1; t < count; ++t) {
-    try {
-      workers.emplace_back(worker);
-    } catch (const std::system_error&) {
-      break;  // fewer threads: the ones started and the caller do it all
-    }
-  }
-  worker();
-}
 
 // The batch tags each path's tensors with "<index>:" in front of their names
 // (CheckpointFile::name_prefix), so that paths whose tensors share names (LoRA
@@ -73,7 +54,7 @@ std::vector<BatchItem> load_batch(const Loader& loader, const std::vector<std::s
   const Loader batch(options, loader.pool(), loader.env());
 
   // Headers, `threads` at once; a path that fails here is out of the sweep.
-  parallel_for(n, options.threads, [&](std::size_t i) {
+  detail::parallel_for(n, options.threads, [&](std::size_t i) {
     items[i].path = paths[i];
     if (stop.stop_requested()) return;
     try {

@@ -529,29 +529,28 @@ std::uint64_t host_bytes_beside_blocks(const Checkpoint& checkpoint, const detai
 StateDict Loader::run(const Checkpoint& checkpoint, const LoadRequest& request, Counters* counters,
                       bool may_map) const {
   const std::stop_token& stop = request.stop;
-  // Note [Store clients]: host files mapped from the node store.
-  if (may_map && options_.target.device == nullptr && !options_.dtype.active() && !options_.verify.active() &&
-      request.adopt == nullptr && request.record == nullptr) {
-    auto hand_out = [&](std::vector<Tensor> ready) {
-      if (counters->ready != nullptr) counters->ready->push(std::move(ready));
-    };
-    auto read = [&](const Checkpoint& rest) { return run(rest, request, counters, false); };
-    if (std::optional<StateDict> sd = detail::load_from_store(options_, env_, checkpoint, counters, stop, hand_out, read)) {
+  // Files handed out from memory that holds them whole (the node store, a leased mapping): not for
+  // a verified load, an adopted prefetch or a recorded template, which need the reads.
+  const bool may_hand_out_mapped =
+      may_map && !options_.verify.active() && request.adopt == nullptr && request.record == nullptr;
+  const bool host = options_.target.device == nullptr;
+  auto hand_out_ready = [&](std::vector<Tensor> ready) {
+    if (counters->ready != nullptr) counters->ready->push(std::move(ready));
+  };
+  auto read_rest = [&](const Checkpoint& rest) { return run(rest, request, counters, false); };
+  if (may_hand_out_mapped && host && !options_.dtype.active()) {
+    // Note [Store clients]: host files mapped from the node store.
+    if (std::optional<StateDict> sd = detail::load_from_store(options_, env_, checkpoint, counters, stop, hand_out_ready, read_rest)) {
       return std::move(*sd);
     }
   }
-  // Note [Converted store entries]: a host conversion served converted by the node store.
-  if (may_map && options_.target.device == nullptr && options_.dtype.active() && !options_.verify.active() &&
-      request.adopt == nullptr && request.record == nullptr) {
-    auto hand_out = [&](std::vector<Tensor> ready) {
-      if (counters->ready != nullptr) counters->ready->push(std::move(ready));
-    };
-    if (std::optional<StateDict> sd = detail::load_converted_from_store(options_, env_, checkpoint, counters, stop, hand_out)) {
+  if (may_hand_out_mapped && host && options_.dtype.active()) {
+    // Note [Converted store entries]: a host conversion served converted by the node store.
+    if (std::optional<StateDict> sd = detail::load_converted_from_store(options_, env_, checkpoint, counters, stop, hand_out_ready)) {
       return std::move(*sd);
     }
   }
-  if (may_map && options_.target.device != nullptr && !options_.dtype.active() && !options_.verify.active() &&
-      request.adopt == nullptr && request.record == nullptr) {
+  if (may_hand_out_mapped && !host && !options_.dtype.active()) {
     if (std::optional<StateDict> sd = detail::load_to_device_from_store(options_, env_, checkpoint, counters, stop)) {
       if (counters->ready != nullptr) counters->ready->push(std::vector<Tensor>(sd->begin(), sd->end()));
       if (counters->stream) return StateDict();
@@ -559,14 +558,9 @@ StateDict Loader::run(const Checkpoint& checkpoint, const LoadRequest& request, 
     }
   }
   // Note [Zero-copy loads]: host files handed out as leased mappings.
-  if (may_map && options_.zero_copy != ZeroCopy::kOff && options_.target.device == nullptr &&
-      !options_.dtype.active() && !options_.verify.active() && request.adopt == nullptr &&
-      request.record == nullptr && env_ == default_env()) {
-    auto hand_out = [&](std::vector<Tensor> ready) {
-      if (counters->ready != nullptr) counters->ready->push(std::move(ready));
-    };
-    auto read = [&](const Checkpoint& rest) { return run(rest, request, counters, false); };
-    if (std::optional<StateDict> sd = detail::load_zero_copy(options_, checkpoint, *pool_, counters, stop, hand_out, read)) {
+  if (may_hand_out_mapped && host && options_.zero_copy != ZeroCopy::kOff && !options_.dtype.active() &&
+      env_ == default_env()) {
+    if (std::optional<StateDict> sd = detail::load_zero_copy(options_, checkpoint, *pool_, counters, stop, hand_out_ready, read_rest)) {
       return std::move(*sd);
     }
   }

@@ -5,15 +5,12 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cerrno>
 #include <cstring>
-#include <exception>
-#include <mutex>
 #include <nlohmann/json.hpp>
-#include <thread>
 #include <vector>
 
+#include "base/parallel_for.h"
 #include "load/convert_on_load.h"
 #include "pinload/error.h"
 #include "pinload/loader.h"
@@ -122,13 +119,8 @@ class LoadedImage final : public ConvertedImage {
         pieces.push_back({t.data() + done, data + p.offset + done, n});
       }
     }
-    std::atomic<std::size_t> next{0};
-    auto copy = [&] {
-      for (std::size_t k; (k = next.fetch_add(1)) < pieces.size();) std::memcpy(pieces[k].to, pieces[k].from, pieces[k].bytes);
-    };
-    std::vector<std::jthread> helpers;
-    for (unsigned t = 1; t < std::min<std::size_t>(threads_, pieces.size()); ++t) helpers.emplace_back(copy);
-    copy();
+    parallel_for(pieces.size(), threads_,
+                 [&](std::size_t k) { std::memcpy(pieces[k].to, pieces[k].from, pieces[k].bytes); });
   }
 
  private:

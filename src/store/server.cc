@@ -29,6 +29,7 @@
 #include <thread>
 
 #include "base/log.h"
+#include "base/parallel_for.h"
 #include "pinload/memory_limit.h"
 #include "pinload/remote.h"
 #include "pinload/store.h"
@@ -424,29 +425,10 @@ class EntryWriter {
 // failure, which it rethrows.
 void fill_in_chunks(std::uint64_t bytes, unsigned threads, const std::function<void(std::uint64_t, std::size_t)>& work) {
   const std::size_t chunks = static_cast<std::size_t>((bytes + kFillChunk - 1) / kFillChunk);
-  std::atomic<std::size_t> next{0};
-  std::atomic<bool> failed{false};
-  std::mutex mu;
-  std::exception_ptr error;
-  auto run = [&] {
-    for (std::size_t k; (k = next.fetch_add(1)) < chunks && !failed.load();) {
-      const std::uint64_t at = k * kFillChunk;
-      try {
-        work(at, static_cast<std::size_t>(std::min<std::uint64_t>(kFillChunk, bytes - at)));
-      } catch (...) {
-        std::lock_guard lock(mu);
-        if (!error) error = std::current_exception();
-        failed = true;
-      }
-    }
-  };
-  {
-    const unsigned n = static_cast<unsigned>(std::min<std::size_t>(std::max(threads, 1u), std::max<std::size_t>(chunks, 1)));
-    std::vector<std::jthread> workers;
-    for (unsigned t = 1; t < n; ++t) workers.emplace_back(run);
-    run();
-  }
-  if (error) std::rethrow_exception(error);
+  detail::parallel_for(chunks, threads, [&](std::size_t k) {
+    const std::uint64_t at = k * kFillChunk;
+    work(at, static_cast<std::size_t>(std::min<std::uint64_t>(kFillChunk, bytes - at)));
+  });
 }
 
 void Store::fill(Entry& entry, int fd) {
