@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "base/log.h"
+#include "os/read_full.h"
 #include "pinload/error.h"
 
 namespace pinload::remote {
@@ -111,14 +112,14 @@ std::vector<std::string> hash_pieces(int fd, std::uint64_t size) {
       const std::uint64_t begin = i * piece, end = std::min(size, begin + piece);
       if (EVP_DigestInit_ex(ctx, EVP_sha256(), nullptr) != 1) break;
       for (std::uint64_t at = begin; at < end;) {
-        const ssize_t n = ::pread(fd, buffer.data(), std::min<std::uint64_t>(buffer.size(), end - at), static_cast<off_t>(at));
-        if (n < 0 && errno == EINTR) continue;
-        if (n <= 0) {
-          failed.store(n < 0 ? errno : EIO);
+        const std::uint64_t want = std::min<std::uint64_t>(buffer.size(), end - at);
+        const ReadResult r = read_full(default_env(), fd, buffer.data(), want, at);
+        if (r.error != 0 || r.bytes < want) {
+          failed.store(r.error != 0 ? r.error : EIO);
           break;
         }
-        EVP_DigestUpdate(ctx, buffer.data(), static_cast<std::size_t>(n));
-        at += static_cast<std::uint64_t>(n);
+        EVP_DigestUpdate(ctx, buffer.data(), static_cast<std::size_t>(want));
+        at += want;
       }
       Digest d{};
       unsigned len = 0;
