@@ -246,6 +246,7 @@ TEST(BatchTest, OneChunkFilesAreReadFilesInFlightAtOnce) {
   o.files_in_flight = 4;
   o.direct = DirectIo::kOff;
   o.cached_read = CachedRead::kPread;  // one descriptor per file
+  o.zero_copy = ZeroCopy::kOff;
   const Loader loader(o, nullptr, &env);
   const Checkpoint checkpoint = open_checkpoint(&env, paths);  // headers: one file open at a time
   EXPECT_EQ(env.most(), 1);

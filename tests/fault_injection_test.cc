@@ -21,6 +21,7 @@
 #include <tuple>
 
 #include "fault_env.h"
+#include "io/leased_mapping.h"
 #include "os/read_full.h"
 #include "pinload/checkpoint.h"
 #include "pinload/error.h"
@@ -98,6 +99,9 @@ LoadOptions load_options(Mode mode, unsigned threads = 4, std::size_t block_size
   o.files_in_flight = files_in_flight;
   o.direct = mode == Mode::kOn ? DirectIo::kOn : mode == Mode::kOff ? DirectIo::kOff : DirectIo::kAuto;
   o.resident_threshold = 2.0;
+  // The reads' faults: the file is read, never handed out as a mapping (the
+  // zero-copy tests below turn it on).
+  o.zero_copy = ZeroCopy::kOff;
   return o;
 }
 
@@ -426,6 +430,98 @@ TEST_F(FaultTest, InterruptedPopulateIsRetried) {
   Rig rig(Faults{.eintr_every_other = true}, mapped_options());
   expect_matches_file(rig.loader.load({path_}), path_, image_);
   EXPECT_GT(rig.env.populates(), 0u);
+  expect_released(rig);
+}
+
+// ---- zero-copy loads (Note [Zero-copy loads]) under an injected-fault Env ----
+
+LoadOptions zero_copy_options(unsigned threads = 4) {
+  LoadOptions o = load_options(Mode::kOff, threads);
+  o.zero_copy = ZeroCopy::kOn;
+  return o;
+}
+
+// No mapping, lease or watcher of a zero-copy load is left.
+void expect_no_lease() {
+  EXPECT_EQ(detail::LeasedMapping::live_count(), 0u);
+  EXPECT_FALSE(detail::LeasedMapping::watcher_running());
+}
+
+TEST_F(FaultTest, ZeroCopyLoadMapsThroughTheEnvAndReleasesEverything) {
+  Rig rig(Faults{}, zero_copy_options());
+  {
+    LoadHandle handle = rig.loader.load_async({path_});
+    expect_matches_file(handle.wait(), path_, image_);
+    EXPECT_EQ(handle.progress().files_zero_copy, 1u);
+    EXPECT_EQ(rig.env.private_maps(), 1u);
+    EXPECT_GT(rig.env.populates(), 0u);
+    EXPECT_EQ(rig.env.reads(), 2u) << "only the header is pread";
+  }
+  expect_no_lease();
+  expect_released(rig);
+}
+
+TEST_F(FaultTest, ZeroCopyPopulateThatFailsIsIoErrorNamingFileAndOffset) {
+  for (const int err : {EIO, ENOMEM, EHWPOISON}) {
+    SCOPED_TRACE(std::strerror(err));
+    Rig rig(Faults{.populate_errno = err}, zero_copy_options());
+    try {
+      rig.loader.load({path_});
+      ADD_FAILURE() << "no error";
+    } catch (const IoError& e) {
+      expect_names_file(e, path_);
+      ASSERT_TRUE(e.context().begin.has_value()) << e.what();
+      EXPECT_LT(*e.context().begin, file_size()) << e.what();
+      EXPECT_NE(std::string(e.what()).find(std::strerror(err)), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(rig.env.private_maps(), 1u);
+    expect_no_lease();
+    expect_released(rig);
+  }
+}
+
+TEST_F(FaultTest, ZeroCopyInterruptedPopulateIsRetried) {
+  Rig rig(Faults{.eintr_every_other = true}, zero_copy_options());
+  {
+    LoadHandle handle = rig.loader.load_async({path_});
+    expect_matches_file(handle.wait(), path_, image_);
+    EXPECT_EQ(handle.progress().files_zero_copy, 1u);
+  }
+  EXPECT_GT(rig.env.populates(), 1u);
+  expect_no_lease();
+  expect_released(rig);
+}
+
+TEST_F(FaultTest, ZeroCopyRefusedMappingReadsTheFileInstead) {
+  Rig rig(Faults{.refuse_map_file_private = true}, zero_copy_options());
+  {
+    LoadHandle handle = rig.loader.load_async({path_});
+    expect_matches_file(handle.wait(), path_, image_);
+    EXPECT_EQ(handle.progress().files_zero_copy, 0u);
+  }
+  EXPECT_EQ(rig.env.private_maps(), 0u);
+  EXPECT_GT(rig.env.reads(), 2u);
+  expect_no_lease();
+  expect_released(rig);
+}
+
+TEST_F(FaultTest, ZeroCopyFallbackReadsMeetTheInjectedFaults) {
+  // The mapping is refused, so the file is read, and the 3rd pread's EIO is
+  // the load's error: the fallback is under the same Env.
+  Rig rig(Faults{.fail_read_at = 3, .refuse_map_file_private = true}, zero_copy_options());
+  EXPECT_THROW(rig.loader.load({path_}), IoError);
+  expect_no_lease();
+  expect_released(rig);
+}
+
+TEST_F(FaultTest, ZeroCopyShortReadsOfTheHeaderStillLoadByteExact) {
+  Rig rig(Faults{.short_read_bytes = 7}, zero_copy_options());
+  {
+    LoadHandle handle = rig.loader.load_async({path_});
+    expect_matches_file(handle.wait(), path_, image_);
+    EXPECT_EQ(handle.progress().files_zero_copy, 1u);
+  }
+  expect_no_lease();
   expect_released(rig);
 }
 

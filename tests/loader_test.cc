@@ -126,6 +126,7 @@ LoadOptions load_options(unsigned threads, std::size_t block_size, Mode mode, st
                                                              : DirectIo::kAuto;
   if (mode == Mode::kOffPread) o.cached_read = CachedRead::kPread;
   if (mode == Mode::kAutoCold) o.resident_threshold = 2.0;
+  o.zero_copy = ZeroCopy::kOff;  // the read paths; zero-copy loads have zero_copy_test and the fault tests
   return o;
 }
 

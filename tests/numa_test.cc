@@ -118,8 +118,30 @@ class NumaCountingEnv : public EnvWrapper {
     }
     return EnvWrapper::lock(address, bytes);
   }
+  // Reads of checkpoints only: a load's probes of /proc and cgroup files
+  // (memory limits) go through the Env too, from the calling thread.
+  int open_read(const std::string& path, int extra_flags) override {
+    const int fd = EnvWrapper::open_read(path, extra_flags);
+    if (fd >= 0 && path.ends_with(".safetensors")) {
+      std::lock_guard lock(mu_);
+      checkpoint_fds_.insert(fd);
+    }
+    return fd;
+  }
+  int close(int fd) override {
+    {
+      std::lock_guard lock(mu_);
+      checkpoint_fds_.erase(fd);
+    }
+    return EnvWrapper::close(fd);
+  }
   std::int64_t pread(int fd, void* buffer, std::size_t bytes, std::uint64_t offset) override {
-    record_read();
+    bool checkpoint;
+    {
+      std::lock_guard lock(mu_);
+      checkpoint = checkpoint_fds_.contains(fd);
+    }
+    if (checkpoint) record_read();
     return EnvWrapper::pread(fd, buffer, bytes, offset);
   }
   // A chunk copied from a mapping (Note [Mapped reads]) is a read too.
@@ -162,6 +184,7 @@ class NumaCountingEnv : public EnvWrapper {
 
  private:
   const std::optional<std::vector<int>> fake_affinity_;
+  std::set<int> checkpoint_fds_;  // with mu_
   mutable std::mutex mu_;
   std::vector<Bind> binds_;
   std::vector<int> memory_nodes_;
@@ -478,6 +501,7 @@ LoadOptions small_blocks(const FakeSysfs* sysfs) {
   LoadOptions o;
   o.threads = 4;
   o.block_size = 16u << 10;  // many chunks, so that every reader reads
+  o.zero_copy = ZeroCopy::kOff;  // read into the pool's placed blocks, never mapped
   if (sysfs != nullptr) o.numa.sysfs_root = sysfs->root();
   return o;
 }

@@ -264,13 +264,13 @@ TEST(PageCacheRule, KeepsUpToTheFractionOfWhatMemoryLeaves) {
   o.memory_root = dir.path().string();
   fake_memory(dir.path(), 1ull << 30);
   const auto limit = static_cast<std::uint64_t>(kKeepFraction * (1ull << 30));
-  EXPECT_TRUE(detail::keep_page_cache(o, limit, true));
-  EXPECT_FALSE(detail::keep_page_cache(o, limit + 4096, true));
-  EXPECT_FALSE(detail::keep_page_cache(o, 1, false));  // the load keeps its own copy
+  EXPECT_TRUE(detail::keep_page_cache(o, default_env(), limit, true));
+  EXPECT_FALSE(detail::keep_page_cache(o, default_env(), limit + 4096, true));
+  EXPECT_FALSE(detail::keep_page_cache(o, default_env(), 1, false));  // the load keeps its own copy
   fake_memory(dir.path(), 1ull << 40, 1ull << 30);       // the cgroup is the tighter
-  EXPECT_FALSE(detail::keep_page_cache(o, limit + 4096, true));
+  EXPECT_FALSE(detail::keep_page_cache(o, default_env(), limit + 4096, true));
   o.memory_root = (dir.path() / "nothing").string();  // nothing readable: bypass, as before
-  EXPECT_FALSE(detail::keep_page_cache(o, 1, true));
+  EXPECT_FALSE(detail::keep_page_cache(o, default_env(), 1, true));
 }
 
 TEST(PageCacheRule, OptionsSpellAndValidate) {

@@ -160,6 +160,7 @@ LoadOptions options(unsigned threads = 3) {
   o.direct = DirectIo::kOff;
   o.cached_read = CachedRead::kPread;  // reads are counted at the Env's pread
   o.files_in_flight = 1;
+  o.zero_copy = ZeroCopy::kOff;  // read, never handed out as a mapping
   return o;
 }
 

@@ -325,7 +325,7 @@ TEST(ZeroCopy, MoveOutKeepsAddressesAndReleasesTheFile) {
   ASSERT_EQ(default_env()->stat(fd, &st), 0);
   ::close(fd);
   std::string why;
-  auto m = detail::LeasedMapping::open(path, FileIdentity::of(st), &why);
+  auto m = detail::LeasedMapping::open(default_env(), path, FileIdentity::of(st), &why);
   ASSERT_TRUE(m) << why;
   const std::byte* before = m->data();
   m->move_out();

@@ -71,6 +71,16 @@ class Env {
     *err = ENOSYS;
     return nullptr;
   }
+  // A private, writable mapping of the first `bytes` (> 0) of an open file,
+  // as mmap(2) PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_NORESERVE: a write
+  // copies its page and never reaches the file. The address, or nullptr with
+  // *err set. Its owner releases it with munmap(2) (a zero-copy load's
+  // mapping may outlive the Env). Note [Leased mappings].
+  virtual void* map_file_private(int fd, std::size_t bytes, int* err) {
+    (void)fd, (void)bytes;
+    *err = ENOSYS;
+    return nullptr;
+  }
   // Fills the page tables of [address, +bytes) of a file mapping, reading
   // from the file what the page cache lacks: madvise(2) MADV_POPULATE_READ.
   // 0 or -errno: -EFAULT where the file no longer has those bytes (it never
@@ -153,6 +163,9 @@ class EnvWrapper : public Env {
   }
   int filesystem_type(int fd, std::int64_t* magic) override { return target_->filesystem_type(fd, magic); }
   const void* map_file(int fd, std::size_t bytes, int* err) override { return target_->map_file(fd, bytes, err); }
+  void* map_file_private(int fd, std::size_t bytes, int* err) override {
+    return target_->map_file_private(fd, bytes, err);
+  }
   int populate_read(const void* address, std::size_t bytes) override {
     return target_->populate_read(address, bytes);
   }

@@ -184,18 +184,25 @@ class LeaseWatcher {
   std::unordered_map<int, LeasedMapping*> by_fd_;
 };
 
-std::shared_ptr<LeasedMapping> LeasedMapping::open(const std::string& path, const FileIdentity& expected,
+std::shared_ptr<LeasedMapping> LeasedMapping::open(Env* env, const std::string& path, const FileIdentity& expected,
                                                    std::string* why) {
   auto fail = [&](std::string text) {
     *why = std::move(text);
     return std::shared_ptr<LeasedMapping>();
   };
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return fail(std::string("open: ") + std::strerror(errno));
+  const int opened = env->open_read(path, 0);
+  if (opened < 0) return fail(std::string("open: ") + std::strerror(-opened));
+  // The lease lives on the open file, held by a duplicate descriptor of the
+  // mapping's own for as long as the mapping lives, which may be longer than
+  // the Env: the Env's descriptor goes back to it at once.
+  const int fd = ::fcntl(opened, F_DUPFD_CLOEXEC, 0);
+  const int dup_errno = errno;
+  env->close(opened);
+  if (fd < 0) return fail(std::string("dup: ") + std::strerror(dup_errno));
   auto close_fd = [&] { ::close(fd); };
   FileStat st;
   auto identity_now = [&] {
-    return default_env()->stat(fd, &st) == 0 && st.type == FileType::kRegular && FileIdentity::of(st) == expected;
+    return env->stat(fd, &st) == 0 && st.type == FileType::kRegular && FileIdentity::of(st) == expected;
   };
   if (!identity_now()) {
     close_fd();
@@ -222,8 +229,9 @@ std::shared_ptr<LeasedMapping> LeasedMapping::open(const std::string& path, cons
   const std::size_t mapped = std::max<std::size_t>((size + page - 1) / page * page, page);
   // Private and writable: a caller's write to a tensor copies that page
   // (copy-on-write) and never reaches the file.
-  void* p = ::mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_NORESERVE, fd, 0);
-  if (p == MAP_FAILED) return give_up(std::string("mmap: ") + std::strerror(errno));
+  int err = 0;
+  void* p = env->map_file_private(fd, mapped, &err);
+  if (p == nullptr) return give_up(std::string("mmap: ") + std::strerror(err));
   std::shared_ptr<LeasedMapping> m(new LeasedMapping);
   m->path_ = path;
   m->fd_ = fd;

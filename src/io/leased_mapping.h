@@ -51,6 +51,7 @@
 #include <memory>
 #include <string>
 
+#include "pinload/env.h"
 #include "pinload/file_identity.h"
 #include "pinload/pool.h"
 
@@ -61,7 +62,11 @@ class LeasedMapping : public std::enable_shared_from_this<LeasedMapping> {
   // Maps all of `path` under a read lease if the file is still `expected`
   // (the version whose header was read). Returns null and sets *why where it
   // cannot; never throws for a refusal (it throws only std::bad_alloc).
-  static std::shared_ptr<LeasedMapping> open(const std::string& path, const FileIdentity& expected, std::string* why);
+  // The file is opened, checked and mapped through `env` (open_read, stat,
+  // map_file_private); the lease and the move out use the OS directly, and the
+  // mapping may outlive `env`.
+  static std::shared_ptr<LeasedMapping> open(Env* env, const std::string& path, const FileIdentity& expected,
+                                             std::string* why);
   ~LeasedMapping();
   LeasedMapping(const LeasedMapping&) = delete;
   LeasedMapping& operator=(const LeasedMapping&) = delete;

@@ -558,9 +558,8 @@ StateDict Loader::run(const Checkpoint& checkpoint, const LoadRequest& request, 
     }
   }
   // Note [Zero-copy loads]: host files handed out as leased mappings.
-  if (may_hand_out_mapped && host && options_.zero_copy != ZeroCopy::kOff && !options_.dtype.active() &&
-      env_ == default_env()) {
-    if (std::optional<StateDict> sd = detail::load_zero_copy(options_, checkpoint, *pool_, counters, stop, hand_out_ready, read_rest)) {
+  if (may_hand_out_mapped && host && options_.zero_copy != ZeroCopy::kOff && !options_.dtype.active()) {
+    if (std::optional<StateDict> sd = detail::load_zero_copy(options_, env_, checkpoint, *pool_, counters, stop, hand_out_ready, read_rest)) {
       return std::move(*sd);
     }
   }
@@ -580,7 +579,7 @@ StateDict Loader::run(const Checkpoint& checkpoint, const LoadRequest& request, 
     // Note [Keeping the page cache]: cold files read buffered where they are
     // to stay cached; under kAuto only where the host keeps no copy of its own.
     const bool only_copy = device != nullptr && options_.target.mode == DeviceMode::kStreaming && conversions.empty();
-    if (options_.direct == DirectIo::kAuto && detail::keep_page_cache(options_, checkpoint.data_bytes(), only_copy)) {
+    if (options_.direct == DirectIo::kAuto && detail::keep_page_cache(options_, env_, checkpoint.data_bytes(), only_copy)) {
       read_options.direct = DirectIo::kOff;
     }
     std::uint64_t budget = 0;

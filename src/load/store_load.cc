@@ -136,7 +136,7 @@ std::optional<StateDict> load_from_store(const LoadOptions& options, Env* env, c
   if (!mapped || std::none_of(mapped->begin(), mapped->end(), [](const MappedFile& m) { return m.block != nullptr; })) {
     return std::nullopt;
   }
-  return hand_out_mapped(options, checkpoint, std::move(*mapped), &counters->files_store, counters, stop, hand_out,
+  return hand_out_mapped(options, env, checkpoint, std::move(*mapped), &counters->files_store, counters, stop, hand_out,
                          read);
 }
 
@@ -213,7 +213,7 @@ std::optional<StateDict> load_converted_from_store(const LoadOptions& options, E
   }
   LoadOptions as_stored = options;
   as_stored.dtype = {};
-  return hand_out_mapped(as_stored, images, std::move(mapped), &counters->files_store, counters, stop, hand_out,
+  return hand_out_mapped(as_stored, env, images, std::move(mapped), &counters->files_store, counters, stop, hand_out,
                          [](const Checkpoint&) -> StateDict { throw std::logic_error("every file is mapped"); });
 }
 

@@ -13,7 +13,6 @@
 #include <thread>
 
 #include "base/log.h"
-#include "base/madvise.h"
 #include "io/read_session.h"
 #include "load/load_counters.h"
 #include "pinload/error.h"
@@ -28,8 +27,7 @@ constexpr int kResidencySamples = 64;
 // The fraction of `path` in the page cache, on a plain descriptor (below 0:
 // unknown). kAuto measures it before taking a lease: a cold file then costs
 // no lease and no lease-watcher thread.
-double page_cache_fraction(const std::string& path, std::uint64_t size) {
-  Env* env = default_env();
+double page_cache_fraction(Env* env, const std::string& path, std::uint64_t size) {
   const int fd = env->open_read(path, 0);
   if (fd < 0) return -1.0;
   const ScopedFd owned(env, fd);
@@ -48,8 +46,7 @@ PageCache page_cache_mode(const LoadOptions& options) {
 
 // A cold file on a network filesystem is read as Note [Network filesystems]
 // says, not populated through a mapping.
-bool file_on_network_filesystem(const std::string& path) {
-  Env* env = default_env();
+bool file_on_network_filesystem(Env* env, const std::string& path) {
   const int fd = env->open_read(path, 0);
   if (fd < 0) return false;
   const bool network = detail::on_network_filesystem(env, fd, path);
@@ -59,7 +56,7 @@ bool file_on_network_filesystem(const std::string& path) {
 
 }  // namespace
 
-bool keep_page_cache(const LoadOptions& options, std::uint64_t bytes, bool only_copy) {
+bool keep_page_cache(const LoadOptions& options, Env* env, std::uint64_t bytes, bool only_copy) {
   switch (page_cache_mode(options)) {
     case PageCache::kKeep: return true;
     case PageCache::kBypass: return false;
@@ -67,7 +64,7 @@ bool keep_page_cache(const LoadOptions& options, std::uint64_t bytes, bool only_
   }
   // DirectIo::kOn asks for direct reads: auto leaves the page cache alone.
   if (!only_copy || options.direct == DirectIo::kOn) return false;
-  const std::optional<HostMemoryLimit> limit = read_host_memory_limit(default_env(), options.memory_root);
+  const std::optional<HostMemoryLimit> limit = read_host_memory_limit(env, options.memory_root);
   if (!limit) return false;  // nothing to go by: direct reads, as before
   const bool keep = static_cast<double>(bytes) <= kKeepFraction * static_cast<double>(limit->available_bytes);
   log::debug("page cache: {} bytes against {} left ({}): {}", bytes, limit->available_bytes, limit->source,
@@ -75,8 +72,8 @@ bool keep_page_cache(const LoadOptions& options, std::uint64_t bytes, bool only_
   return keep;
 }
 
-std::vector<std::shared_ptr<LeasedMapping>> choose_zero_copy(const LoadOptions& options, const Checkpoint& checkpoint,
-                                                             const Pool& pool) {
+std::vector<std::shared_ptr<LeasedMapping>> choose_zero_copy(const LoadOptions& options, Env* env,
+                                                             const Checkpoint& checkpoint, const Pool& pool) {
   std::vector<std::shared_ptr<LeasedMapping>> mapped(checkpoint.files.size());
   if (options.zero_copy == ZeroCopy::kOff) return mapped;
   // Memory the pool has touched already and would hand out again: a load
@@ -90,7 +87,7 @@ std::vector<std::shared_ptr<LeasedMapping>> choose_zero_copy(const LoadOptions& 
   // A load that cannot fit the process's memory limit keeps failing as
   // Note [Memory limits] says, before reading.
   if (options.zero_copy == ZeroCopy::kAuto) {
-    const std::optional<HostMemoryLimit> limit = read_host_memory_limit(default_env(), options.memory_root);
+    const std::optional<HostMemoryLimit> limit = read_host_memory_limit(env, options.memory_root);
     if (limit && limit->available_bytes < checkpoint.data_bytes()) return mapped;
   }
   // Note [Keeping the page cache]: cold files mapped too, read in by the
@@ -118,10 +115,10 @@ std::vector<std::shared_ptr<LeasedMapping>> choose_zero_copy(const LoadOptions& 
       continue;
     }
     if (options.zero_copy == ZeroCopy::kAuto) {
-      const double resident = page_cache_fraction(cf.path, cf.stat.size);
+      const double resident = page_cache_fraction(env, cf.path, cf.stat.size);
       if (resident < options.resident_threshold) {
-        if (file_on_network_filesystem(cf.path)) continue;  // read by one reader per connection instead
-        if (!keep.has_value()) keep = keep_page_cache(options, checkpoint.data_bytes(), true);
+        if (file_on_network_filesystem(env, cf.path)) continue;  // read by one reader per connection instead
+        if (!keep.has_value()) keep = keep_page_cache(options, env, checkpoint.data_bytes(), true);
         if (!*keep) {
           log::debug("{}: {:.0f}% in page cache: read, not mapped", cf.path, std::max(resident, 0.0) * 100);
           continue;
@@ -130,7 +127,7 @@ std::vector<std::shared_ptr<LeasedMapping>> choose_zero_copy(const LoadOptions& 
       }
     }
     std::string why;
-    std::shared_ptr<LeasedMapping> m = LeasedMapping::open(cf.path, FileIdentity::of(cf.stat), &why);
+    std::shared_ptr<LeasedMapping> m = LeasedMapping::open(env, cf.path, FileIdentity::of(cf.stat), &why);
     if (!m) {
       log::debug("{}: read, not mapped ({})", cf.path, why);
       continue;
@@ -141,7 +138,7 @@ std::vector<std::shared_ptr<LeasedMapping>> choose_zero_copy(const LoadOptions& 
   return mapped;
 }
 
-void populate_mapped(const std::vector<MappedFile>& mappings, const Checkpoint& checkpoint, unsigned threads,
+void populate_mapped(Env* env, const std::vector<MappedFile>& mappings, const Checkpoint& checkpoint, unsigned threads,
                      std::size_t block_size, std::stop_token stop) {
   struct Range {
     const std::byte* begin;
@@ -175,15 +172,16 @@ void populate_mapped(const std::vector<MappedFile>& mappings, const Checkpoint& 
       const Range& r = ranges[k];
       int rc;
       do {
-        rc = ::madvise(const_cast<std::byte*>(r.begin), r.bytes, kMadvPopulateRead);
-      } while (rc != 0 && (errno == EINTR || errno == EAGAIN));
-      // EINVAL: a kernel without it; the pages then fault in when touched.
-      if (rc != 0 && errno != EINVAL) {
+        rc = env->populate_read(r.begin, r.bytes);
+      } while (rc == -EINTR || rc == -EAGAIN);
+      // EINVAL: a kernel without it (ENOSYS: an Env without it); the pages
+      // then fault in when touched.
+      if (rc != 0 && rc != -EINVAL && rc != -ENOSYS) {
         std::lock_guard lock(mu);
         if (!error) {
           const CheckpointFile& cf = checkpoint.files[r.file];
           error = std::make_exception_ptr(IoError(
-              std::string("reading a zero-copy mapping failed: ") + std::strerror(errno),
+              std::string("reading a zero-copy mapping failed: ") + std::strerror(-rc),
               ErrorContext{cf.path, {}, static_cast<std::uint64_t>(r.begin - mappings[r.file].data)}));
         }
         failed = true;
@@ -201,22 +199,22 @@ void populate_mapped(const std::vector<MappedFile>& mappings, const Checkpoint& 
   if (stop.stop_requested()) throw CancelledError("load cancelled");
 }
 
-std::optional<StateDict> load_zero_copy(const LoadOptions& options, const Checkpoint& checkpoint, const Pool& pool,
+std::optional<StateDict> load_zero_copy(const LoadOptions& options, Env* env, const Checkpoint& checkpoint, const Pool& pool,
                                         Loader::Counters* counters, std::stop_token stop,
                                         const std::function<void(std::vector<Tensor>)>& hand_out,
                                         const std::function<StateDict(const Checkpoint&)>& read) {
-  std::vector<std::shared_ptr<LeasedMapping>> leased = choose_zero_copy(options, checkpoint, pool);
+  std::vector<std::shared_ptr<LeasedMapping>> leased = choose_zero_copy(options, env, checkpoint, pool);
   if (std::none_of(leased.begin(), leased.end(), [](const auto& m) { return m != nullptr; })) return std::nullopt;
   std::vector<MappedFile> mapped(leased.size());
   for (std::size_t i = 0; i < leased.size(); ++i) {
     if (leased[i]) mapped[i] = MappedFile{leased[i]->data(), leased[i]->block()};
   }
   leased.clear();  // the blocks hold the mappings now
-  return hand_out_mapped(options, checkpoint, std::move(mapped), &counters->files_zero_copy, counters, stop, hand_out,
+  return hand_out_mapped(options, env, checkpoint, std::move(mapped), &counters->files_zero_copy, counters, stop, hand_out,
                          read);
 }
 
-StateDict hand_out_mapped(const LoadOptions& options, const Checkpoint& checkpoint, std::vector<MappedFile> mapped,
+StateDict hand_out_mapped(const LoadOptions& options, Env* env, const Checkpoint& checkpoint, std::vector<MappedFile> mapped,
                           std::atomic<std::uint64_t>* files_counter, Loader::Counters* counters, std::stop_token stop,
                           const std::function<void(std::vector<Tensor>)>& hand_out,
                           const std::function<StateDict(const Checkpoint&)>& read) {
@@ -236,7 +234,7 @@ StateDict hand_out_mapped(const LoadOptions& options, const Checkpoint& checkpoi
   // Every byte is in the process's page tables before the call returns, so a
   // zero-copy load is a load: the caller's first pass over the weights takes
   // no page faults, and a page that cannot be read fails here, typed.
-  populate_mapped(mapped, checkpoint, options.threads, options.block_size, stop);
+  populate_mapped(env, mapped, checkpoint, options.threads, options.block_size, stop);
   if (stop.stop_requested()) throw CancelledError("load cancelled");
   for (std::size_t i = 0; i < mapped.size(); ++i) {
     if (mapped[i].block) log::debug("{}: handed out from a mapping", checkpoint.files[i].path);

@@ -23,14 +23,15 @@ namespace pinload::detail {
 // else PINLOAD_PAGE_CACHE, else the rule: `only_copy` (the page cache would
 // hold the load's only host copy) and `bytes` at most kKeepFraction of the
 // memory left (read from options.memory_root). Never throws.
-bool keep_page_cache(const LoadOptions& options, std::uint64_t bytes, bool only_copy);
+bool keep_page_cache(const LoadOptions& options, Env* env, std::uint64_t bytes, bool only_copy);
 
 // For each file of `checkpoint`, its mapping, or null where it is read into
 // `pool` instead: the load's options, the pool's idle memory and the file's
-// residency and keep_page_cache decide (the Notes). Called only for host loads without
-// conversion on the POSIX env. Never throws for a file it cannot map.
-std::vector<std::shared_ptr<LeasedMapping>> choose_zero_copy(const LoadOptions& options, const Checkpoint& checkpoint,
-                                                             const Pool& pool);
+// residency and keep_page_cache decide (the Notes), each asked through `env`.
+// Called only for host loads without conversion. Never throws for a file it
+// cannot map.
+std::vector<std::shared_ptr<LeasedMapping>> choose_zero_copy(const LoadOptions& options, Env* env,
+                                                             const Checkpoint& checkpoint, const Pool& pool);
 
 // A file handed out whole from memory that holds all of it (a leased
 // mapping, a node-store entry: store.h): its first byte, and a Block over it
@@ -44,7 +45,7 @@ struct MappedFile {
 // `threads` threads, reading from the disk what the page cache lacks, so that
 // the load returns with its bytes in memory. Throws CancelledError once
 // `stop` is requested, IoError for a read error.
-void populate_mapped(const std::vector<MappedFile>& mappings, const Checkpoint& checkpoint, unsigned threads,
+void populate_mapped(Env* env, const std::vector<MappedFile>& mappings, const Checkpoint& checkpoint, unsigned threads,
                      std::size_t block_size, std::stop_token stop);
 
 // A host load of `checkpoint` with the files choose_zero_copy picks handed
@@ -53,7 +54,7 @@ void populate_mapped(const std::vector<MappedFile>& mappings, const Checkpoint& 
 // `counters` gains their files and bytes. Returns nullopt, having done
 // nothing, when no file is mapped; an empty state dict when
 // `counters->stream`. Throws what `read` and populate_mapped throw.
-std::optional<StateDict> load_zero_copy(const LoadOptions& options, const Checkpoint& checkpoint, const Pool& pool,
+std::optional<StateDict> load_zero_copy(const LoadOptions& options, Env* env, const Checkpoint& checkpoint, const Pool& pool,
                                         Loader::Counters* counters, std::stop_token stop,
                                         const std::function<void(std::vector<Tensor>)>& hand_out,
                                         const std::function<StateDict(const Checkpoint&)>& read);
@@ -62,7 +63,7 @@ std::optional<StateDict> load_zero_copy(const LoadOptions& options, const Checkp
 // populates them, hands their tensors out, loads the other files with `read`
 // and returns every tensor in load order. *files_counter gains the mapped
 // files.
-StateDict hand_out_mapped(const LoadOptions& options, const Checkpoint& checkpoint, std::vector<MappedFile> mapped,
+StateDict hand_out_mapped(const LoadOptions& options, Env* env, const Checkpoint& checkpoint, std::vector<MappedFile> mapped,
                           std::atomic<std::uint64_t>* files_counter, Loader::Counters* counters, std::stop_token stop,
                           const std::function<void(std::vector<Tensor>)>& hand_out,
                           const std::function<StateDict(const Checkpoint&)>& read);

@@ -170,6 +170,15 @@ class PosixEnv final : public Env {
     return p;
   }
 
+  void* map_file_private(int fd, std::size_t bytes, int* err) override {
+    void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_NORESERVE, fd, 0);
+    if (p == MAP_FAILED) {
+      *err = errno;
+      return nullptr;
+    }
+    return p;
+  }
+
   int populate_read(const void* address, std::size_t bytes) override {
     // The start must be page-aligned; the kernel rounds the length up.
     return ::madvise(const_cast<void*>(address), bytes, detail::kMadvPopulateRead) == 0 ? 0 : -errno;

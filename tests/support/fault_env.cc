@@ -67,6 +67,16 @@ const void* FaultEnv::map_file(int fd, std::size_t bytes, int* err) {
   return p;
 }
 
+void* FaultEnv::map_file_private(int fd, std::size_t bytes, int* err) {
+  if (faults_.refuse_map_file_private) {
+    *err = ENOMEM;
+    return nullptr;
+  }
+  void* p = EnvWrapper::map_file_private(fd, bytes, err);
+  if (p != nullptr) ++private_maps_;
+  return p;
+}
+
 int FaultEnv::populate_read(const void* address, std::size_t bytes) {
   const std::uint64_t n = ++populates_;
   if (faults_.read_delay_us) std::this_thread::sleep_for(std::chrono::microseconds(faults_.read_delay_us));

@@ -31,6 +31,8 @@ struct Faults {
   std::uint64_t truncate_to = UINT64_MAX;
   // map_file fails with ENOMEM.
   bool refuse_map_file = false;
+  // map_file_private (a zero-copy load's mapping) fails with ENOMEM.
+  bool refuse_map_file_private = false;
   // Every populate_read fails with this errno; 0: never.
   int populate_errno = 0;
   // Delay every pread and populate_read by this many microseconds.
@@ -49,6 +51,7 @@ class FaultEnv : public EnvWrapper {
   int close(int fd) override;
   std::int64_t pread(int fd, void* buffer, std::size_t bytes, std::uint64_t offset) override;
   const void* map_file(int fd, std::size_t bytes, int* err) override;
+  void* map_file_private(int fd, std::size_t bytes, int* err) override;
   int populate_read(const void* address, std::size_t bytes) override;
   void* map_anonymous(std::size_t bytes, int extra_flags, int* err) override;
   int unmap(void* address, std::size_t bytes) override;
@@ -60,6 +63,7 @@ class FaultEnv : public EnvWrapper {
   int open_fds() const;
   std::int64_t mapped_bytes() const { return mapped_bytes_; }         // anonymous memory held
   std::int64_t file_mapped_bytes() const { return file_mapped_bytes_; }  // file mappings held
+  std::uint64_t private_maps() const { return private_maps_; }  // map_file_private calls that succeeded
   std::uint64_t populates() const { return populates_; }
 
  private:
@@ -70,6 +74,7 @@ class FaultEnv : public EnvWrapper {
   std::atomic<std::uint64_t> direct_opens_{0};
   std::atomic<std::int64_t> mapped_bytes_{0};
   std::atomic<std::int64_t> file_mapped_bytes_{0};
+  std::atomic<std::uint64_t> private_maps_{0};
   std::atomic<std::uint64_t> populates_{0};
   mutable std::mutex mu_;
   std::map<const void*, std::size_t> file_maps_;  // address -> bytes
