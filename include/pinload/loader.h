@@ -38,8 +38,9 @@
 // slow to arrive (first touch at 0.3-1.1 GB/s on a VM whose host has taken
 // back the guest's free pages: docs/tuning.md), while a file in the page
 // cache can be handed out with no byte moved. So a host load (no device, no
-// conversion, local files on the POSIX env) may hand a file's tensors out as
-// views of a private, copy-on-write mapping of the file, guarded by a read
+// conversion, local files) may hand a file's tensors out as views of a
+// private, copy-on-write mapping of the file (opened, mapped and populated
+// through the load's Env, so injected faults reach it), guarded by a read
 // lease that moves the bytes out before any writer or truncation gets to the
 // file (Note [Leased mappings] in src/io/leased_mapping.h): never a SIGBUS.
 //   ZeroCopy::kAuto  maps a file when the pool lacks idle memory to read it
