@@ -18,8 +18,9 @@ of the transformer blocks. One switch moves from one adapter to the next:
 
 Both run on the same model in the same process, pinload first. Reported per rank: the median
 switch of each, their ratio, and the floors a switch cannot beat: a copy of the touched weights'
-bytes (memcpy on the CPU, device-to-device on CUDA), and the rank-r products alone (float32
-``up @ down`` for every touched weight of one adapter, into reused buffers). Also: the library's bytes against its budget
+bytes (memcpy on the CPU, device-to-device on CUDA), and the rank-r products alone (``up @ down``
+for every touched weight of one adapter, into reused buffers, in the dtype pinload multiplies in
+and in float32). Also: the library's bytes against its budget
 and the pool memory it holds, and how far diffusers' weights drifted from the base after its
 switches (pinload's are bit-identical after ``unfuse``). ``--config`` overrides UNet config keys
 (``transformer_layers_per_block=[1,2,2]`` for a smaller model with SDXL's layer shapes).
@@ -128,6 +129,27 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def _products_s(entries, device: str, dtype) -> float:
+    """The best of two passes of every entry's up @ down in dtype, into reused buffers."""
+    import torch
+
+    ups = [(e.up.reshape(e.up.shape[0], -1).to(device, dtype), e.down.reshape(e.down.shape[0], -1).to(device, dtype))
+           for e in entries]
+    outs: Dict[Any, Any] = {}
+    times = []
+    for _ in range(2):
+        _sync(device)
+        t = time.perf_counter()
+        for u, d in ups:
+            o = outs.get((u.shape[0], d.shape[1]))
+            if o is None:
+                o = outs[(u.shape[0], d.shape[1])] = torch.empty(u.shape[0], d.shape[1], device=u.device, dtype=dtype)
+            torch.mm(u, d, out=o)
+        _sync(device)
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
@@ -219,7 +241,8 @@ def main() -> int:
                 os.replace(p + ".tmp", p)
             paths.append(p)
         adapter_bytes = sum(os.path.getsize(p) for p in paths)
-        budget = int(adapter_bytes * 1.05)
+        # Room for all of them: each takes a pool block of its size class, up to 1/8 above its bytes.
+        budget = int(sum(pl._size_class(os.path.getsize(p)) for p in paths) * 1.02)
         in_use0 = pinload.pool_stats(device if device != "cpu" else "cpu")["in_use"]
         lib = pl.LoraLibrary(budget, device="cpu")
         fuser = pl.LoraFuser(unet, base, library=lib)
@@ -232,6 +255,7 @@ def main() -> int:
             fuser.resolve(p)
         fuser.switch([(paths[0], 1.0)])
         _sync(device)
+        misses_before = lib.stats()["misses"]
         ours = []
         for s in range(args.switches):
             p = paths[(s + 1) % len(paths)]
@@ -239,24 +263,17 @@ def main() -> int:
             fuser.switch([(p, 1.0)])
             _sync(device)
             ours.append(time.perf_counter() - t)
-        # The floor of any fuse: the rank-r products alone (float32, into reused buffers), one adapter.
+        timed_misses = lib.stats()["misses"] - misses_before  # adapters read again inside the timed switches
+        if timed_misses:
+            print(f"warning: {timed_misses} adapters were read again during the timed switches (budget too small)")
+        # The floor of any fuse: the rank-r products alone (into reused buffers), one adapter, in the
+        # dtype pinload multiplies in (Note [Products in the weight's dtype] in pinload/lora.py) and
+        # in float32.
         entries = fuser.resolve(paths[0])
-        ups = [(e.up.reshape(e.up.shape[0], -1).to(device).float(), e.down.reshape(e.down.shape[0], -1).to(device).float())
-               for e in entries]
-        outs = {}
-        products = []
-        for _ in range(2):
-            _sync(device)
-            t = time.perf_counter()
-            for u, d in ups:
-                o = outs.get((u.shape[0], d.shape[1]))
-                if o is None:
-                    o = outs[(u.shape[0], d.shape[1])] = torch.empty(u.shape[0], d.shape[1], device=u.device)
-                torch.mm(u, d, out=o)
-            _sync(device)
-            products.append(time.perf_counter() - t)
-        del ups, outs
-        product_s = min(products)
+        e0 = entries[0]
+        in_dtype = pl._product_in_weight_dtype(fuser._target.weights[e0.weight], [(e0.up, e0.down, 1.0)])
+        product_s = _products_s(entries, device, dtype if in_dtype else torch.float32)
+        product_f32_s = product_s if not in_dtype else _products_s(entries, device, torch.float32)
         fuser.unfuse()
         _sync(device)
         exact = all(torch.equal(v, base[k].to(v.device)) for k, v in unet.state_dict().items())
@@ -265,11 +282,13 @@ def main() -> int:
         row: Dict[str, Any] = {
             "pinload_switch_s": ours, "pinload_median_s": statistics.median(ours), "first_batch_read_s": first_read,
             "adapter_bytes": adapter_bytes, "library": lib_stats, "bit_exact_after_unfuse": exact,
-            "pool_in_use_growth": in_use, "products_s": product_s,
+            "pool_in_use_growth": in_use, "library_misses_in_timed_switches": timed_misses, "products_s": product_s, "products_f32_s": product_f32_s,
+            "products_dtype": str(dtype if in_dtype else torch.float32).replace("torch.", ""),
         }
         print(f"rank {rank}: pinload switch median {row['pinload_median_s']:.3f} s (min {min(ours):.3f}; "
               f"{row['pinload_median_s'] / copy_s:.1f} x the copy of the touched bytes, "
-              f"{row['pinload_median_s'] / product_s:.2f} x the rank-{rank} products alone ({product_s:.3f} s)); "
+              f"{row['pinload_median_s'] / product_s:.2f} x the rank-{rank} products alone ({row['products_dtype']} "
+              f"{product_s:.3f} s, float32 {product_f32_s:.3f} s)); "
               f"10 files read in one batch "
               f"{first_read:.3f} s; library {lib_stats['cached_bytes'] / 1e6:.1f} MB of a {budget / 1e6:.1f} MB budget, "
               f"pool growth {in_use / 1e6:.1f} MB; bit-exact after unfuse: {exact}", flush=True)

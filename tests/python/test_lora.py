@@ -261,6 +261,36 @@ def test_fuse_matches_float64_reference_in_each_layout(tmp_path, layout, dtype):
     assert all(torch.equal(now[k], base[k]) for k in base)
 
 
+@pytest.mark.parametrize("in_weight_dtype", [True, False])
+def test_bf16_adapters_on_bf16_weights_match_the_reference_on_both_product_paths(tmp_path, monkeypatch,
+                                                                                   in_weight_dtype):
+    """Adapters in the weights' dtype take the product in that dtype where oneDNN has kernels (Note
+    [Products in the weight's dtype]); forced off, the float32 path. Both meet the reference's bound,
+    with equal and with differing coefficients."""
+    if in_weight_dtype and not pl._mkldnn_has(torch.bfloat16):
+        pytest.skip("this CPU's oneDNN has no bf16 kernels: only the float32 path runs here")
+    monkeypatch.setattr(pl, "_product_in_weight_dtype", lambda w, ups, real=pl._product_in_weight_dtype:
+                        in_weight_dtype and real(w, ups))
+    used = []
+    real_mm = torch.Tensor.addmm_
+    monkeypatch.setattr(torch.Tensor, "addmm_", lambda self, *a, **k: (used.append(self.dtype), real_mm(self, *a, **k))[1])
+    pipe = _pipeline(torch.bfloat16)
+    base = _state(pipe)
+    a = make_adapter(pipe, rank=16, seed=11, dtype=torch.bfloat16)
+    b = make_adapter(pipe, rank=8, alpha=4.0, seed=12, dtype=torch.bfloat16)
+    pa = WRITERS["kohya"](a, tmp_path / "a.safetensors")
+    pb = WRITERS["kohya"](b, tmp_path / "b.safetensors")
+    fuser = pl.LoraFuser(pipe, base, library=pl.LoraLibrary("64M"))
+    for sets in ([(a, 0.8)], [(a, 0.5), (b, 0.5)], [(a, 0.8), (b, -1.5)]):
+        paths = [(pa if x is a else pb, c) for x, c in sets]
+        used.clear()
+        fuser.switch(paths)
+        assert set(used) == {torch.bfloat16 if in_weight_dtype else torch.float32}
+        assert_close_to_reference(_state(pipe), base, sets, torch.bfloat16)
+    fuser.unfuse()
+    assert all(torch.equal(v, base[k]) for k, v in _state(pipe).items())
+
+
 def test_layouts_fuse_to_the_same_bits(tmp_path):
     pipe = _pipeline(torch.bfloat16)
     base = _state(pipe)
