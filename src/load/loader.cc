@@ -17,6 +17,7 @@
 #include "base/log.h"
 #include "io/read_session.h"
 #include "load/convert_on_load.h"
+#include "load/load_plan.h"
 #include "load/load_counters.h"
 #include "load/prefetch_handover.h"
 #include "load/verify.h"
@@ -529,103 +530,100 @@ std::uint64_t host_bytes_beside_blocks(const Checkpoint& checkpoint, const detai
 StateDict Loader::run(const Checkpoint& checkpoint, const LoadRequest& request, Counters* counters,
                       bool may_map) const {
   const std::stop_token& stop = request.stop;
-  // Files handed out from memory that holds them whole (the node store, a leased mapping): not for
-  // a verified load, an adopted prefetch or a recorded template, which need the reads.
-  const bool may_hand_out_mapped =
-      may_map && !options_.verify.active() && request.adopt == nullptr && request.record == nullptr;
-  const bool host = options_.target.device == nullptr;
+  Device* device = options_.target.device;
+  // Note [Load plans]: the facts, then what they decide.
+  detail::LoadFacts facts;
+  facts.to_device = device != nullptr;
+  facts.device_streaming = options_.target.mode == DeviceMode::kStreaming;
+  facts.converting = options_.dtype.active();
+  facts.verifying = options_.verify.active();
+  facts.adopting = request.adopt != nullptr;
+  facts.recording = request.record != nullptr;
+  facts.may_map = may_map;
+  facts.zero_copy = options_.zero_copy;
+  facts.streams = counters->stream;
+  facts.hands_out_ready = counters->ready != nullptr;
+  facts.direct = options_.direct;
   auto hand_out_ready = [&](std::vector<Tensor> ready) {
     if (counters->ready != nullptr) counters->ready->push(std::move(ready));
   };
   auto read_rest = [&](const Checkpoint& rest) { return run(rest, request, counters, false); };
-  if (may_hand_out_mapped && host && !options_.dtype.active()) {
-    // Note [Store clients]: host files mapped from the node store.
-    if (std::optional<StateDict> sd = detail::load_from_store(options_, env_, checkpoint, counters, stop, hand_out_ready, read_rest)) {
-      return std::move(*sd);
+  const detail::LoadRoutes routes = detail::plan_routes(facts);
+  for (const detail::LoadRoute route : routes.routes) {
+    std::optional<StateDict> sd;
+    switch (route) {
+      case detail::LoadRoute::kStore:  // Note [Store clients]
+        sd = detail::load_from_store(options_, env_, checkpoint, counters, stop, hand_out_ready, read_rest);
+        break;
+      case detail::LoadRoute::kStoreConverted:  // Note [Converted store entries]
+        sd = detail::load_converted_from_store(options_, env_, checkpoint, counters, stop, hand_out_ready);
+        break;
+      case detail::LoadRoute::kStoreToDevice:  // Note [Store device loads]
+        sd = detail::load_to_device_from_store(options_, env_, checkpoint, counters, stop);
+        if (sd && counters->ready != nullptr) counters->ready->push(std::vector<Tensor>(sd->begin(), sd->end()));
+        if (sd && counters->stream) return StateDict();
+        break;
+      case detail::LoadRoute::kZeroCopy:  // Note [Zero-copy loads]
+        sd = detail::load_zero_copy(options_, env_, checkpoint, *pool_, counters, stop, hand_out_ready, read_rest);
+        break;
     }
+    if (sd) return std::move(*sd);
   }
-  if (may_hand_out_mapped && host && options_.dtype.active()) {
-    // Note [Converted store entries]: a host conversion served converted by the node store.
-    if (std::optional<StateDict> sd = detail::load_converted_from_store(options_, env_, checkpoint, counters, stop, hand_out_ready)) {
-      return std::move(*sd);
-    }
+  // Note [Conversion on load]: what converts. A staged host load's chunks
+  // stream through a ring of staging blocks of the pool (Note [Staged
+  // conversion] in convert_on_load.cc).
+  const detail::ConversionPlan conversions =
+      detail::plan_conversions(env_, checkpoint, options_.dtype, routes.may_stage);
+  facts.conversions = !conversions.empty();
+  facts.conversions_staged = conversions.staged;
+  facts.verify_whole_files = detail::verify_checks_whole_files(options_.verify, checkpoint);
+  // Note [Keeping the page cache]: cold files read buffered where they are to
+  // stay cached; under kAuto only where the host keeps no copy of its own.
+  facts.page_cache_keeps = options_.direct == DirectIo::kAuto && !facts.adopting &&
+                           detail::keep_page_cache(options_, env_, checkpoint.data_bytes(),
+                                                   detail::page_cache_only_copy(facts));
+  if (detail::streams_within_budget(facts)) {
+    facts.streaming_budget_bytes = detail::streaming_budget_bytes(*pool_);
+    // More than all blocks can take (a file's aligned range, a size class,
+    // whole reservations, one shared slab): past the budget, reads may wait.
+    facts.most_block_bytes = PoolOptions{}.slab_bytes;
+    for (const CheckpointFile& cf : checkpoint.files) facts.most_block_bytes += detail::file_block_charge(*pool_, cf);
   }
-  if (may_hand_out_mapped && !host && !options_.dtype.active()) {
-    if (std::optional<StateDict> sd = detail::load_to_device_from_store(options_, env_, checkpoint, counters, stop)) {
-      if (counters->ready != nullptr) counters->ready->push(std::vector<Tensor>(sd->begin(), sd->end()));
-      if (counters->stream) return StateDict();
-      return std::move(*sd);
-    }
+  const detail::LoadPlan plan = detail::plan_load(facts);
+  if (!plan.refusal.empty()) {
+    throw InvalidArgumentError(plan.refusal,
+                               ErrorContext{checkpoint.files.empty() ? std::string() : checkpoint.files.front().path});
   }
-  // Note [Zero-copy loads]: host files handed out as leased mappings.
-  if (may_hand_out_mapped && host && options_.zero_copy != ZeroCopy::kOff && !options_.dtype.active()) {
-    if (std::optional<StateDict> sd = detail::load_zero_copy(options_, env_, checkpoint, *pool_, counters, stop, hand_out_ready, read_rest)) {
-      return std::move(*sd);
-    }
-  }
-  Device* device = options_.target.device;
-  // Note [Conversion on load]: what converts. A host load reading afresh,
-  // converting most of its bytes, is staged (Note [Staged conversion] in
-  // convert_on_load.cc): its chunks stream through a ring of staging blocks
-  // of the pool.
-  const bool may_stage = device == nullptr && request.adopt == nullptr;
-  const detail::ConversionPlan conversions = detail::plan_conversions(env_, checkpoint, options_.dtype, may_stage);
-  const std::shared_ptr<Pool>& staging = conversions.staged ? pool_ : staging_pool_;
+  const std::shared_ptr<Pool>& staging = plan.stage_in_pool ? pool_ : staging_pool_;
   std::unique_ptr<ReadSession> session = session_for(checkpoint, request, staging != nullptr, [&] {
-    // Note [Streaming within a budget] (io/stream_budget.h): a host load that
-    // keeps nothing it hands out takes each file's block as it reaches it,
-    // within a budget; one file at a time where the budget may make it wait.
     ReadOptions read_options = options_.read_options();
-    // Note [Keeping the page cache]: cold files read buffered where they are
-    // to stay cached; under kAuto only where the host keeps no copy of its own.
-    const bool only_copy = device != nullptr && options_.target.mode == DeviceMode::kStreaming && conversions.empty();
-    if (options_.direct == DirectIo::kAuto && detail::keep_page_cache(options_, env_, checkpoint.data_bytes(), only_copy)) {
-      read_options.direct = DirectIo::kOff;
-    }
-    std::uint64_t budget = 0;
-    if (counters->stream && counters->ready != nullptr && device == nullptr && !options_.dtype.active()) {
-      budget = std::max<std::uint64_t>(detail::streaming_budget_bytes(*pool_), 1);
-      // More than all blocks can take (a file's aligned range, a size class,
-      // whole reservations, one shared slab): past the budget, reads may wait.
-      std::uint64_t most = PoolOptions{}.slab_bytes;
-      for (const CheckpointFile& cf : checkpoint.files) most += detail::file_block_charge(*pool_, cf);
-      if (most > budget) read_options.files_in_flight = 1;
-    }
+    if (plan.read_buffered) read_options.direct = DirectIo::kOff;
+    if (plan.one_file_in_flight) read_options.files_in_flight = 1;
     std::unique_ptr<ReadSession> opened =
         ReadSession::open(env_, read_options, checkpoint, staging, nullptr, counters);
-    if (budget != 0) {
+    if (plan.budget_bytes != 0) {
       opened->set_budget(std::make_unique<detail::StreamBudget>(
-          pool_, budget, [ready = counters->ready] { return ready->starved(); }));
+          pool_, plan.budget_bytes, [ready = counters->ready] { return ready->starved(); }));
     }
     return opened;
   }, counters);
   // Note [Verified loads] (manifest.h): headers checked before any memory is taken.
   std::optional<detail::Verifier> verifier;
-  if (options_.verify.active()) {
-    verifier.emplace(env_, options_.verify, checkpoint, session->plan(), session->streaming());
-    if (counters->stream && verifier->checks_whole_files()) {
-      throw InvalidArgumentError(
-          "verify: a load that hands tensors out as they arrive and keeps none (iter_tensors) cannot wait for a "
-          "whole-file sha256; verify against a manifest with tensor digests (pinload manifest)",
-          ErrorContext{checkpoint.files.empty() ? std::string() : checkpoint.files.front().path});
-    }
-  }
+  if (options_.verify.active()) verifier.emplace(env_, options_.verify, checkpoint, session->plan(), session->streaming());
   ReadSession& s = *session;
   s.allocate_blocks(*pool_, stop, host_bytes_beside_blocks(checkpoint, conversions, device, options_, staging_pool_.get()));
   std::optional<DevicePipeline> pipeline;
-  if (device != nullptr) pipeline.emplace(*device, options_.target.copy, checkpoint);
+  if (plan.device_copies) pipeline.emplace(*device, options_.target.copy, checkpoint);
   static const std::vector<std::shared_ptr<DeviceBuffer>> kNoBuffers;
   const std::vector<std::shared_ptr<DeviceBuffer>>& device_buffers = pipeline ? pipeline->buffers() : kNoBuffers;
   const ConvertedMemory converted = allocate_converted(conversions, checkpoint, device, *pool_, stop);
   TensorIndex index = index_tensors(checkpoint, s, device_buffers, conversions, converted);
-  // A whole file's digest is known at the end only: its tensors go out then.
-  const bool by_chunk = device == nullptr && conversions.empty() && !(verifier && verifier->checks_whole_files());
-  TensorHandOut hand_out(s.plan(), checkpoint, index.tensors, *counters, by_chunk,
+  TensorHandOut hand_out(s.plan(), checkpoint, index.tensors, *counters, plan.hand_out_by_chunk,
                          !conversions.empty(), s.budgeted() ? &s : nullptr);
   // Device conversions run as the copies of their tensors complete (Note
   // [Device conversion pipeline] in convert_on_load.h).
   std::optional<detail::DeviceConversions> device_conversions;
-  if (pipeline && !conversions.empty()) {
+  if (plan.device_conversions) {
     device_conversions.emplace(conversions, checkpoint, *device, pipeline->engine(), device_buffers, converted.buffers);
     pipeline->convert_as_copied(&*device_conversions);
   }
@@ -633,11 +631,11 @@ StateDict Loader::run(const Checkpoint& checkpoint, const LoadRequest& request, 
   // Host conversions run beside the reads (Note [Converting beside the reads]
   // in convert_on_load.cc), one thread per CPU.
   std::optional<detail::HostConversions> host_conversions;
-  if (device == nullptr && !conversions.empty()) {
+  if (plan.host_conversions) {
     const unsigned cpus = std::max(1u, std::thread::hardware_concurrency());
     const unsigned threads = std::min(options_.threads, cpus);
     std::size_t ring_chunks = SIZE_MAX;
-    if (conversions.staged) {
+    if (plan.conversion_ring) {
       const std::size_t chunk = largest_chunk(s.plan(), options_.block_size);
       ring_chunks = std::min(detail::conversion_ring_chunks(chunk, s.network_readers(options_.threads), threads),
                              staging_blocks_within_budget(*pool_, chunk, s.plan()));
@@ -674,7 +672,7 @@ StateDict Loader::run(const Checkpoint& checkpoint, const LoadRequest& request, 
     }
     // A staged load's readers wait for room before reading (Note [Staged conversion]).
     detail::ChunkGate gate;
-    if (host_conversions && conversions.staged) gate = [&](std::stop_token t) { host_conversions->admit(t); };
+    if (plan.conversion_ring) gate = [&](std::stop_token t) { host_conversions->admit(t); };
     s.execute(s.pending(), options_.threads, stop, counters, numa_.cpus, on_read, gate);
     if (host_conversions) host_conversions->finish();
     if (verifier) verifier->finish();

@@ -247,6 +247,16 @@ void Verifier::finish() {
   }
 }
 
+bool verify_checks_whole_files(const VerifyOptions& options, const Checkpoint& checkpoint) {
+  if (!options.active()) return false;
+  return std::any_of(checkpoint.files.begin(), checkpoint.files.end(), [&](const CheckpointFile& cf) {
+    const ManifestFile* entry = options.manifest ? options.manifest->find(cf.path) : nullptr;
+    if (entry != nullptr && !entry->has_tensors) return true;
+    return std::any_of(options.file_sha256.begin(), options.file_sha256.end(),
+                       [&](const auto& named) { return file_named(cf.path, named.first); });
+  });
+}
+
 bool Verifier::checks_whole_files() const noexcept {
   return std::any_of(files_.begin(), files_.end(), [](const std::unique_ptr<File>& f) { return !f->whole_expected.empty(); });
 }

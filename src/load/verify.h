@@ -23,6 +23,12 @@ namespace pinload::detail {
 // file at `path`: `path` is `name` or ends with '/' + name (manifest.cc).
 bool file_named(std::string_view path, std::string_view name) noexcept;
 
+// Whether a verified load of `checkpoint` checks some file's whole sha256 (a
+// manifest entry without tensor digests, or a file_sha256 that names it):
+// that file's tensors can only go out once it is hashed, at its end. What
+// Verifier::checks_whole_files says of the verifier it would build.
+bool verify_checks_whole_files(const VerifyOptions& options, const Checkpoint& checkpoint);
+
 class Verifier {
  public:
   // Checks every file's header against the manifest before any read
