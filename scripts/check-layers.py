@@ -4,6 +4,10 @@ one, no include cycle between folders (docs/architecture.md, "Layers").
 
 Usage: scripts/check-layers.py [--root DIR [--no-exceptions]]
 
+Python: the package's modules (python/pinload) may not import each other in a circle at import
+time: every import at a module's top level (not inside a function, not under TYPE_CHECKING) that
+names another module of the package is an edge, and a cycle of them is reported with its imports.
+
 Every `#include "..."` under src/ and include/ is read. A file's layer is its folder under src/
 (src/io/read_session.cc: io), or for a public header include/pinload/X.h the layer named in
 PUBLIC_HEADERS. A file may include its own layer and the layers below it; folders of one layer
@@ -13,6 +17,7 @@ there is none. Needs nothing but Python 3.
 """
 
 import argparse
+import ast
 import os
 import re
 import sys
@@ -155,6 +160,78 @@ def find_cycles(edges):
     return out
 
 
+PYTHON_PACKAGE = Path("python") / "pinload"
+
+
+def _module_name(package_dir, path):
+    rel = path.relative_to(package_dir.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _top_level_imports(tree):
+    """The import statements a module runs when it is imported: its top level, and the bodies of
+    top-level try/if/with blocks, except under `if TYPE_CHECKING:`."""
+    pending = list(tree.body)
+    while pending:
+        node = pending.pop(0)
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        elif isinstance(node, ast.If):
+            test = node.test
+            if isinstance(test, ast.Name) and test.id == "TYPE_CHECKING":
+                pending.extend(node.orelse)
+                continue
+            pending.extend(node.body + node.orelse)
+        elif isinstance(node, ast.Try):
+            pending.extend(node.body + node.orelse + node.finalbody + [s for h in node.handlers for s in h.body])
+        elif isinstance(node, ast.With):
+            pending.extend(node.body)
+
+
+def check_python_imports(root):
+    """Import cycles between the Python package's modules, as problems (a list of str)."""
+    package_dir = Path(root) / PYTHON_PACKAGE
+    if not package_dir.is_dir():
+        return []
+    modules = {_module_name(package_dir, p): p for p in sorted(package_dir.rglob("*.py"))}
+    edges = {}
+    for name, path in modules.items():
+        is_package = path.name == "__init__.py"
+        here = name if is_package else name.rpartition(".")[0]
+        try:
+            tree = ast.parse(path.read_text(errors="replace"), str(path))
+        except SyntaxError as e:
+            return [f"{path.relative_to(root)}: cannot parse: {e}"]
+        for node in _top_level_imports(tree):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                base = here
+                for _ in range(max(node.level - 1, 0)):
+                    base = base.rpartition(".")[0]
+                if node.level == 0:
+                    base = node.module or ""
+                elif node.module:
+                    base = f"{base}.{node.module}"
+                targets = [base] + [f"{base}.{a.name}" for a in node.names]
+            for target in targets:
+                # A name imported from a package is its module where there is one; the package's
+                # own __init__ is not an edge (Python runs it before any of its modules).
+                if target in modules and target != name and not name.startswith(target + "."):
+                    where = f"{path.relative_to(root).as_posix()}:{node.lineno}"
+                    edges.setdefault((name, target), f"{where} imports {target}")
+    problems = []
+    for cycle in find_cycles(set(edges)):
+        members = set(cycle)
+        links = [f"{a} -> {b} ({how})" for (a, b), how in sorted(edges.items()) if a in members and b in members]
+        problems.append(f"import cycle between Python modules {', '.join(cycle)}: " + "; ".join(links))
+    return problems
+
+
 def check(root, exceptions=None):
     """Returns the list of problems found under root (a Path); `exceptions`: EXCEPTIONS by default."""
     exceptions = EXCEPTIONS if exceptions is None else exceptions
@@ -206,6 +283,7 @@ def check(root, exceptions=None):
         members = set(cycle)
         links = [f"{a} -> {b} ({how})" for (a, b), how in sorted(edges.items()) if a in members and b in members]
         problems.append(f"include cycle between folders {', '.join(cycle)}: " + "; ".join(links))
+    problems.extend(check_python_imports(root))
     for key in sorted(set(exceptions) - used_exceptions):
         problems.append(f"{key[0]}: the exception for its include of {key[1]} matches nothing: remove it from "
                         f"EXCEPTIONS in scripts/check-layers.py")

@@ -1,5 +1,5 @@
-"""``safe_open`` over an open Python file object: a drop-in for safetensors' private
-``_safe_open_handle(f, framework, device)``.
+"""The descriptor of an open Python file object, for ``pinload.torch.safe_open_handle``: a drop-in
+for safetensors' private ``_safe_open_handle(f, framework, device)``.
 
 Note [Handles]
 A file object with a working ``fileno()`` (``open(...)`` in any mode, fsspec's local files) is read
@@ -17,15 +17,15 @@ from __future__ import annotations
 
 import io
 import os
-from typing import Any, Optional
+from typing import Any
 
 from ._core import InvalidFileError
-from .torch import Device, _error, safe_open
+from ._torch_tensors import error as _error
 
-__all__ = ["safe_open_handle"]
+__all__ = ["copy_to_memory_file", "descriptor"]
 
 
-def _descriptor(handle: Any):
+def descriptor(handle: Any):
     fileno = getattr(handle, "fileno", None)
     if fileno is None:
         return None
@@ -36,7 +36,7 @@ def _descriptor(handle: Any):
     return fd if isinstance(fd, int) and fd >= 0 else None
 
 
-def _copy_to_memory_file(handle: Any) -> int:
+def copy_to_memory_file(handle: Any) -> int:
     """The object's bytes from its start, in a memfd; returns the descriptor (the caller closes it)."""
     what = type(handle).__name__
     if not callable(getattr(handle, "read", None)):
@@ -60,32 +60,3 @@ def _copy_to_memory_file(handle: Any) -> int:
         os.close(fd)
         raise
     return fd
-
-
-class safe_open_handle(safe_open):
-    """``safe_open`` (pinload.torch.safe_open, same methods and options) over an open file object
-    instead of a path (Note [Handles] above). Holds a descriptor of its own until ``close()``."""
-
-    def __init__(self, f: Any, framework: str = "pt", device: Device = "cpu", **options: Any) -> None:
-        fd = _descriptor(f)
-        # A descriptor of the handle's own: its /proc/self/fd path stays valid (and names the same
-        # file) until close(), whatever happens to the object.
-        self._own_fd: Optional[int] = os.dup(fd) if fd is not None else _copy_to_memory_file(f)
-        try:
-            super().__init__(f"/proc/self/fd/{self._own_fd}", framework, device, **options)
-        except BaseException:
-            self._close_fd()
-            raise
-
-    def _close_fd(self) -> None:
-        fd, self._own_fd = getattr(self, "_own_fd", None), None
-        if fd is not None:
-            os.close(fd)
-
-    def close(self) -> None:
-        super().close()
-        with self._lock:
-            self._close_fd()
-
-    def __del__(self) -> None:
-        self._close_fd()

@@ -21,7 +21,8 @@ import torch
 
 from . import _core, _devices
 from ._options import LoadKwargs, LoadOptions, request
-from .torch import Device, PathLike, _as_paths, _check_dtypes, _describe, _resolve_device, _yield_entries
+from ._loading import as_paths
+from ._torch_tensors import Device, PathLike, check_dtypes, describe, resolve_device, yield_entries
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -47,17 +48,17 @@ class ModelCache:
 
     @staticmethod
     def _paths(paths: Union[PathLike, Iterable[PathLike]]):
-        return [os.fsencode(p) for p in _as_paths(paths)]
+        return [os.fsencode(p) for p in as_paths(paths)]
 
     def get(self, paths: Union[PathLike, Iterable[PathLike]], device: Device = "cpu") -> Dict[str, torch.Tensor]:
         """name -> tensor of ``paths`` (files, indexes, model or pipeline folders) on ``device``
         ("cpu", "sim", "cuda", "cuda:N", an int or a torch.device): from the cache on a hit, else
         loaded (and cached when it fits the budget)."""
-        names = _as_paths(paths)
-        spec, move_to = _resolve_device(device)
+        names = as_paths(paths)
+        spec, move_to = resolve_device(device)
         sd = self._core.get([os.fsencode(p) for p in names], spec)
-        file = _describe(names)
-        return dict(_yield_entries(collections.deque(sd.export_all()), _check_dtypes(sd, file), sd.torch_device,
+        file = describe(names)
+        return dict(yield_entries(collections.deque(sd.export_all()), check_dtypes(sd, file), sd.torch_device,
                                    move_to, file))
 
     def contains(self, paths: Union[PathLike, Iterable[PathLike]]) -> bool:

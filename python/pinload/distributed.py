@@ -24,8 +24,9 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 import torch
 
 from . import Error, _core
+from . import _torch_tensors as _tt
+from ._loading import as_paths
 from ._options import size as _size
-from .torch import _as_paths, _torch_dtype
 
 # vLLM's tensor-parallel layout of Llama-style decoders: column-parallel layers split their output
 # features (dim 0 of the weight), row-parallel ones their input features (dim 1).
@@ -92,7 +93,7 @@ class ShardedLoad:
         self.group = group
         self.peer_timeout = float(peer_timeout)
         self.rules = list(LLAMA_TP_RULES if rules is None else rules)
-        self._paths = _as_paths(paths)
+        self._paths = as_paths(paths)
         if device is None:
             device = "cpu"
             if mode == "share":
@@ -126,7 +127,7 @@ class ShardedLoad:
                 return
             out = {}
             for name, dtype, shape, capsule in sd.export_all():
-                torch_dtype = _torch_dtype(dtype, name, file)
+                torch_dtype = _tt.torch_dtype(dtype, name, file)
                 if capsule is None:
                     out[name] = torch.empty(shape, dtype=torch_dtype)
                 else:
@@ -157,7 +158,7 @@ class ShardedLoad:
         """Broadcasts a replicated tensor from its owner; bytes travel as uint8, so every dtype goes."""
         import torch.distributed as dist
 
-        dtype = _torch_dtype(t.dtype, t.name, None)
+        dtype = _tt.torch_dtype(t.dtype, t.name, None)
         if t.owner == self.rank:
             buf = tensor.to(self.device) if self.device.type != "cpu" else tensor
         else:

@@ -32,19 +32,19 @@ raises :class:`pinload.InvalidArgumentError`, a ``ValueError``, naming the optio
 
 from __future__ import annotations
 
-import collections
 import os
 import threading
-import warnings
 from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from . import _core, _devices, _loading
+from . import _core, _file_handle, _loading
 from . import _safetensors_compat as _compat
+from . import _torch_tensors as _tt
 from ._core import Error, InvalidArgumentError, InvalidFileError, IoError, NotFoundError
-from ._options import LoadKwargs, LoadOptions, Request, request
+from ._options import LoadKwargs, LoadOptions, request
 from ._safetensors_compat import deserialize, serialize, serialize_file
+from ._torch_tensors import DTYPES, SMALL_FILE_BYTES, Device, PathLike
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -53,276 +53,7 @@ __all__ = ["DTYPES", "deserialize", "iter_tensors", "load", "load_file", "load_f
            "safe_open", "safe_open_handle", "save", "save_file", "save_model", "serialize", "serialize_file",
            "storage_ptr", "storage_size"]
 
-PathLike = Union[str, "os.PathLike[str]", bytes]
-Device = Union[str, int, "torch.device", None]
-
-# ---- dtypes ----
-
-
-def _build_dtypes() -> Dict[str, Optional[torch.dtype]]:
-    table: Dict[str, Optional[torch.dtype]] = {
-        "BOOL": torch.bool,
-        "U8": torch.uint8,
-        "I8": torch.int8,
-        "I16": torch.int16,
-        "I32": torch.int32,
-        "I64": torch.int64,
-        "F16": torch.float16,
-        "BF16": torch.bfloat16,
-        "F32": torch.float32,
-        "F64": torch.float64,
-        "C64": torch.complex64,
-    }
-    # Types that only newer torch versions have; None where this one lacks them.
-    optional = {
-        "U16": "uint16",
-        "U32": "uint32",
-        "U64": "uint64",
-        "F8_E4M3": "float8_e4m3fn",
-        "F8_E5M2": "float8_e5m2",
-        "F8_E8M0": "float8_e8m0fnu",
-        "F8_E4M3FNUZ": "float8_e4m3fnuz",
-        "F8_E5M2FNUZ": "float8_e5m2fnuz",
-    }
-    for name, attr in optional.items():
-        table[name] = getattr(torch, attr, None)
-    # F4 as torch packs it, two to a byte: the last dimension is halved (_torch_shape), as the
-    # reference does. F6 has no torch equivalent (the reference refuses it too).
-    table["F4"] = getattr(torch, "float4_e2m1fn_x2", None)
-    for name in ("F6_E2M3", "F6_E3M2"):
-        table[name] = None
-    return table
-
-
-#: safetensors dtype name -> torch dtype (None: this torch has no equivalent; loading such a
-#: tensor raises InvalidFileError naming it).
-DTYPES: Dict[str, Optional[torch.dtype]] = _build_dtypes()
-
-
-def _error(cls, message: str, *, file: Optional[str] = None, tensor: Optional[str] = None):
-    """An instance of a pinload error class, formatted and filled in as the C++ core does."""
-    text = (f"{file}: " if file else "") + (f"tensor '{tensor}': " if tensor else "") + message
-    e = cls(text)
-    e.file, e.tensor, e.message = file, tensor, message
-    return e
-
-
-def _torch_dtype(dtype: str, tensor: str, file: Optional[str]) -> torch.dtype:
-    if dtype not in DTYPES:
-        raise _error(InvalidFileError, f"unknown dtype {dtype}", file=file, tensor=tensor)
-    torch_dtype = DTYPES[dtype]
-    if torch_dtype is None:
-        raise _error(
-            InvalidFileError,
-            f"dtype {dtype} has no equivalent in torch {torch.__version__}; pinload cannot return it as a torch tensor",
-            file=file,
-            tensor=tensor,
-        )
-    return torch_dtype
-
-
-# ---- devices ----
-
-_cuda_state: Optional[Tuple[bool, str]] = None
-_warned_fallback = False
-
-
-def _pinload_cuda() -> Tuple[bool, str]:
-    global _cuda_state
-    if _cuda_state is None:
-        _cuda_state = tuple(_core.cuda_available())  # type: ignore[assignment]
-    return _cuda_state  # type: ignore[return-value]
-
-
-def _other_torch_device(device: Device) -> Optional[torch.device]:
-    """A torch device that pinload does not serve itself ('meta', 'mps', 'xpu', ...), or None."""
-    try:
-        d = device if isinstance(device, torch.device) else torch.device(device)  # type: ignore[arg-type]
-    except (RuntimeError, TypeError, ValueError):
-        return None
-    return None if d.type in ("cpu", "cuda") else d
-
-
-def _resolve_device(device: Device) -> Tuple[str, Optional[torch.device]]:
-    """(pinload device spec, torch device to move to afterwards or None).
-
-    The spec is read by the C++ parser (pinload._devices): 'cpu' loads to host memory, 'sim' to the
-    CPU stand-in device (whose memory is host memory), 'cuda[:N]' and ints through pinload's device
-    target ('cuda' alone: torch's current device). Any other torch device ('mps', 'xpu', 'meta',
-    ...), and CUDA when pinload itself cannot drive it but torch can: a CPU load, then
-    ``.to(device)``. Anything else raises InvalidArgumentError naming ``device``.
-    """
-    global _warned_fallback
-    try:
-        spec = _devices.parse(device)
-    except InvalidArgumentError:
-        other = _other_torch_device(device)
-        if other is None:
-            raise
-        return "cpu", other
-    if spec.kind != "cuda":
-        return spec.name, None
-    index = spec.ordinal
-    if index is None:
-        index = torch.cuda.current_device() if torch.cuda.is_available() else 0
-    ok, why = _pinload_cuda()
-    if not ok and torch.cuda.is_available():
-        if not _warned_fallback:
-            _warned_fallback = True
-            warnings.warn(
-                f"pinload cannot use CUDA ({why}); loading to host memory and copying with torch",
-                RuntimeWarning,
-                stacklevel=4,
-            )
-        return "cpu", torch.device("cuda", index)
-    return f"cuda:{index}", None
-
-
-# ---- loads ----
-
-
-_LoadProgress = _loading.LoadProgress
-_wait = _loading.wait
-_as_paths = _loading.as_paths
-
-
-def _start(paths: List[str], spec: str, req: Request, cached_read: str = "auto",
-           stream: bool = False, held: Optional["_core.HeldFile"] = None) -> "_core.LoadHandle":
-    return _loading.start(paths, spec, req, cached_read=cached_read, stream=stream, held=held)
-
-
-#: Files up to this size load on the calling thread (_core.load_now): a small file's call then
-#: pays no thread start and no hand-off; larger loads run on a thread of their own, so that
-#: Ctrl-C and the progress bar get through while they run.
-SMALL_FILE_BYTES = 64 << 20
-
-
-def _small(paths: List[str], req: Request) -> bool:
-    if len(paths) != 1 or req.prefetch is not None or req.progress:
-        return False
-    try:
-        st = os.stat(paths[0])
-    except OSError:
-        return False  # the load names the problem
-    return not os.path.isdir(paths[0]) and st.st_size <= SMALL_FILE_BYTES
-
-
-def _load(paths: List[str], device: Device, req: Request, cached_read: str = "auto",
-          held: Optional["_core.HeldFile"] = None) -> Tuple["_core.StateDict", Optional[torch.device]]:
-    spec, move_to = _resolve_device(device)
-    if held is None and _small(paths, req):
-        return _core.load_now([os.fsencode(paths[0])], spec, req.options, cached_read=cached_read), move_to
-    return _wait(_start(paths, spec, req, cached_read, held=held), req.progress), move_to
-
-
-_MAX_TORCH_RANK = 64  # c10's limit on dimensions
-_MAX_TORCH_DIM = (1 << 63) - 1  # torch sizes are int64
-
-
-def _torch_shape(dtype: str, shape: List[int], name: str, file: Optional[str]) -> List[int]:
-    """The shape of the torch tensor for a safetensors tensor (F4: the last dimension halved, two
-    values a byte), or InvalidFileError naming the tensor where torch cannot hold it."""
-    if len(shape) > _MAX_TORCH_RANK:
-        raise _error(InvalidFileError, f"rank {len(shape)} exceeds torch's limit of {_MAX_TORCH_RANK} dimensions",
-                     file=file, tensor=name)
-    if shape and max(shape) > _MAX_TORCH_DIM:
-        raise _error(InvalidFileError, f"shape {shape} has a dimension beyond torch's int64 sizes",
-                     file=file, tensor=name)
-    if dtype == "F4":
-        if not shape or shape[-1] % 2 != 0:
-            raise _error(InvalidFileError,
-                         f"F4 as torch.float4_e2m1fn_x2 packs 2 values a byte: the last dimension must be even, "
-                         f"got shape {shape}", file=file, tensor=name)
-        return shape[:-1] + [shape[-1] // 2]
-    return shape
-
-
-def _check_dtypes(sd: "_core.StateDict", file: Optional[str]) -> List[Tuple[torch.dtype, List[int]]]:
-    """Every tensor's torch dtype and shape, in load order: a tensor torch cannot hold fails the
-    call before any tensor is handed out."""
-    return [(_torch_dtype(dtype, name, file), _torch_shape(dtype, shape, name, file))
-            for name, dtype, shape in sd.infos()]
-
-
-def _to_torch(dtype: str, shape: List[int], export: Any, torch_device: str, move_to: Optional[torch.device],
-              name: str, file: Optional[str]) -> torch.Tensor:
-    return _as_torch(_torch_dtype(dtype, name, file), _torch_shape(dtype, shape, name, file), dtype, export,
-                     torch_device, move_to, name, file)
-
-
-def _as_torch(torch_dtype: torch.dtype, shape: List[int], dtype: str, export: Any, torch_device: str,
-              move_to: Optional[torch.device], name: str, file: Optional[str]) -> torch.Tensor:
-    """The tensor of `export`, whose torch dtype and shape _check_dtypes gave."""
-    try:
-        if export is None:  # no bytes (a zero-size tensor): nothing to alias
-            tensor = torch.empty(shape, dtype=torch_dtype, device=torch_device)
-        else:
-            # Typed and shaped already, but for the types DLPack spells as bytes (Note [DLPack export]).
-            # Host memory needs no stream hand-shake: the capsule itself, which spares torch's
-            # negotiation with the producer (a small file's call pays it for every tensor).
-            tensor = torch.from_dlpack(export.__dlpack__() if torch_device == "cpu" else export)
-            if tensor.dtype != torch_dtype:
-                tensor = tensor.view(torch_dtype)
-            if list(tensor.shape) != list(shape):
-                tensor = tensor.reshape(shape)
-    except (TypeError, ValueError, RuntimeError, OverflowError) as e:
-        raise _error(InvalidFileError, f"torch cannot hold a {dtype} tensor of shape {shape}: {str(e).splitlines()[0]}",
-                     file=file, tensor=name) from None
-    if move_to is not None:
-        tensor = tensor.to(move_to)
-    return tensor
-
-
-def _describe(paths: List[str]) -> str:
-    return paths[0] if len(paths) == 1 else ", ".join(paths)
-
-
-def _yield_all(sd: "_core.StateDict", move_to: Optional[torch.device],
-               file: str) -> Iterator[Tuple[str, torch.Tensor]]:
-    resolved = _check_dtypes(sd, file)
-    return _yield_entries(collections.deque(sd.export_all()), resolved, sd.torch_device, move_to, file)
-
-
-def _yield_entries(entries: "collections.deque", resolved: List[Tuple[torch.dtype, List[int]]], torch_device: str,
-                   move_to: Optional[torch.device], file: str) -> Iterator[Tuple[str, torch.Tensor]]:
-    # One export per tensor, dropped as soon as it is converted (the state dict that exported
-    # them is gone): a file's block goes back to the pool once the caller has dropped every tensor
-    # of that file. `resolved`: _check_dtypes' answer for the same tensors, in the same order.
-    for torch_dtype, shape in resolved:
-        name, dtype, _, export = entries.popleft()
-        tensor = _as_torch(torch_dtype, shape, dtype, export, torch_device, move_to, name, file)
-        del export
-        yield name, tensor
-
-
-def _iterate(paths: List[str], device: Device, req: Request) -> Iterator[Tuple[str, torch.Tensor]]:
-    sd, move_to = _load(paths, device, req)
-    return _yield_all(sd, move_to, _describe(paths))
-
-
-def _stream(paths: List[str], device: Device, req: Request) -> Iterator[Tuple[str, torch.Tensor]]:
-    """Yields tensors as the load hands them out (Note [Ready tensors] in loader.h); stopping early,
-    or an error, cancels the load."""
-    spec, move_to = _resolve_device(device)
-    # HandOut::kStream: the load keeps none of the tensors it hands out (loader.h).
-    handle = _start(paths, spec, req, stream=True)
-    shown = _LoadProgress(handle, req.progress)
-    file = _describe(paths)
-    try:
-        while True:
-            batch = handle.next_ready(shown.poll)
-            if batch is None:
-                break
-            shown.tick()
-            resolved = _check_dtypes(batch, file)
-            entries, torch_device = collections.deque(batch.export_all()), batch.torch_device
-            del batch  # the exports alone hold the tensors now
-            yield from _yield_entries(entries, resolved, torch_device, move_to, file)
-    except BaseException:
-        handle.cancel()
-        handle.wait(None)
-        raise
-    shown.finish()
+_wait = _loading.wait  # tests drive the wait loop directly
 
 
 def load_file(filename: PathLike, device: Device = "cpu", *, backend: Optional[str] = None, progress: bool = False,
@@ -341,11 +72,11 @@ def load_file(filename: PathLike, device: Device = "cpu", *, backend: Optional[s
     path = _compat.filename_of(filename)
     cached_read = _compat.cached_read_of(backend)
     try:
-        sd, move_to = _load([path], device, request(progress=progress, prefetch=prefetch, options=options,
+        sd, move_to = _tt.load_paths([path], device, request(progress=progress, prefetch=prefetch, options=options,
                                                     **load_options), cached_read)
     except NotFoundError as e:
         raise _compat.missing_file(e, path) from None
-    return dict(_yield_all(sd, move_to, path))
+    return dict(_tt.yield_all(sd, move_to, path))
 
 
 def load(data: bytes, **options: Any) -> Dict[str, torch.Tensor]:
@@ -435,7 +166,7 @@ def load_files(index_or_paths: Union[PathLike, Sequence[PathLike]], device: Devi
     Returns name -> tensor in load order. Options: see the module docstring.
     """
     req = request(progress=progress, prefetch=prefetch, options=options, **load_options)
-    return dict(_iterate(_as_paths(index_or_paths), device, req))
+    return dict(_tt.iterate(_loading.as_paths(index_or_paths), device, req))
 
 
 def load_files_batch(paths: Sequence[PathLike], device: Device = "cpu", *, return_errors: bool = False,
@@ -458,7 +189,7 @@ def load_files_batch(paths: Sequence[PathLike], device: Device = "cpu", *, retur
     (KeyboardInterrupt). ``backend`` and the options: as ``load_file``; the dtype conversion options
     (``dtype``, ``keep``) and ``prefetch`` are not taken here.
     """
-    names = _as_paths(paths)
+    names = _loading.as_paths(paths)
     seen: set = set()
     for p in names:
         if p in seen:
@@ -468,7 +199,7 @@ def load_files_batch(paths: Sequence[PathLike], device: Device = "cpu", *, retur
     if req.options.dtype is not None:
         raise TypeError("load_files_batch takes no dtype/keep/keep_dtype options")
     cached_read = _compat.cached_read_of(backend)
-    spec, move_to = _resolve_device(device)
+    spec, move_to = _tt.resolve_device(device)
     entries = _core.load_batch([os.fsencode(p) for p in names], spec, req.options, cached_read=cached_read)
     out: Dict[str, Any] = {}
     failed: Dict[str, BaseException] = {}
@@ -476,7 +207,7 @@ def load_files_batch(paths: Sequence[PathLike], device: Device = "cpu", *, retur
     for p, entry in zip(names, entries):
         if not isinstance(entry, BaseException):
             try:
-                entry = dict(_yield_all(entry, move_to, p))
+                entry = dict(_tt.yield_all(entry, move_to, p))
             except _core.Error as e:  # a dtype torch cannot hold: this path's error too
                 entry = e
         if isinstance(entry, BaseException):
@@ -507,7 +238,7 @@ def iter_tensors(paths: Union[PathLike, Sequence[PathLike]], device: Device = "c
     ``next()``.
     """
     req = request(progress=progress, prefetch=prefetch, options=options, **load_options)
-    return _stream(_as_paths(paths), device, req)
+    return _tt.stream_tensors(_loading.as_paths(paths), device, req)
 
 
 # ---- safe_open ----
@@ -569,19 +300,19 @@ class safe_open:
         if framework in ("np", "numpy"):
             self._numpy = True
             if device not in ("cpu", None) and str(device) != "cpu":
-                raise _error(InvalidFileError, f"numpy arrays live in host memory; device must be 'cpu', not {device!r}",
+                raise _tt.error(InvalidFileError, f"numpy arrays live in host memory; device must be 'cpu', not {device!r}",
                              file=self._path)
         elif framework in ("pt", "torch", "pytorch"):
             self._numpy = False
         else:
-            raise _error(InvalidFileError,
+            raise _tt.error(InvalidFileError,
                          f"framework {framework!r} is not supported: pinload returns torch tensors (framework='pt') "
                          "or numpy arrays (framework='np')",
                          file=self._path)
         self._cached_read = _compat.cached_read_of(backend)
         self._device = device
         self._request = request(progress=progress, prefetch=prefetch, options=options, **load_options)
-        spec, _ = _resolve_device(device)
+        spec, _ = _tt.resolve_device(device)
         if spec != "cpu":
             _core.pool_stats(spec)  # opens the device now: an unusable one fails here, not at get_tensor
         # Held open until close(): get_tensor reads the file whose header this is, even after the path
@@ -635,11 +366,11 @@ class safe_open:
         with self._lock:
             self._check_open()
             if self._sd is None:
-                sd, move_to = _load([self._path], self._device, self._request, self._cached_read, self._held)
+                sd, move_to = _tt.load_paths([self._path], self._device, self._request, self._cached_read, self._held)
                 # Names and shapes (a dtype= load converts the dtypes).
                 if self._held is None and ({n: list(s) for n, _, s in sd.infos()} !=
                                            {n: list(s) for n, (_, s) in self._info.items()}):
-                    raise _error(IoError, "the object changed since safe_open read its header: reopen it",
+                    raise _tt.error(IoError, "the object changed since safe_open read its header: reopen it",
                                  file=self._path)
                 self._sd, self._move_to = sd, move_to
                 self._loaded()
@@ -671,27 +402,27 @@ class safe_open:
 
             numpy_dtype(dtype, name, self._path)
         else:
-            _torch_dtype(dtype, name, self._path)
+            _tt.torch_dtype(dtype, name, self._path)
 
     def get_tensor(self, name: str) -> Any:
         """The tensor (framework "pt") or array (framework "np") ``name``."""
         dtype, shape = self._info_of(name)
         self._check_dtype(dtype, name)
-        _torch_shape(dtype, shape, name, self._path)
+        _tt.torch_shape(dtype, shape, name, self._path)
         sd = self._state_dict()
         _, dtype, shape, export = sd.export(name)
         if self._numpy:
             from .numpy import to_numpy
 
             return to_numpy(dtype, shape, export, name, self._path)
-        return _to_torch(dtype, shape, export, sd.torch_device, self._move_to, name, self._path)
+        return _tt.to_torch(dtype, shape, export, sd.torch_device, self._move_to, name, self._path)
 
     def get_tensors(self) -> Dict[str, Any]:
         """Every tensor, in file order."""
         self._check_open()
         for name in self._offset_order:
             self._check_dtype(self._info[name][0], name)
-            _torch_shape(self._info[name][0], self._info[name][1], name, self._path)
+            _tt.torch_shape(self._info[name][0], self._info[name][1], name, self._path)
         return {name: self.get_tensor(name) for name in self._offset_order}
 
     def get_slice(self, name: str) -> _Slice:
@@ -711,8 +442,34 @@ class safe_open:
         return f"<pinload.safe_open {self._path!r} {len(self._info)} tensors, {state}>"
 
 
-# safe_open over an open file object (safetensors' _safe_open_handle): Note [Handles] there.
-from ._file_handle import safe_open_handle  # noqa: E402
+# safe_open over an open file object (safetensors' _safe_open_handle): Note [Handles] in _file_handle.py.
+class safe_open_handle(safe_open):
+    """``safe_open`` (pinload.torch.safe_open, same methods and options) over an open file object
+    instead of a path (Note [Handles] above). Holds a descriptor of its own until ``close()``."""
+
+    def __init__(self, f: Any, framework: str = "pt", device: Device = "cpu", **options: Any) -> None:
+        fd = _file_handle.descriptor(f)
+        # A descriptor of the handle's own: its /proc/self/fd path stays valid (and names the same
+        # file) until close(), whatever happens to the object.
+        self._own_fd: Optional[int] = os.dup(fd) if fd is not None else _file_handle.copy_to_memory_file(f)
+        try:
+            super().__init__(f"/proc/self/fd/{self._own_fd}", framework, device, **options)
+        except BaseException:
+            self._close_fd()
+            raise
+
+    def _close_fd(self) -> None:
+        fd, self._own_fd = getattr(self, "_own_fd", None), None
+        if fd is not None:
+            os.close(fd)
+
+    def close(self) -> None:
+        super().close()
+        with self._lock:
+            self._close_fd()
+
+    def __del__(self) -> None:
+        self._close_fd()
 
 
 # TensorSpec and SafetensorError: the reference's own classes, where the installed safetensors has

@@ -94,6 +94,32 @@ def test_unplaced_folders_and_public_headers_fail(tmp_path):
     assert "include/pinload/newthing.h: public header not in PUBLIC_HEADERS" in r.stderr, r.stderr
 
 
+PYTHON_CLEAN = {
+    "python/pinload/__init__.py": "from .torch import load_file\n",
+    "python/pinload/_helpers.py": "import os\n",
+    "python/pinload/torch.py": "from . import _helpers\nfrom ._helpers import os\n\n\ndef load_file():\n"
+                               "    from .numpy import load\n    return load\n",
+    "python/pinload/numpy.py": "from typing import TYPE_CHECKING\nfrom . import _helpers\n"
+                               "if TYPE_CHECKING:\n    from .torch import load_file\n\n\ndef load():\n"
+                               "    from .torch import load_file\n    return load_file\n",
+}
+
+
+def test_python_imports_inside_functions_and_for_type_checking_pass(tmp_path):
+    r = run(tree(tmp_path, {**CLEAN, **PYTHON_CLEAN}))
+    assert r.returncode == 0, r.stderr
+
+
+def test_a_python_import_cycle_fails_naming_both_imports(tmp_path):
+    files = {**CLEAN, **PYTHON_CLEAN}
+    files["python/pinload/_helpers.py"] = "import os\ntry:\n    from .torch import load_file\nexcept ImportError:\n    pass\n"
+    r = run(tree(tmp_path, files))
+    assert r.returncode == 1
+    assert "import cycle between Python modules pinload._helpers, pinload.torch" in r.stderr, r.stderr
+    assert "python/pinload/_helpers.py:3 imports pinload.torch" in r.stderr, r.stderr
+    assert "python/pinload/torch.py:1 imports pinload._helpers" in r.stderr, r.stderr
+
+
 def test_a_stale_exception_fails():
     module = load_script()
     module.EXCEPTIONS[("src/io/gone.cc", "load/gone.h")] = "fixed long ago"
