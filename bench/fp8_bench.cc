@@ -63,6 +63,7 @@
 #include "format/dtype_convert.h"
 #include "format/simd.h"
 #include "memory/huge_page_collapse.h"
+#include "cli/command.h"
 #include "pinload/convert.h"
 #include "pinload/device.h"
 #include "pinload/loader.h"
@@ -197,22 +198,25 @@ int main(int argc, char** argv) {
   std::string json_path;
   std::string device_spec;
   std::string only_cases;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    auto value = [&] { return i + 1 < argc ? std::string(argv[++i]) : std::string(); };
-    if (a == "--dir") dir = value();
-    else if (a == "--size-mib") size_mib = std::stoull(value());
-    else if (a == "--rounds") rounds = std::stoi(value());
-    else if (a == "--threads") threads = static_cast<unsigned>(std::stoul(value()));
-    else if (a == "--block-size-kib") block_kib = std::stoull(value());
-    else if (a == "--json") json_path = value();
-    else if (a == "--device") device_spec = value();
-    else if (a == "--cases") only_cases = "," + value() + ",";
-    else {
-      std::fprintf(stderr, "usage: fp8-bench [--dir DIR] [--size-mib N] [--rounds R] [--threads T] [--block-size-kib K] [--json FILE] [--device D] [--cases A,B]\n");
-      return 2;
-    }
+  // Parsed by CLI11, as the pinload command (src/cli/command.h).
+  CLI::App app("FP8 against bf16 loads, conversions against memcpy (docs/fp8.md)", "fp8-bench");
+  app.option_defaults()->always_capture_default();
+  app.add_option("--dir", dir, "where the generated checkpoints are kept");
+  app.add_option("--size-mib", size_mib, "MiB of bf16 weights in the generated checkpoint")
+      ->transform(cli::integer_range(1, 1 << 20));
+  app.add_option("--rounds", rounds, "rounds, each case once per round in a rotated order")
+      ->transform(cli::integer_range(1, 1000));
+  app.add_option("--threads", threads, "reader threads")->transform(cli::integer_range(1, kMaxThreads));
+  app.add_option("--block-size-kib", block_kib, "KiB per read")->transform(cli::integer_range(4, 1 << 20));
+  app.add_option("--json", json_path, "write the results as JSON");
+  app.add_option("--device", device_spec, "cpu (host memory), sim or cuda:N");
+  app.add_option("--cases", only_cases, "comma list of the cases to run (default all)");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
   }
+  if (!only_cases.empty()) only_cases = "," + only_cases + ",";
   try {
     fs::create_directories(dir);
     const std::string bf16 = dir + "/bf16.safetensors", fp8 = dir + "/fp8.safetensors", fp32 = dir + "/fp32.safetensors";

@@ -50,7 +50,7 @@
 //
 // Layout: the system probes (fio, memcpy, read(), the page cache, first touch,
 // the machine's description) are in system_probe.h; this file parses the
-// arguments, runs one function per phase in the order above, then derives the
+// arguments (CLI11, with the pinload command's reader options: --help lists them), runs one function per phase in the order above, then derives the
 // ratios and targets and prints the table. Every phase writes its part of the
 // JSON's "results" in the order the phases run.
 #include <algorithm>
@@ -80,6 +80,7 @@
 #include "pinload/loader.h"
 #include "pinload/model_cache.h"
 #include "pinload/pool.h"
+#include "cli/command.h"
 #include "cli/load_option_args.h"
 #include "cli/size_arg.h"
 #include "fio_compare.h"
@@ -112,40 +113,6 @@ using pinload::bench::memcpy_gbps;
 using pinload::bench::read_first_line;
 using pinload::bench::residency;
 
-constexpr const char* kUsage =
-    "usage: pinload-bench [options] PATH...\n"
-    "  --threads N            reader threads (default 8)\n"
-    "  --block-size B         bytes per read, K/M suffix (default 8M)\n"
-    "  --direct auto|on|off   O_DIRECT policy (default auto)\n"
-    "  --cached-read auto|map|pread   files in the page cache: the faster of the two measured,\n"
-    "                         copied from a mapping, or pread (default auto)\n"
-    "  --repeat N             runs per measurement (default 3)\n"
-    "  --huge-pages off|thp|explicit   pool memory (default thp)\n"
-    "  --lock on|off          mlock the pool's memory (default off, as the library's host pools)\n"
-    "  --phases LIST          comma list of memcpy,fio,buffered,cold,warm,cached-read,pool,sweep,\n"
-    "                         device,switch\n"
-    "                         (default all but sweep and switch; device only with --device)\n"
-    "  --device SPEC          also load to cuda:N or sim (the CPU stand-in): adds the device phase\n"
-    "  --streams N            copy streams (default 2)\n"
-    "  --chunk-size B         bytes per copy (default 8M)\n"
-    "  --staging-bytes B      host budget of the streaming load (default 256M)\n"
-    "  --sweep                add the threads x block-size sweep\n"
-    "  --verify               add the verify phase: cold loads checked against a manifest\n"
-    "                         (Note [Verified loads]) and plain ones, alternating, same pool\n"
-    "  --sweep-threads LIST   default 1,2,4,8,16\n"
-    "  --sweep-blocks LIST    default 256K,1M,2M,8M\n"
-    "  --sweep-repeat N       runs per sweep point (default 1)\n"
-    "  --sweep-warm on|off    also sweep warm loads (default on)\n"
-    "  --fio-runtime S        cap each fio run at S seconds (default: whole files)\n"
-    "  --hugetlb off|auto|N   as root, set vm.nr_hugepages for the run and restore it at exit:\n"
-    "                         fio then also runs with huge-page buffers (--iomem=shmhuge), and\n"
-    "                         --huge-pages explicit gets its pages (auto: what those need)\n"
-    "  --memcpy-bytes B       memcpy buffer size (default 512M)\n"
-    "  --pool-settle S        idle seconds after the cache drop before the pool phase (default 10)\n"
-    "  --variant V            checkpoint variant (fp16, ...)\n"
-    "  --label TEXT           free text stored in the JSON\n"
-    "  --json OUT             write the results as JSON\n";
-
 struct UsageError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
@@ -154,15 +121,6 @@ std::uint64_t parse_size(const std::string& text) {
   const std::optional<std::uint64_t> size = pinload::cli::parse_size_arg(text);
   if (!size) throw UsageError("not a size: '" + text + "' (bytes, or a number with K, M or G)");
   return *size;
-}
-
-std::vector<std::string> split(const std::string& text, char sep = ',') {
-  std::vector<std::string> out;
-  std::stringstream ss(text);
-  for (std::string item; std::getline(ss, item, sep);) {
-    if (!item.empty()) out.push_back(item);
-  }
-  return out;
 }
 
 struct Args {
@@ -208,97 +166,88 @@ const char* huge_pages_name(pinload::HugePages h) {
 
 using pinload::cli::cached_read_arg_name;
 using pinload::cli::direct_arg_name;
+using pinload::cli::integer_range;
+using pinload::cli::size_range;
 
+constexpr const char* kPhases[] = {"memcpy", "fio", "buffered", "cold", "warm", "cached-read",
+                                   "pool", "sweep", "device", "switch", "verify"};
+
+// Parsed by CLI11 with the pinload command's reader options (src/cli/command.h):
+// the same spellings and ranges. Exits with CLI11's message and code on a
+// command-line mistake, or after --help.
 Args parse_args(int argc, char** argv) {
   Args a;
-  for (int i = 1; i < argc; ++i) {
-    const std::string s = argv[i];
-    auto value = [&]() -> std::string {
-      if (i + 1 >= argc) throw UsageError(s + " needs a value");
-      return argv[++i];
-    };
-    if (s == "-h" || s == "--help") {
-      std::cout << kUsage;
-      std::exit(0);
-    } else if (s == "--threads") {
-      a.load.threads = static_cast<unsigned>(parse_size(value()));
-    } else if (s == "--block-size") {
-      a.load.block_size = parse_size(value());
-    } else if (s == "--direct") {
-      const auto d = pinload::cli::parse_direct_arg(value());
-      if (!d) throw UsageError("--direct takes auto, on or off");
-      a.load.direct = *d;
-    } else if (s == "--cached-read") {
-      const auto c = pinload::cli::parse_cached_read_arg(value());
-      if (!c) throw UsageError("--cached-read takes auto, map or pread");
-      a.load.cached_read = *c;
-    } else if (s == "--repeat") {
-      a.repeat = std::max(1, std::stoi(value()));
-    } else if (s == "--huge-pages") {
-      const std::string v = value();
-      if (v == "off") a.huge_pages = pinload::HugePages::kOff;
-      else if (v == "thp") a.huge_pages = pinload::HugePages::kTransparent;
-      else if (v == "explicit") a.huge_pages = pinload::HugePages::kExplicit;
-      else throw UsageError("--huge-pages takes off, thp or explicit");
-    } else if (s == "--phases") {
-      a.phases = split(value());
-      for (const auto& p : a.phases) {
-        if (p != "memcpy" && p != "fio" && p != "buffered" && p != "cold" && p != "warm" && p != "pool" &&
-            p != "sweep" && p != "device" && p != "switch" && p != "cached-read" && p != "verify") {
-          throw UsageError("unknown phase '" + p + "'");
-        }
-      }
-    } else if (s == "--verify") {
-      a.phases.push_back("verify");
-    } else if (s == "--sweep") {
-      if (!a.has("sweep")) a.phases.push_back("sweep");
-    } else if (s == "--sweep-threads") {
-      a.sweep_threads.clear();
-      for (const auto& t : split(value())) a.sweep_threads.push_back(static_cast<unsigned>(parse_size(t)));
-    } else if (s == "--sweep-blocks") {
-      a.sweep_blocks.clear();
-      for (const auto& b : split(value())) a.sweep_blocks.push_back(parse_size(b));
-    } else if (s == "--sweep-repeat") {
-      a.sweep_repeat = std::max(1, std::stoi(value()));
-    } else if (s == "--sweep-warm") {
-      a.sweep_warm = value() != "off";
-    } else if (s == "--hugetlb") {
-      a.hugetlb = value();
-      if (a.hugetlb != "off" && a.hugetlb != "auto") parse_size(a.hugetlb);
-    } else if (s == "--lock") {
-      const std::string v = value();
-      if (v != "on" && v != "off") throw UsageError("--lock takes on or off");
-      a.lock = v == "on";
-    } else if (s == "--pool-settle") {
-      a.pool_settle = std::max(0, std::stoi(value()));
-    } else if (s == "--fio-runtime") {
-      a.fio_runtime = std::stoi(value());
-    } else if (s == "--memcpy-bytes") {
-      a.memcpy_bytes = parse_size(value());
-    } else if (s == "--variant") {
-      a.load.resolve.variant = value();
-    } else if (s == "--device") {
-      a.device = value();
-      if (!a.has("device")) a.phases.push_back("device");
-    } else if (s == "--streams") {
-      a.copy.streams = std::max<std::size_t>(1, parse_size(value()));
-    } else if (s == "--chunk-size") {
-      a.copy.chunk_bytes = std::max<std::size_t>(4096, parse_size(value()));
-    } else if (s == "--staging-bytes") {
-      a.staging_bytes = parse_size(value());
-    } else if (s == "--label") {
-      a.label = value();
-    } else if (s == "--json") {
-      a.json_out = value();
-    } else if (s == "--") {
-      for (++i; i < argc; ++i) a.paths.emplace_back(argv[i]);
-    } else if (s.size() > 1 && s[0] == '-') {
-      throw UsageError("unknown option " + s);
-    } else {
-      a.paths.push_back(s);
-    }
+  CLI::App app("End-to-end loads next to fio, read() and memcpy (docs/benchmarks.md)", "pinload-bench");
+  app.option_defaults()->always_capture_default();
+  pinload::cli::add_reader_options(app, &a.load);
+  pinload::cli::add_paths(app, &a.paths);
+  app.add_option("--repeat", a.repeat, "runs per measurement")->transform(integer_range(1, 1000));
+  app.add_option("--huge-pages", a.huge_pages, "pool memory")
+      ->transform(CLI::CheckedTransformer(std::map<std::string, pinload::HugePages>{
+          {"off", pinload::HugePages::kOff}, {"thp", pinload::HugePages::kTransparent},
+          {"explicit", pinload::HugePages::kExplicit}}).description(""))
+      ->type_name("off|thp|explicit")
+      ->default_str("thp");
+  app.add_option("--lock", a.lock, "mlock the pool's memory (as the library's host pools: off)")
+      ->transform(CLI::CheckedTransformer(std::map<std::string, bool>{{"on", true}, {"off", false}}).description(""))
+      ->type_name("on|off")
+      ->default_str(a.lock ? "on" : "off");
+  app.add_option("--phases", a.phases,
+                 "comma list of memcpy, fio, buffered, cold, warm, cached-read, pool, sweep, device, switch, verify "
+                 "(default all but sweep, switch and verify; device only with --device)")
+      ->delimiter(',')
+      ->check(CLI::IsMember(std::vector<std::string>(std::begin(kPhases), std::end(kPhases))).description(""))
+      ->type_name("LIST");
+  bool verify = false, sweep = false;
+  app.add_flag("--verify", verify,
+               "add the verify phase: cold loads checked against a manifest (Note [Verified loads]) and plain ones, "
+               "alternating, same pool");
+  app.add_flag("--sweep", sweep, "add the threads x block-size sweep");
+  app.add_option("--sweep-threads", a.sweep_threads, "comma list")->delimiter(',')->transform(integer_range(1, 1024));
+  app.add_option("--sweep-blocks", a.sweep_blocks, "comma list of sizes")
+      ->delimiter(',')
+      ->transform(size_range(4096, std::uint64_t{1} << 30));
+  app.add_option("--sweep-repeat", a.sweep_repeat, "runs per sweep point")->transform(integer_range(1, 1000));
+  app.add_option("--sweep-warm", a.sweep_warm, "also sweep warm loads")
+      ->transform(CLI::CheckedTransformer(std::map<std::string, bool>{{"on", true}, {"off", false}}).description(""))
+      ->type_name("on|off")
+      ->default_str("on");
+  app.add_option("--fio-runtime", a.fio_runtime, "cap each fio run at S seconds (0: whole files)")
+      ->transform(integer_range(0, 86400));
+  app.add_option("--hugetlb", a.hugetlb,
+                 "as root, set vm.nr_hugepages for the run and restore it at exit: fio then also runs with "
+                 "huge-page buffers (--iomem=shmhuge), and --huge-pages explicit gets its pages (auto: what those "
+                 "need)")
+      ->type_name("off|auto|N")
+      ->check(CLI::Validator(
+          [](std::string& text) -> std::string {
+            if (text == "off" || text == "auto" || pinload::cli::parse_size_arg(text)) return {};
+            return "takes off, auto or a number of pages, not '" + text + "'";
+          },
+          ""));
+  app.add_option("--memcpy-bytes", a.memcpy_bytes, "memcpy buffer size")
+      ->transform(size_range(4096, std::uint64_t{1} << 40))
+      ->default_str(pinload::cli::size_text(a.memcpy_bytes));
+  app.add_option("--pool-settle", a.pool_settle, "idle seconds after the cache drop before the pool phase")
+      ->transform(integer_range(0, 3600));
+  app.add_option("--device", a.device, "also load to cuda:N or sim (the CPU stand-in): adds the device phase");
+  app.add_option("--streams", a.copy.streams, "copy streams")->transform(integer_range(1, pinload::kMaxCopyStreams));
+  app.add_option("--chunk-size", a.copy.chunk_bytes, "bytes per copy")
+      ->transform(size_range(4096, std::uint64_t{1} << 40))
+      ->default_str(pinload::cli::size_text(a.copy.chunk_bytes));
+  app.add_option("--staging-bytes", a.staging_bytes, "host budget of the streaming load")
+      ->transform(size_range(1, std::uint64_t{1} << 50))
+      ->default_str(pinload::cli::size_text(a.staging_bytes));
+  app.add_option("--label", a.label, "free text stored in the JSON");
+  app.add_option("--json", a.json_out, "write the results as JSON");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    std::exit(app.exit(e));
   }
-  if (a.paths.empty()) throw UsageError("no path given");
+  if (verify && !a.has("verify")) a.phases.push_back("verify");
+  if (sweep && !a.has("sweep")) a.phases.push_back("sweep");
+  if (!a.device.empty() && !a.has("device")) a.phases.push_back("device");
   if (a.has("device") && a.device.empty()) throw UsageError("the device phase needs --device");
   return a;
 }
@@ -1261,7 +1210,7 @@ int main(int argc, char** argv) {
   try {
     return run(parse_args(argc, argv));
   } catch (const UsageError& e) {
-    std::cerr << "pinload-bench: " << e.what() << "\n" << kUsage;
+    std::cerr << "pinload-bench: " << e.what() << "\n";
     return 2;
   } catch (const std::exception& e) {
     std::cerr << "pinload-bench: " << e.what() << "\n";

@@ -26,6 +26,7 @@
 
 #include <unistd.h>
 
+#include "cli/command.h"
 #include "pinload/error.h"
 #include "pinload/io_template.h"
 #include "pinload/loader.h"
@@ -45,40 +46,28 @@ struct Args {
   std::vector<std::string> paths;
 };
 
-[[noreturn]] void usage() {
-  std::fprintf(stderr,
-               "usage: startup-bench [--init SECONDS] [--busy] [--repeat N] [--threads N] [--no-cold]\n"
-               "                     [--template-dir DIR] PATH...\n");
-  std::exit(2);
-}
-
+// Parsed by CLI11, as the pinload command (src/cli/command.h); exits with
+// CLI11's message and code on a command-line mistake, or after --help.
 Args parse(int argc, char** argv) {
   Args a;
-  for (int i = 1; i < argc; ++i) {
-    const std::string s = argv[i];
-    auto value = [&]() -> std::string {
-      if (i + 1 >= argc) usage();
-      return argv[++i];
-    };
-    if (s == "--init") {
-      a.init_seconds = std::stod(value());
-    } else if (s == "--busy") {
-      a.busy = true;
-    } else if (s == "--repeat") {
-      a.repeat = std::max(1, std::stoi(value()));
-    } else if (s == "--threads") {
-      a.threads = static_cast<unsigned>(std::stoul(value()));
-    } else if (s == "--no-cold") {
-      a.cold = false;
-    } else if (s == "--template-dir") {
-      a.template_dir = value();
-    } else if (!s.empty() && s[0] == '-') {
-      usage();
-    } else {
-      a.paths.push_back(s);
-    }
+  CLI::App app("A simulated start-up (init of T seconds, then a load) with and without prefetch and I/O templates",
+               "startup-bench");
+  app.option_defaults()->always_capture_default();
+  app.add_option("--init", a.init_seconds, "seconds the framework's initialisation takes")->check(CLI::Range(0.0, 3600.0));
+  app.add_flag("--busy", a.busy, "the initialisation spins one core (else it sleeps)");
+  app.add_option("--repeat", a.repeat, "runs per case")->transform(pinload::cli::integer_range(1, 1000));
+  app.add_option("--threads", a.threads, "reader threads")
+      ->transform(pinload::cli::integer_range(1, pinload::kMaxThreads));
+  bool no_cold = false;
+  app.add_flag("--no-cold", no_cold, "keep the page cache (no root needed)");
+  app.add_option("--template-dir", a.template_dir, "where I/O templates are recorded and replayed");
+  pinload::cli::add_paths(app, &a.paths);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    std::exit(app.exit(e));
   }
-  if (a.paths.empty()) usage();
+  a.cold = !no_cold;
   return a;
 }
 
