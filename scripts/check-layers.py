@@ -70,6 +70,7 @@ PUBLIC_HEADERS = {
     "shard.h": "load",
     "prefetch.h": "load",
     "model_cache.h": "load",
+    "session.h": "load",
     "torch.h": "torch",
 }
 

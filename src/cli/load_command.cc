@@ -14,6 +14,7 @@
 #include "cli/progress.h"
 #include "pinload/checkpoint.h"
 #include "pinload/device.h"
+#include "pinload/session.h"
 #include "pinload/error.h"
 #include "pinload/loader.h"
 #include "load/verify.h"  // detail::file_named
@@ -70,7 +71,6 @@ void print_details(const Loader& loader, const LoadProgress& p, Device* device) 
 }
 
 void run_load(const LoadArgs& args) {
-  std::unique_ptr<Device> device;
   LoadOptions options = args.load;
   const DeviceSpec spec = parse_device_spec(args.device, "--device");
   if (args.staging_bytes != 0 && spec.is_host()) throw UsageError("--staging-bytes needs --device");
@@ -90,11 +90,11 @@ void run_load(const LoadArgs& args) {
     if (eq == std::string::npos || eq == 0) throw UsageError("--sha256 takes FILE=HEX, not '" + pair + "'");
     options.verify.file_sha256.emplace_back(pair.substr(0, eq), pair.substr(eq + 1));
   }
-  if (!spec.is_host()) {
-    device = open_device(spec);
-    options.target.device = device.get();
-  }
-  Loader loader(options);
+  // The process's session (Note [Sessions]): its device and the pools of the
+  // options' budget and NUMA node, shared by every PATH's load.
+  Device* device = Session::process().device(spec.name());
+  options.target.device = device;
+  Loader loader = Session::process().loader(spec.name(), options);
   // Each PATH is its own load, and a load refuses a --sha256 that names none
   // of its files: with several PATHs, each gets the digests of its own files.
   std::vector<std::optional<Loader>> own(args.paths.size());
@@ -136,7 +136,7 @@ void run_load(const LoadArgs& args) {
     if (args.digest) {
       for (const Tensor& t : sd) {
         std::cout << printable(t.name()) << '\t' << dtype_name(t.dtype()) << '\t' << shape_text(t.shape()) << '\t'
-                  << tensor_digest(t, device.get()) << '\n';
+                  << tensor_digest(t, device) << '\n';
       }
       std::cout.flush();
     }
@@ -144,7 +144,7 @@ void run_load(const LoadArgs& args) {
       std::fprintf(stderr, "%s: %zu tensors, %.3f GB in %.3f s = %.2f GB/s\n", printable(path).c_str(), sd.size(),
                    p.bytes_total / 1e9, seconds, seconds > 0 ? p.bytes_total / 1e9 / seconds : 0.0);
     }
-    if (args.verbose) print_details(loader, p, device.get());
+    if (args.verbose) print_details(loader, p, device);
   }
 }
 

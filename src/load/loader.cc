@@ -18,6 +18,7 @@
 #include "io/read_session.h"
 #include "load/convert_on_load.h"
 #include "load/load_plan.h"
+#include "load/numa_choice.h"
 #include "load/load_counters.h"
 #include "load/prefetch_handover.h"
 #include "load/verify.h"
@@ -87,28 +88,6 @@ class Arrivals {
   std::vector<File> files_;
 };
 
-// Note [NUMA placement] (numa.h). Under kNumaAuto, a sysfs it cannot read
-// turns placement off rather than failing the load.
-NumaPlacement choose_numa_placement(const LoadOptions& options) {
-  const int requested = options.numa.node;
-  if (requested == kNumaNone) return {};
-  try {
-    const NumaTopology topology = NumaTopology::read(options.numa.sysfs_root);
-    const Device* device = options.target.device;
-    const int device_node =
-        requested == kNumaAuto && device != nullptr && topology.multi_node() ? device->numa_node(topology) : -1;
-    NumaPlacement placement = place_numa(topology, requested, device_node);
-    if (placement.active()) {
-      log::debug("NUMA: pool memory and readers on node {} (CPUs {})", placement.node,
-                 format_cpulist(placement.cpus));
-    }
-    return placement;
-  } catch (const Error& e) {
-    if (requested != kNumaAuto) throw;
-    log::warn("NUMA placement off: {}", e.what());
-    return {};
-  }
-}
 
 
 // ---- the stages of Loader::run ----
@@ -417,17 +396,44 @@ std::shared_ptr<Pool> staging_pool_on(const LoadOptions& options, Env* env, int 
 
 }  // namespace
 
+namespace detail {
+
+// Note [NUMA placement] (numa.h). Under kNumaAuto, a sysfs it cannot read
+// turns placement off rather than failing the load.
+NumaPlacement choose_numa_placement(const LoadOptions& options) {
+  const int requested = options.numa.node;
+  if (requested == kNumaNone) return {};
+  try {
+    const NumaTopology topology = NumaTopology::read(options.numa.sysfs_root);
+    const Device* device = options.target.device;
+    const int device_node =
+        requested == kNumaAuto && device != nullptr && topology.multi_node() ? device->numa_node(topology) : -1;
+    NumaPlacement placement = place_numa(topology, requested, device_node);
+    if (placement.active()) {
+      log::debug("NUMA: pool memory and readers on node {} (CPUs {})", placement.node,
+                 format_cpulist(placement.cpus));
+    }
+    return placement;
+  } catch (const Error& e) {
+    if (requested != kNumaAuto) throw;
+    log::warn("NUMA placement off: {}", e.what());
+    return {};
+  }
+}
+
+}  // namespace detail
+
 std::shared_ptr<Pool> make_staging_pool(const LoadOptions& options, Env* env) {
   options.validate();
   if (options.target.device == nullptr) throw InvalidArgumentError("staging_bytes (streaming mode) needs a target device");
-  return staging_pool_on(options, env != nullptr ? env : default_env(), choose_numa_placement(options).node);
+  return staging_pool_on(options, env != nullptr ? env : default_env(), detail::choose_numa_placement(options).node);
 }
 
 Loader::Loader(LoadOptions options, std::shared_ptr<Pool> pool, Env* env, std::shared_ptr<Pool> staging)
     : options_((options.validate(), options)),
       pool_(std::move(pool)),
       env_(env != nullptr ? env : default_env()),
-      numa_(choose_numa_placement(options_)) {
+      numa_(detail::choose_numa_placement(options_)) {
   if (options_.target.mode == DeviceMode::kStreaming && options_.target.device == nullptr) {
     throw InvalidArgumentError("staging_bytes (streaming mode) needs a target device");
   }

@@ -30,6 +30,7 @@
 #include "pinload/shard.h"
 #include "pinload/state_dict.h"
 #include "registry.h"
+#include "pinload/session.h"
 
 namespace pinload::python {
 namespace {
@@ -267,11 +268,8 @@ Loader make_loader(const std::vector<std::string>& paths, const std::string& dev
   Device* device = device_for(device_spec, placement);
   LoadOptions load = options.for_device(device, !prefetching);
   load.cached_read = cached_read;
-  std::shared_ptr<Pool> staging;
-  if (device != nullptr && load.target.mode == DeviceMode::kStreaming) {
-    staging = staging_pool_for(load, placement->device());
-  }
-  return Loader(load, pool_for(device_spec, options.pool_bytes), env, std::move(staging));
+  load.pool_bytes = options.pool_bytes.value_or(0);  // the session's pool of that budget
+  return Session::process().loader(device_spec, std::move(load), env);
 }
 
 CachedRead cached_read_from_python(const std::string& text) {

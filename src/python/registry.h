@@ -1,5 +1,6 @@
-// Internal to pinload._core: one Device and one Pool per device, for the whole
-// process, so that every load to "cuda:0" shares that device's pinned pool.
+// Internal to pinload._core: the devices and pools of the process's session
+// (pinload/session.h), so that every load to "cuda:0" shares that device's
+// pinned pool, with the C++ code of the same process too.
 #pragma once
 
 #include <cstdint>

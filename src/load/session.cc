@@ -1,0 +1,123 @@
+#include "pinload/session.h"
+
+#include <map>
+#include <mutex>
+#include <string>
+#include <tuple>
+
+#include "load/numa_choice.h"
+#include "pinload/error.h"
+#include "pinload/host_memory.h"
+
+namespace pinload {
+
+struct Session::State {
+  std::mutex mu;
+  std::map<std::string, std::unique_ptr<Device>> devices;  // by canonical name
+  // By device name, budget and NUMA node (-1: none).
+  std::map<std::tuple<std::string, std::uint64_t, int>, std::shared_ptr<Pool>> pools;
+  std::map<std::tuple<std::string, std::uint64_t, int>, std::shared_ptr<Pool>> staging_pools;
+};
+
+namespace {
+
+// The pool of a device's (or the host's) loads, on `numa_node`.
+std::shared_ptr<Pool> make_pool(Env* env, Device* device, std::uint64_t capacity_bytes, int numa_node) {
+  PoolOptions options;
+  options.capacity_bytes = capacity_bytes;
+  if (device != nullptr) {
+    return Pool::create(device->make_pinned_backend(PinnedMemoryOptions{.env = env, .numa_node = numa_node}), options);
+  }
+  LockedMemoryOptions host = kHostPoolMemory;  // Note [Locking host pools]
+  host.numa_node = numa_node;
+  return Pool::create(make_locked_memory_backend(env, host), options);
+}
+
+// The NUMA node loads with `options` place their pools on (-1: none).
+int numa_node_of(const LoadOptions& options) { return detail::choose_numa_placement(options).node; }
+
+}  // namespace
+
+Session::Session(Env* env) : env_(env != nullptr ? env : default_env()), state_(std::make_unique<State>()) {}
+
+// Pools go before devices: a pinned pool's blocks are released through its device.
+Session::~Session() {
+  state_->staging_pools.clear();
+  state_->pools.clear();
+}
+
+Session& Session::process() {
+  static Session* session = new Session;  // never destroyed: Note [Sessions]
+  return *session;
+}
+
+Device* Session::device(std::string_view spec) {
+  const DeviceSpec parsed = parse_device_spec(spec);
+  if (parsed.is_host()) return nullptr;
+  std::lock_guard lock(state_->mu);
+  std::unique_ptr<Device>& device = state_->devices[parsed.name()];
+  if (!device) {
+    try {
+      device = open_device(parsed);
+    } catch (...) {
+      state_->devices.erase(parsed.name());
+      throw;
+    }
+  }
+  return device.get();
+}
+
+std::shared_ptr<Pool> Session::shared_pool(const std::string& name, Device* device, std::uint64_t capacity_bytes,
+                                           int numa_node) {
+  std::lock_guard lock(state_->mu);
+  std::shared_ptr<Pool>& pool = state_->pools[{name, capacity_bytes, numa_node}];
+  if (!pool) pool = make_pool(env_, device, capacity_bytes, numa_node);
+  return pool;
+}
+
+std::shared_ptr<Pool> Session::shared_staging_pool(const std::string& name, const LoadOptions& options, int numa_node) {
+  std::lock_guard lock(state_->mu);
+  std::shared_ptr<Pool>& pool = state_->staging_pools[{name, options.target.staging_bytes, numa_node}];
+  if (!pool) pool = make_staging_pool(options, env_);
+  return pool;
+}
+
+std::shared_ptr<Pool> Session::pool(std::string_view spec, std::uint64_t capacity_bytes) {
+  LoadOptions options;
+  options.target.device = device(spec);
+  return shared_pool(parse_device_spec(spec).name(), options.target.device, capacity_bytes, numa_node_of(options));
+}
+
+std::shared_ptr<Pool> Session::staging_pool(std::string_view spec, std::uint64_t staging_bytes) {
+  LoadOptions options;
+  options.target.device = device(spec);
+  if (options.target.device == nullptr) throw InvalidArgumentError("staging_bytes: staging pools are a device's");
+  options.target.mode = DeviceMode::kStreaming;
+  options.target.staging_bytes = staging_bytes;
+  options.validate();
+  return shared_staging_pool(parse_device_spec(spec).name(), options, numa_node_of(options));
+}
+
+Loader Session::loader(std::string_view spec, LoadOptions options, Env* env) {
+  options.target.device = device(spec);
+  options.validate();
+  const std::string name = parse_device_spec(spec).name();
+  const int node = numa_node_of(options);
+  std::shared_ptr<Pool> pool = shared_pool(name, options.target.device, options.pool_bytes, node);
+  std::shared_ptr<Pool> staging;
+  if (options.target.device != nullptr && options.target.mode == DeviceMode::kStreaming) {
+    staging = shared_staging_pool(name, options, node);
+  }
+  return Loader(std::move(options), std::move(pool), env != nullptr ? env : env_, std::move(staging));
+}
+
+Checkpoint Session::open(const std::vector<std::string>& paths, const ResolveOptions& options) const {
+  return open_checkpoint(env_, paths, options);
+}
+
+LoadHandle Session::start(std::string_view spec, LoadOptions options, std::vector<std::string> paths,
+                          HandOut hand_out) {
+  return loader(spec, std::move(options)).load_async(std::move(paths), hand_out);
+}
+
+}  // namespace pinload
