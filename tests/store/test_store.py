@@ -107,6 +107,35 @@ def test_cli_and_python_clients_map_one_copy_with_the_files_bytes(tmp_path, pinl
     wait_for(lambda: status(pinload_bin, daemon.socket)["entries"][0]["holders"] == 0, "the hold ended")
 
 
+def test_a_cli_command_and_a_cpp_program_share_one_copy(tmp_path, pinload_bin, daemon):
+    """`pinload load` and a C++ program loading through pinload::Session::process() (store_client.cc)
+    map the one entry the store read once, with the file's bytes."""
+    client_bin = os.environ.get("PINLOAD_STORE_CLIENT")
+    if not client_bin:
+        pytest.skip("PINLOAD_STORE_CLIENT (the pinload_store_client test program) is set by ctest only")
+    model = write_model(tmp_path / "m.safetensors", 8, 2)
+    expected = digests(model)
+    got, r = cli_digests(pinload_bin, daemon.socket, model, "-v")
+    assert got == expected and "1 from the store" in r.stderr
+    client = subprocess.Popen([client_bin, str(model), daemon.socket], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=CLIENT_ENV)
+    lines = []
+    while not lines or not lines[-1].startswith("store "):
+        line = client.stdout.readline()
+        if not line:
+            client.wait(30)
+            pytest.fail(f"the C++ client exited {client.returncode}: {client.stderr.read()}")
+        lines.append(line.rstrip("\n"))
+    assert dict(line.split("\t") for line in lines[:-1]) == expected
+    assert lines[-1] == "store 1"
+    s = status(pinload_bin, daemon.socket)
+    assert s["reads"] == 1 and s["misses"] == 1 and s["hits"] == 1
+    assert s["entries"][0]["path"] == str(model) and s["entries"][0]["holders"] == 1
+    client.stdin.close()
+    assert client.wait(30) == 0, client.stderr.read()
+    wait_for(lambda: status(pinload_bin, daemon.socket)["entries"][0]["holders"] == 0, "the hold ended")
+
+
 def test_concurrent_cold_clients_cause_one_read(tmp_path, pinload_bin, daemon):
     model = write_model(tmp_path / "m.safetensors", 96, 2)
     expected = digests(model)
