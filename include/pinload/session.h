@@ -28,7 +28,6 @@
 
 #include <cstdint>
 #include <memory>
-#include <string>
 #include <string_view>
 #include <vector>
 
@@ -84,9 +83,8 @@ class Session {
 
  private:
   struct State;
-  std::shared_ptr<Pool> shared_pool(const std::string& name, Device* device, std::uint64_t capacity_bytes,
-                                    int numa_node);
-  std::shared_ptr<Pool> shared_staging_pool(const std::string& name, const LoadOptions& options, int numa_node);
+  std::shared_ptr<Pool> shared_pool(Device* device, std::uint64_t capacity_bytes, int numa_node);
+  std::shared_ptr<Pool> shared_staging_pool(const LoadOptions& options, int numa_node);
   Env* env_;
   std::unique_ptr<State> state_;
 };

@@ -14,9 +14,9 @@ namespace pinload {
 struct Session::State {
   std::mutex mu;
   std::map<std::string, std::unique_ptr<Device>> devices;  // by canonical name
-  // By device name, budget and NUMA node (-1: none).
-  std::map<std::tuple<std::string, std::uint64_t, int>, std::shared_ptr<Pool>> pools;
-  std::map<std::tuple<std::string, std::uint64_t, int>, std::shared_ptr<Pool>> staging_pools;
+  // By device (null: the host), budget and NUMA node (-1: none).
+  std::map<std::tuple<const Device*, std::uint64_t, int>, std::shared_ptr<Pool>> pools;
+  std::map<std::tuple<const Device*, std::uint64_t, int>, std::shared_ptr<Pool>> staging_pools;
 };
 
 namespace {
@@ -67,17 +67,16 @@ Device* Session::device(std::string_view spec) {
   return device.get();
 }
 
-std::shared_ptr<Pool> Session::shared_pool(const std::string& name, Device* device, std::uint64_t capacity_bytes,
-                                           int numa_node) {
+std::shared_ptr<Pool> Session::shared_pool(Device* device, std::uint64_t capacity_bytes, int numa_node) {
   std::lock_guard lock(state_->mu);
-  std::shared_ptr<Pool>& pool = state_->pools[{name, capacity_bytes, numa_node}];
+  std::shared_ptr<Pool>& pool = state_->pools[{device, capacity_bytes, numa_node}];
   if (!pool) pool = make_pool(env_, device, capacity_bytes, numa_node);
   return pool;
 }
 
-std::shared_ptr<Pool> Session::shared_staging_pool(const std::string& name, const LoadOptions& options, int numa_node) {
+std::shared_ptr<Pool> Session::shared_staging_pool(const LoadOptions& options, int numa_node) {
   std::lock_guard lock(state_->mu);
-  std::shared_ptr<Pool>& pool = state_->staging_pools[{name, options.target.staging_bytes, numa_node}];
+  std::shared_ptr<Pool>& pool = state_->staging_pools[{options.target.device, options.target.staging_bytes, numa_node}];
   if (!pool) pool = make_staging_pool(options, env_);
   return pool;
 }
@@ -85,7 +84,7 @@ std::shared_ptr<Pool> Session::shared_staging_pool(const std::string& name, cons
 std::shared_ptr<Pool> Session::pool(std::string_view spec, std::uint64_t capacity_bytes) {
   LoadOptions options;
   options.target.device = device(spec);
-  return shared_pool(parse_device_spec(spec).name(), options.target.device, capacity_bytes, numa_node_of(options));
+  return shared_pool(options.target.device, capacity_bytes, numa_node_of(options));
 }
 
 std::shared_ptr<Pool> Session::staging_pool(std::string_view spec, std::uint64_t staging_bytes) {
@@ -95,18 +94,17 @@ std::shared_ptr<Pool> Session::staging_pool(std::string_view spec, std::uint64_t
   options.target.mode = DeviceMode::kStreaming;
   options.target.staging_bytes = staging_bytes;
   options.validate();
-  return shared_staging_pool(parse_device_spec(spec).name(), options, numa_node_of(options));
+  return shared_staging_pool(options, numa_node_of(options));
 }
 
 Loader Session::loader(std::string_view spec, LoadOptions options, Env* env) {
   options.target.device = device(spec);
   options.validate();
-  const std::string name = parse_device_spec(spec).name();
   const int node = numa_node_of(options);
-  std::shared_ptr<Pool> pool = shared_pool(name, options.target.device, options.pool_bytes, node);
+  std::shared_ptr<Pool> pool = shared_pool(options.target.device, options.pool_bytes, node);
   std::shared_ptr<Pool> staging;
   if (options.target.device != nullptr && options.target.mode == DeviceMode::kStreaming) {
-    staging = shared_staging_pool(name, options, node);
+    staging = shared_staging_pool(options, node);
   }
   return Loader(std::move(options), std::move(pool), env != nullptr ? env : env_, std::move(staging));
 }

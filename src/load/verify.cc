@@ -257,8 +257,4 @@ bool verify_checks_whole_files(const VerifyOptions& options, const Checkpoint& c
   });
 }
 
-bool Verifier::checks_whole_files() const noexcept {
-  return std::any_of(files_.begin(), files_.end(), [](const std::unique_ptr<File>& f) { return !f->whole_expected.empty(); });
-}
-
 }  // namespace pinload::detail

@@ -25,8 +25,7 @@ bool file_named(std::string_view path, std::string_view name) noexcept;
 
 // Whether a verified load of `checkpoint` checks some file's whole sha256 (a
 // manifest entry without tensor digests, or a file_sha256 that names it):
-// that file's tensors can only go out once it is hashed, at its end. What
-// Verifier::checks_whole_files says of the verifier it would build.
+// that file's tensors can only go out once it is hashed, at its end.
 bool verify_checks_whole_files(const VerifyOptions& options, const Checkpoint& checkpoint);
 
 class Verifier {
@@ -47,10 +46,6 @@ class Verifier {
 
   // After the last chunk: throws IntegrityError for anything not verified.
   void finish();
-
-  // Whether some file's whole digest is checked: its tensors can only be
-  // handed out once the whole file is hashed, at the end of the load.
-  bool checks_whole_files() const noexcept;
 
  private:
   struct Piece {
