@@ -24,13 +24,14 @@ import sys
 from pathlib import Path
 
 # The layers, lowest first, in the order data flows: bytes leave storage through the OS seam or a
-# remote client, are described by the format, land in pool memory through io's chunk executor,
-# go on to a device, are converted, and are handed out by the loader; tools and adapters sit on
-# top. Each entry is a group of folders under src/ of the same rank.
+# remote client, are read through a file's byte source, are described by the format, land in pool
+# memory through io's chunk executor, go on to a device, are converted, and are handed out by the
+# loader; tools and adapters sit on top. Each entry is a group of folders under src/ of the same rank.
 LAYERS = [
     ("base",),              # errors, logging, sizes
     ("os",),                # Env, the one OS seam; the one retried read (os/read_full.h)
     ("remote",),            # s3:// and http(s):// objects over libcurl: the network's seam
+    ("source",),            # the bytes of one file: local, mapped or remote (byte_source.h)
     ("format",),            # dtypes, the safetensors header, checkpoint resolution
     ("memory",),            # host slabs, the two-level pool, NUMA, memory limits
     ("io",),                # file identity, read plans and templates, the chunk executor
@@ -55,7 +56,8 @@ PUBLIC_HEADERS = {
     "pool.h": "memory",
     "numa.h": "memory",
     "memory_limit.h": "memory",
-    "file_identity.h": "io",
+    "file_identity.h": "source",
+    "byte_source.h": "source",
     "io_template.h": "io",
     "read_options.h": "io",
     "read_plan.h": "io",

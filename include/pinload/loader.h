@@ -235,16 +235,19 @@ struct LoadOptions {
   // Ask the node store first (Note [Store clients] in store.h); PINLOAD_STORE
   // sets it where `store.socket` is empty.
   StoreOptions store;
+  // Wraps the source of each file the load reads (Note [Byte sources] in
+  // byte_source.h): fault injection, tracing. Empty: none.
+  WrapSource wrap_source;
 
   // Throws InvalidArgumentError naming the first option out of range (its
   // Python name: "threads", "block_size", "streams", ...) and its value.
   // Checks values only: the Loader also refuses kStreaming without a device.
   void validate() const;
   // What the readers need of these options (the io layer's own options):
-  // block_size, direct, files_in_flight, resident_threshold, cached_read and
-  // resolve.remote.
+  // block_size, direct, files_in_flight, resident_threshold, cached_read,
+  // resolve.remote and wrap_source.
   ReadOptions read_options() const {
-    return ReadOptions{block_size, direct, files_in_flight, resident_threshold, cached_read, resolve.remote};
+    return ReadOptions{block_size, direct, files_in_flight, resident_threshold, cached_read, resolve.remote, wrap_source};
   }
 };
 

@@ -9,16 +9,12 @@
 
 #include <cstddef>
 
+#include "pinload/byte_source.h"
 #include "pinload/remote.h"
 
 namespace pinload {
 
-enum class DirectIo { kAuto, kOn, kOff };
-
-// How a file already in the page cache is copied into its block: Note
-// [Mapped reads] in loader.h. kAuto measures both and takes the faster, chunk
-// by chunk.
-enum class CachedRead { kAuto, kMap, kPread };
+// DirectIo, CachedRead and kDefaultResidentThreshold are in byte_source.h.
 
 // Reader threads: LoadOptions::threads, and the other commands' --threads.
 inline constexpr unsigned kDefaultThreads = 8;
@@ -29,7 +25,6 @@ inline constexpr std::size_t kTaperBlockSize = 1u << 20;    // Note [Tapered tai
 inline constexpr std::size_t kMinBlockSize = 4u << 10;
 inline constexpr std::size_t kMaxBlockSize = 1u << 30;
 inline constexpr std::size_t kDefaultFilesInFlight = 2;
-inline constexpr double kDefaultResidentThreshold = 0.5;
 
 // How a session opens and reads its files. The fields mean what LoadOptions'
 // fields of the same names mean; LoadOptions::validate() checks them.
@@ -42,6 +37,9 @@ struct ReadOptions {
   double resident_threshold = kDefaultResidentThreshold;
   CachedRead cached_read = CachedRead::kAuto;
   RemoteOptions remote;  // s3:// and http(s):// files: connections, retries, cache
+  // Wraps each file's source (Note [Byte sources] in byte_source.h); empty:
+  // none. Tests inject faults with it.
+  WrapSource wrap_source;
 };
 
 }  // namespace pinload

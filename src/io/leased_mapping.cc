@@ -21,7 +21,7 @@
 #include <unordered_map>
 
 #include "base/log.h"
-#include "io/mapped_copy.h"
+#include "source/mapped_copy.h"
 #include "pinload/env.h"
 
 namespace pinload::detail {

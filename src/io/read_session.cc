@@ -13,7 +13,7 @@
 #include <thread>
 
 #include "base/log.h"
-#include "io/mapped_copy.h"
+#include "source/sources.h"
 #include "memory/first_touch.h"
 #include "memory/huge_page_collapse.h"
 #include "os/read_full.h"
@@ -28,8 +28,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-constexpr std::uint32_t kFallbackDirectAlign = 4096;
-constexpr int kResidencySamples = 64;
 
 std::uint64_t nanoseconds_since(Clock::time_point start) {
   return static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count());
@@ -52,222 +50,47 @@ class FirstError {
   std::exception_ptr error_;
 };
 
-// Maps a file in the page cache for copying (Note [Mapped reads]); where the
-// mapping is refused, the file is pread.
-void map_for_load(Env* env, OpenFile* f) {
-  if (f->stat.size == 0) return;
-  int err = 0;
-  const void* data = env->map_file(f->buffered_fd.get(), f->stat.size, &err);
-  if (data == nullptr) {
-    log::debug("{}: cannot map ({}), reading with pread", f->path, log::errno_text(err));
-    return;
-  }
-  f->mapping = FileMapping(env, static_cast<const std::byte*>(data), f->stat.size);
-}
-
-// Copies [c.offset, +c.valid) from the file's mapping (Note [Mapped reads]).
-// False where the mapping cannot serve it: the caller preads the chunk.
-bool copy_mapped_chunk(Env* env, const OpenFile& f, const ReadChunk& c, std::byte* dest) {
-  const std::byte* src = f.mapping.data() + c.offset;
-  int rc;
-  do {
-    rc = env->populate_read(src, c.valid);
-  } while (rc == -EINTR);
-  // -EINVAL: a kernel before MADV_POPULATE_READ; the copy faults pages in.
-  if (rc != 0 && rc != -EINVAL && rc != -ENOSYS) {
-    log::debug("{}: populating [{}, {}) failed ({}), reading with pread", f.path, c.offset, c.offset + c.valid,
-               log::errno_text(-rc));
-    return false;
-  }
-  const bool copied = copy_from_mapping(dest, src, c.valid);
-  // Drop the chunk's page-table entries now, in this worker, rather than all
-  // at once when the file is unmapped (the page cache keeps its pages).
-  env->advise(const_cast<std::byte*>(src), c.valid, MADV_DONTNEED);
-  if (!copied) {
-    log::debug("{}: SIGBUS copying [{}, {}) from the mapping, reading with pread", f.path, c.offset,
-               c.offset + c.valid);
-  }
-  return copied;
-}
-
-
-// Where a file's bytes come from, decided when the session opens: a remote
-// object (a client; or its local cached copy, Note [Remote cache]) or a local
-// file, which is opened here only to learn whether it sits on a network
-// filesystem, then closed until its first chunk.
-void prepare_source(Env* env, const CheckpointFile& cf, const ReadOptions& options, OpenFile* f) {
-  if (is_remote_path(cf.path)) {  // Note [Remote reads]
-    f->remote = remote::client_for(options.remote);
-    f->object = remote::ObjectInfo{cf.path, cf.stat.size, cf.version, cf.stat.mtime_ns};
-    const remote::ObjectCache* cache = f->remote->cache();
-    if (cache == nullptr) return;
-    if (std::string hit = cache->lookup(f->object); !hit.empty()) {
-      // The cached copy is read as a local file, of its own identity.
-      f->remote.reset();
-      f->path = std::move(hit);
-      ScopedFd fd = open_regular_or_throw(env, f->path, &f->stat);
-      f->identity = FileIdentity::of(f->stat);
-      return;
-    }
-    f->cache_writer = cache->begin(f->object, cf.header.data_offset() / kFallbackDirectAlign * kFallbackDirectAlign);
-    return;
-  }
-  FileStat st;
-  ScopedFd fd = open_regular_or_throw(env, cf.path, &st);
-  check_identity(st, cf.path, f->identity);
-  f->network_fs = on_network_filesystem(env, fd.get(), cf.path);
-}
-
-// Whether the load's last file will be read direct, as open_for_load decides
-// it (Note [Tapered tail] in read_plan.h): a cached file is copied from a
-// mapping, where small chunks cost more (Note [Block size] in loader.h).
+// Whether the load's last file will be read direct, as its source decides it
+// at open (Note [Tapered tail] in read_plan.h): a cached file is copied from
+// a mapping, where small chunks cost more (Note [Block size] in loader.h).
 bool ends_in_direct_reads(Env* env, const ReadOptions& options, const OpenFile& last) {
-  if (last.remote || last.network_fs || options.direct == DirectIo::kOff) return false;
+  if (last.remote || last.source->network_filesystem() || options.direct == DirectIo::kOff) return false;
   if (options.direct == DirectIo::kOn) return true;
   FileStat st;
-  const ScopedFd fd = open_regular_or_throw(env, last.path, &st);
+  const ScopedFd fd = open_regular_or_throw(env, last.source->path(), &st);
   return env->resident_fraction(fd.get(), st.size, kResidencySamples) < options.resident_threshold;
 }
 
-// Opens a file for the load and decides direct or buffered (Note [Direct I/O]).
-// Every descriptor must be the file whose header was read (Note [One version
-// per load] in checkpoint.h). Remote files have none (Note [Remote reads]):
-// open_session set up their client.
-void open_for_load(Env* env, const ReadOptions& options, OpenFile* f) {
-  if (f->remote) return;
-  f->buffered_fd = open_regular_or_throw(env, f->path, &f->stat);
-  check_identity(f->stat, f->path, f->identity);
-  // The residency decides direct or buffered (kAuto) and whether a buffered
-  // file is mapped (unless kPread); kOff with kPread needs neither.
-  if (options.direct == DirectIo::kOff && options.cached_read == CachedRead::kPread) {
-    log::debug("{}: reading buffered with pread (direct off)", f->path);
+// Executes one chunk: reads [offset, offset + valid) of the file to `dest`,
+// from the source's mapping where it has one (Note [Mapped reads]) and
+// `chooser` (null: always map) picks it. A direct read that fell back to
+// buffered counts the file as buffered.
+void read_chunk(OpenFile& f, const ReadChunk& c, CachedReadChooser* chooser, ReadCounters* counters, std::byte* dest) {
+  ByteSource& source = *f.source;
+  if (!source.mapped()) {
+    source.read(c.offset, c.valid, dest, c.length);
+    if (f.counted_direct.load(std::memory_order_relaxed) && !source.direct() && f.counted_direct.exchange(false)) {
+      counters->files_direct--;
+      counters->files_buffered++;
+    }
     return;
   }
-  std::string why_direct = "direct on";
-  if (options.direct != DirectIo::kOn) {
-    const double resident = env->resident_fraction(f->buffered_fd.get(), f->stat.size, kResidencySamples);
-    const bool cached = resident >= options.resident_threshold;
-    if (cached && options.cached_read != CachedRead::kPread) map_for_load(env, f);
-    if (options.direct == DirectIo::kOff) {
-      log::debug("{}: reading buffered{} (direct off)", f->path, f->mapping.valid() ? " from a mapping" : "");
-      return;
-    }
-    if (cached) {
-      log::debug("{}: {:.0f}% in page cache, reading buffered{}", f->path, resident * 100,
-                 f->mapping.valid() ? " from a mapping" : "");
-      return;
-    }
-    why_direct = fmt::format("{:.0f}% in page cache, under {:.0f}%", resident * 100, options.resident_threshold * 100);
-  }
-  if (f->network_fs && options.direct == DirectIo::kAuto) return;  // buffered, many readers
-  // Reads land at page-aligned places in pool blocks (Note [Direct I/O]).
-  if (f->stat.dio_mem_align > kFallbackDirectAlign) {
-    const std::string why = "O_DIRECT needs " + std::to_string(f->stat.dio_mem_align) +
-                            "-byte aligned memory here; pool blocks are aligned to " +
-                            std::to_string(kFallbackDirectAlign);
-    if (options.direct == DirectIo::kOn) throw IoError(why, ErrorContext{f->path});
-    log::debug("{}: {}, reading buffered", f->path, why);
-    return;
-  }
-  const int fd = env->open_read(f->path, O_DIRECT);
-  if (fd >= 0) {
-    f->direct_fd = ScopedFd(env, fd);
-    check_identity(env, fd, f->path, f->identity);
-    f->direct = true;
-    log::debug("{}: {}, reading with O_DIRECT", f->path, why_direct);
-  } else if (options.direct == DirectIo::kOn) {
-    throw_os_error("O_DIRECT open refused", -fd, ErrorContext{f->path});
-  } else {
-    log::debug("{}: O_DIRECT refused at open ({}), reading buffered", f->path, log::errno_text(-fd));
-  }
-}
-
-[[noreturn]] void throw_read_error(const OpenFile& f, std::int64_t rc, std::uint64_t at, std::uint64_t end) {
-  throw_os_error("read failed", static_cast<int>(-rc), ErrorContext{f.path, {}, at, end});
-}
-
-// Reads [offset, offset + valid) of the file to `dest` with pread, direct
-// or buffered (read_full: the retries).
-void read_with_pread(Env* env, OpenFile& f, const FileRead& plan, const ReadChunk& c, DirectIo mode,
-                     ReadCounters* counters, std::byte* dest, bool direct) {
-  std::uint64_t done = 0;
-  while (done < c.valid) {
-    const int fd = direct ? f.direct_fd.get() : f.buffered(env);
-    // Direct reads ask for the whole aligned length; buffered for what is left.
-    const ReadResult r = read_full(env, fd, dest + done, c.valid - done, c.offset + done, direct ? c.length - done : 0,
-                                   direct ? plan.alignment : 1);
-    done += r.bytes;
-    const std::uint64_t at = c.offset + done;
-    if (r.error == EINVAL && direct && mode != DirectIo::kOn) {
-      if (f.direct.exchange(false)) {
-        log::debug("{}: O_DIRECT read refused, reading buffered", f.path);
-        counters->files_direct--;
-        counters->files_buffered++;
-      }
-      direct = false;
-      continue;
-    }
-    if (r.error != 0) throw_read_error(f, -r.error, at, c.offset + c.valid);
-    if (r.ended) {
-      throw IoError("file ended at byte " + std::to_string(at) + " but was " + std::to_string(plan.file_size) +
-                    " bytes when its header was read (truncated while loading?)",
-                    ErrorContext{f.path, {}, at, c.offset + c.valid});
-    }
-    // A short direct read leaves an unaligned position: finish buffered.
-    if (done < c.valid) direct = false;
-  }
-}
-
-// Executes one chunk: reads [offset, offset + valid) of the file to `dest`.
-void read_chunk(Env* env, OpenFile& f, const FileRead& plan, const ReadChunk& c, DirectIo mode,
-                CachedReadChooser* chooser, ReadCounters* counters, std::byte* dest) {
-  if (f.remote) {
-    f.remote->read(f.object, c.offset, c.valid, dest);
-    if (f.cache_writer) f.cache_writer->write(c.offset, dest, c.valid, *f.remote);
-    return;
-  }
-  const bool direct = f.direct.load(std::memory_order_relaxed);
-  if (direct || !f.mapping.valid()) {
-    read_with_pread(env, f, plan, c, mode, counters, dest, direct);
-    return;
-  }
-  // A file in the page cache: Note [Mapped reads]. `chooser` null: always map.
   if (chooser == nullptr) {
-    if (!copy_mapped_chunk(env, f, c, dest)) read_with_pread(env, f, plan, c, mode, counters, dest, false);
+    if (!source.copy_mapped(c.offset, c.valid, dest)) source.read(c.offset, c.valid, dest, c.valid);
     return;
   }
   const CachedReadChooser::Method method = chooser->next();
   const Clock::time_point start = Clock::now();
-  if (method == CachedReadChooser::kMap && !copy_mapped_chunk(env, f, c, dest)) {
+  if (method == CachedReadChooser::kMap && !source.copy_mapped(c.offset, c.valid, dest)) {
     // Fell back: this pread says nothing about either method.
-    read_with_pread(env, f, plan, c, mode, counters, dest, false);
+    source.read(c.offset, c.valid, dest, c.valid);
     return;
   }
-  if (method == CachedReadChooser::kPread) read_with_pread(env, f, plan, c, mode, counters, dest, false);
+  if (method == CachedReadChooser::kPread) source.read(c.offset, c.valid, dest, c.valid);
   chooser->record(method, c.valid, nanoseconds_since(start));
 }
 
 }  // namespace
-
-bool on_network_filesystem(Env* env, int fd, const std::string& path) {
-  std::int64_t magic = 0;
-  if (env->filesystem_type(fd, &magic) != 0) return false;
-  constexpr std::int64_t kNfs = 0x6969, kSmb = 0x517B, kCifs = 0xFF534D42, kSmb2 = 0xFE534D42, kFuse = 0x65735546,
-                         kCeph = 0x00C36400, kLustre = 0x0BD00BD0;
-  const bool network = magic == kNfs || magic == kSmb || magic == kCifs || magic == kSmb2 || magic == kFuse ||
-                       magic == kCeph || magic == kLustre;
-  if (network) log::debug("{}: on a network filesystem (f_type {:#x}): buffered reads, one reader per connection", path, magic);
-  return network;
-}
-
-int OpenFile::buffered(Env* env) {
-  std::lock_guard lock(mu);
-  if (!buffered_fd.valid()) {
-    buffered_fd = open_or_throw(env, path);
-    check_identity(env, buffered_fd.get(), path, identity);
-  }
-  return buffered_fd.get();
-}
 
 void ReadSession::open_in_flight(std::size_t index, std::stop_token stop, ReadCounters* counters) {
   OpenFile& f = *files_[index];
@@ -282,11 +105,8 @@ void ReadSession::open_in_flight(std::size_t index, std::stop_token stop, ReadCo
     ++open_files_;
   }
   try {
-    open_for_load(env_, options_, &f);
+    f.source->open();
   } catch (...) {
-    f.mapping.reset();
-    f.direct_fd.reset();
-    f.buffered_fd.reset();
     {
       std::lock_guard open_lock(open_mu_);
       --open_files_;
@@ -294,8 +114,10 @@ void ReadSession::open_in_flight(std::size_t index, std::stop_token stop, ReadCo
     open_cv_.notify_all();
     throw;
   }
-  (f.direct ? counters->files_direct : counters->files_buffered)++;
-  if (!f.direct && f.mapping.valid()) counters->files_mapped++;
+  const bool direct = f.source->direct();
+  f.counted_direct.store(direct, std::memory_order_relaxed);
+  (direct ? counters->files_direct : counters->files_buffered)++;
+  if (!direct && f.source->mapped()) counters->files_mapped++;
   f.opened.store(true, std::memory_order_release);
 }
 
@@ -304,9 +126,7 @@ void ReadSession::close_in_flight(std::size_t index) {
   {
     std::lock_guard lock(f.mu);
     if (f.closed || !f.opened.load(std::memory_order_relaxed)) return;
-    f.mapping.reset();
-    f.direct_fd.reset();
-    f.buffered_fd.reset();
+    f.source->close();
     f.closed = true;
   }
   {
@@ -406,7 +226,7 @@ void ReadSession::count_files(ReadCounters* counters) const {
   counters->files_direct = 0;
   counters->files_buffered = 0;
   for (const auto& f : files_) {
-    if (f->opened) (f->direct ? counters->files_direct : counters->files_buffered)++;  // the rest count as they open
+    if (f->opened) (f->counted_direct ? counters->files_direct : counters->files_buffered)++;  // the rest count as they open
   }
   counters->bytes_total = plan_.total_bytes;
   counters->bytes_done = bytes_done();
@@ -430,7 +250,6 @@ std::unique_ptr<ReadSession> ReadSession::open(Env* env, const ReadOptions& opti
     auto f = std::make_unique<OpenFile>();
     f->path = cf.path;
     f->stat = cf.stat;
-    f->identity = FileIdentity::of(cf.stat);
     FileRead r;
     r.path = cf.path;
     r.file_size = cf.stat.size;
@@ -441,9 +260,12 @@ std::unique_ptr<ReadSession> ReadSession::open(Env* env, const ReadOptions& opti
     r.alignment = std::max(cf.stat.dio_offset_align, kFallbackDirectAlign);
     // Readers are decided here, from the paths, not from opened files (those
     // open at their first chunk: Note [Files in flight]).
-    prepare_source(env, cf, options, f.get());
-    if (f->remote) s->remote_threads_ = f->remote->connections();
-    if (f->network_fs) s->min_threads_ = effective_connections(options.remote);
+    f->source = open_byte_source(env, SourceFile{cf.path, cf.stat, cf.version, cf.header.data_offset()},
+                                 SourceOptions{options.direct, options.cached_read, options.resident_threshold, options.remote});
+    if (options.wrap_source) f->source = options.wrap_source(std::move(f->source));
+    f->remote = f->source->connections() != 0;
+    if (f->remote) s->remote_threads_ = f->source->connections();
+    if (f->source->network_filesystem()) s->min_threads_ = effective_connections(options.remote);
     reads.push_back(std::move(r));
     s->files_.push_back(std::move(f));
   }
@@ -692,11 +514,11 @@ void ReadSession::execute(const std::vector<std::size_t>& todo, unsigned threads
         // Note [Direct reads in flight]: a read that waits on the device or
         // the network takes no slot; a copy out of the page cache does.
         std::optional<CpuSlot> slot;
-        if (!f.direct.load(std::memory_order_relaxed) && !f.remote && !f.network_fs) slot.emplace(cpu_slots);
+        if (!f.source->direct() && !f.remote && !f.source->network_filesystem()) slot.emplace(cpu_slots);
         // Note [Page size of fresh memory]
         FirstTouch::process().fault_in(s.env_, *dest, dest->data() + dest_offset, c.valid);
-        read_chunk(s.env_, f, r, c, s.direct_mode_, s.cached_read_ == CachedRead::kAuto ? &s.chooser_ : nullptr,
-                   counters, dest->data() + dest_offset);
+        read_chunk(f, c, s.cached_read_ == CachedRead::kAuto ? &s.chooser_ : nullptr, counters,
+                   dest->data() + dest_offset);
         counters->bytes_done.fetch_add(c.valid, std::memory_order_relaxed);
         {
           std::lock_guard lock(s.completed_mu_);

@@ -29,63 +29,24 @@
 #include "io/cached_read_chooser.h"
 #include "io/read_counters.h"
 #include "io/stream_budget.h"
+#include "pinload/byte_source.h"
 #include "pinload/checkpoint.h"
 #include "pinload/file_identity.h"
 #include "pinload/io_template.h"
 #include "pinload/pool.h"
 #include "pinload/read_options.h"
 #include "pinload/read_plan.h"
-#include "remote/object_cache.h"
-#include "remote/remote_client.h"
 
 namespace pinload {
 
 namespace detail {
 
-// Whether `fd` is on NFS, SMB/CIFS, Ceph, Lustre or a FUSE mount (Note
-// [Network filesystems]): read buffered, one reader per connection.
-bool on_network_filesystem(Env* env, int fd, const std::string& path);
-
-// A read-only mapping of a whole file (Note [Mapped reads] in loader.h).
-// Owns the mapping; move-only.
-class FileMapping {
- public:
-  FileMapping() = default;
-  FileMapping(Env* env, const std::byte* data, std::size_t bytes) : env_(env), data_(data), bytes_(bytes) {}
-  FileMapping(FileMapping&& other) noexcept
-      : env_(other.env_), data_(std::exchange(other.data_, nullptr)), bytes_(other.bytes_) {}
-  FileMapping& operator=(FileMapping&& other) noexcept {
-    if (this != &other) {
-      reset();
-      env_ = other.env_;
-      data_ = std::exchange(other.data_, nullptr);
-      bytes_ = other.bytes_;
-    }
-    return *this;
-  }
-  FileMapping(const FileMapping&) = delete;
-  FileMapping& operator=(const FileMapping&) = delete;
-  ~FileMapping() { reset(); }
-
-  const std::byte* data() const { return data_; }
-  bool valid() const { return data_ != nullptr; }
-  void reset() {
-    if (data_ != nullptr) env_->unmap(const_cast<std::byte*>(data_), bytes_);
-    data_ = nullptr;
-  }
-
- private:
-  Env* env_ = nullptr;
-  const std::byte* data_ = nullptr;
-  std::size_t bytes_ = 0;
-};
-
-// One file during a load: its descriptors, its mapping and its block.
+// One file during a load: its source and its block.
 //
 // Note [Files in flight]
 // A file is opened when a worker claims its first chunk and closed when its
 // last chunk is read, so a load holds descriptors (two per file: buffered
-// and O_DIRECT) only for the files being read, not for every shard of the
+// and O_DIRECT; and a mapping) only for the files being read, not for every shard of the
 // checkpoint. At most ReadSession::max_open_files are open at once; a worker
 // that needs one more waits for a file to finish. That bound is the largest
 // number of files whose chunks interleave in the claim order (files_in_flight
@@ -97,27 +58,19 @@ class FileMapping {
 // (Note [One version per load] in checkpoint.h).
 struct OpenFile {
   std::string path;
-  FileStat stat;          // the stat of the header read until opened; then the open file's
-  FileIdentity identity;  // of the header read: every descriptor must match it
-  ScopedFd direct_fd;
-  ScopedFd buffered_fd;
-  FileMapping mapping;  // buffered files in the page cache, unless CachedRead::kPread
-  std::atomic<bool> direct{false};
+  FileStat stat;  // of the header read
+  // Where the bytes come from (Note [Byte sources] in byte_source.h), made
+  // when the session opens; it holds descriptors only between
+  // open_in_flight and close_in_flight.
+  std::unique_ptr<ByteSource> source;
+  bool remote = false;  // an object read over the network, not a local file
+  std::atomic<bool> counted_direct{false};  // counted in files_direct, not files_buffered
   std::atomic<bool> opened{false};  // open_in_flight ran; counted in files_direct/buffered
-  bool closed = false;              // every chunk read, descriptors closed (guarded by mu)
+  bool closed = false;              // every chunk read, source closed (guarded by mu)
   std::atomic<std::uint32_t> chunks_left{0};    // chunks not read yet
   std::atomic<std::uint32_t> chunks_in_hand{0};  // with a budget: chunks whose reader still holds the block
-  std::mutex mu;  // guards opening and closing the descriptors
+  std::mutex mu;  // guards opening and closing the source
   std::shared_ptr<Block> block;  // not in streaming mode
-  // Remote files (Note [Remote reads]): no descriptors; chunks are ranged GETs.
-  std::shared_ptr<remote::RemoteClient> remote;
-  remote::ObjectInfo object;
-  std::unique_ptr<remote::ObjectCache::Writer> cache_writer;  // Note [Remote cache]
-  bool network_fs = false;  // NFS, SMB/CIFS or FUSE: Note [Network filesystems] in remote.h
-
-  // The descriptor for buffered reads, opened (and its identity checked) on
-  // first use.
-  int buffered(Env* env);
 };
 
 // Called after each chunk is read: (chunk index, the block holding it, the
@@ -219,8 +172,7 @@ class ReadSession {
   // while max_open_files_ are open. Throws CancelledError where `stop` ends
   // the wait, or the open's error.
   void open_in_flight(std::size_t index, std::stop_token stop, ReadCounters* counters);
-  // The last chunk of file `index` has been read: closes its descriptors and
-  // its mapping, and lets a waiting worker open the next file.
+  // The last chunk of file `index` has been read: closes its source, and lets a waiting worker open the next file.
   void close_in_flight(std::size_t index);
 
   Env* env_ = nullptr;

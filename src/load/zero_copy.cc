@@ -14,6 +14,7 @@
 
 #include "base/log.h"
 #include "io/read_session.h"
+#include "source/sources.h"
 #include "load/load_counters.h"
 #include "pinload/error.h"
 #include "pinload/memory_limit.h"

@@ -1,4 +1,4 @@
-#include "io/mapped_copy.h"
+#include "source/mapped_copy.h"
 
 #include <csetjmp>
 #include <csignal>
