@@ -46,6 +46,7 @@
 #include <string>
 #include <vector>
 
+#include "pinload/byte_source.h"
 #include "pinload/checkpoint.h"
 #include "pinload/dtype.h"
 #include "pinload/env.h"
@@ -145,9 +146,11 @@ ShardPlan make_shard_plan(const Checkpoint& checkpoint, const ShardSpec& spec, s
 struct ShardLoadOptions {
   unsigned threads = 8;
   std::size_t block_size = 8u << 20;
-  bool direct = true;  // O_DIRECT where the file allows it, else buffered
+  bool direct = true;  // O_DIRECT where the file allows it and is not cached, else buffered
   std::uint64_t max_gap = 0;
   std::uint64_t batch_bytes = 0;
+  // Wraps each file's source (Note [Byte sources] in byte_source.h).
+  WrapSource wrap_source;
 };
 
 // Executes a shard plan, batch by batch (Note [Shard batches]). Owns its

@@ -9,6 +9,7 @@
 #include "format/checkpoint_storage.h"
 #include "format/json_strict.h"
 #include "pinload/error.h"
+#include "source/sources.h"
 
 namespace pinload {
 namespace fs = std::filesystem;
@@ -255,13 +256,15 @@ CheckpointFile read_checkpoint_file(Env* env, const std::string& path) {
   if (is_remote_path(path)) return detail::read_remote_checkpoint_file(RemoteOptions{}, path);
   CheckpointFile file;
   file.path = path;
-  ScopedFd fd = open_regular_or_throw(env, path, &file.stat);
+  detail::LocalFileSource source(env, path, nullptr, SourceOptions{});  // Note [Byte sources]
+  source.open();
+  file.stat = source.stat();
   std::byte prefix[kHeaderPrefixSize] = {};
-  if (file.stat.size >= kHeaderPrefixSize) pread_exact(env, fd.get(), prefix, sizeof prefix, 0, path);
+  if (file.stat.size >= kHeaderPrefixSize) source.read(0, sizeof prefix, prefix, sizeof prefix);
   const std::uint64_t n = parse_header_prefix(std::span<const std::byte>(prefix, file.stat.size >= kHeaderPrefixSize ? kHeaderPrefixSize : 0),
                                               file.stat.size, path);
   std::vector<std::byte> json(n);  // n <= kMaxHeaderSize and n <= file size
-  pread_exact(env, fd.get(), json.data(), json.size(), kHeaderPrefixSize, path);
+  source.read(kHeaderPrefixSize, json.size(), json.data(), json.size());
   file.header = parse_header(json, file.stat.size, path);
   return file;
 }

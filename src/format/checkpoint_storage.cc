@@ -12,6 +12,7 @@
 #include "pinload/error.h"
 #include "pinload/remote.h"
 #include "remote/remote_client.h"
+#include "source/sources.h"
 
 namespace pinload::detail {
 namespace fs = std::filesystem;
@@ -57,14 +58,15 @@ class LocalStorage final : public Storage {
   }
 
   std::string read_small(const std::string& path, std::uint64_t limit) override {
-    FileStat st;
-    ScopedFd fd = open_regular_or_throw(env_, path, &st);
-    if (st.size > limit) {
-      throw InvalidFileError("file of " + std::to_string(st.size) + " bytes exceeds the limit of " +
+    detail::LocalFileSource source(env_, path, nullptr, SourceOptions{});  // Note [Byte sources]
+    source.open();
+    const std::uint64_t size = source.stat().size;
+    if (size > limit) {
+      throw InvalidFileError("file of " + std::to_string(size) + " bytes exceeds the limit of " +
                                  std::to_string(limit) + " for an index", ErrorContext{path});
     }
-    std::string text(st.size, '\0');
-    pread_exact(env_, fd.get(), text.data(), text.size(), 0, path);
+    std::string text(size, '\0');
+    source.read(0, size, reinterpret_cast<std::byte*>(text.data()), size);
     return text;
   }
 

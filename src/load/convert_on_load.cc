@@ -15,7 +15,7 @@
 #include "format/dtype_convert.h"
 #include "io/read_session.h"
 #include "memory/first_touch.h"
-#include "os/read_full.h"
+#include "pinload/byte_source.h"
 #include "pinload/error.h"
 #include "pinload/loader.h"
 
@@ -51,25 +51,33 @@ void declared_layers(const CheckpointFile& cf, std::set<std::string>* out) {
   }
 }
 
-// Reads a small tensor's bytes through the env.
+// Reads small tensors' bytes through their files' sources (Note [Byte
+// sources] in byte_source.h); an error names the tensor too.
 class ScaleReader {
  public:
   explicit ScaleReader(Env* env) : env_(env) {}
   std::vector<float> read(const CheckpointFile& cf, const TensorInfo& t) {
-    auto it = fds_.find(cf.path);
-    if (it == fds_.end()) it = fds_.emplace(cf.path, open_or_throw(env_, cf.path)).first;
+    auto it = sources_.find(cf.path);
+    if (it == sources_.end()) {
+      SourceFile file{cf.path, cf.stat, cf.version, cf.header.data_offset()};
+      it = sources_.emplace(cf.path, open_byte_source(env_, file, SourceOptions{})).first;
+    }
     std::vector<float> values(t.numel());
     auto* p = reinterpret_cast<std::byte*>(values.data());
     const std::uint64_t at = cf.header.data_offset() + t.begin;
-    const ReadResult r = read_full(env_, it->second.get(), p, t.nbytes(), at);
-    if (r.error != 0) throw_os_error("read failed", r.error, ErrorContext{cf.path, t.name, at + r.bytes});
-    if (r.ended) throw IoError("file ended inside a scale tensor", ErrorContext{cf.path, t.name, at + r.bytes});
+    try {
+      it->second->read(at, t.nbytes(), p, t.nbytes());
+    } catch (const Error& e) {
+      ErrorContext context = e.context();
+      context.tensor = cf.name_prefix + t.name;
+      throw_error(e.code(), e.message(), std::move(context));
+    }
     return values;
   }
 
  private:
   Env* env_;
-  std::map<std::string, ScopedFd> fds_;
+  std::map<std::string, std::unique_ptr<ByteSource>> sources_;
 };
 
 }  // namespace

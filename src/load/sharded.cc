@@ -14,7 +14,6 @@
 #include <thread>
 
 #include "base/log.h"
-#include "os/read_full.h"
 #include "pinload/error.h"
 
 namespace pinload {
@@ -252,10 +251,7 @@ struct ShardLoad::State {
   std::shared_ptr<Pool> pool;
   Checkpoint checkpoint;
   ShardPlan plan;
-  std::vector<ScopedFd> fds;              // as planned: O_DIRECT where r.direct
-  std::vector<std::atomic<bool>> direct;  // per file; false once O_DIRECT is refused
-  std::mutex fd_mu;
-  std::vector<ScopedFd> buffered_fds;     // opened once a direct read is refused
+  std::vector<std::unique_ptr<ByteSource>> sources;  // per file, open (Note [Byte sources])
   std::size_t staging_bytes = 0;
   std::atomic<std::uint64_t> bytes_read{0};
 
@@ -267,20 +263,6 @@ struct ShardLoad::State {
   std::stop_source stop;
   std::jthread producer;
 
-  explicit State(std::size_t files) : direct(files), buffered_fds(files) {}
-
-  // The descriptor to read file `fi` with now.
-  int fd_for(std::uint32_t fi) {
-    if (direct[fi].load()) return fds[fi].get();
-    std::lock_guard lock(fd_mu);
-    if (buffered_fds[fi].get() < 0) {
-      const int fd = env->open_read(plan.files[fi].path, 0);
-      if (fd < 0) throw_os_error("open", -fd, ErrorContext{plan.files[fi].path});
-      buffered_fds[fi] = ScopedFd(env, fd);
-    }
-    return buffered_fds[fi].get();
-  }
-
   // Reads batch `bi` into a block of its own and returns its tensors.
   StateDict read_batch(std::uint32_t bi);
   void read_one(const ShardRead& r, std::byte* staging, std::byte* dest);
@@ -288,25 +270,8 @@ struct ShardLoad::State {
 };
 
 void ShardLoad::State::read_one(const ShardRead& r, std::byte* staging, std::byte* dest) {
-  const FileRead& f = plan.files[r.file];
-  std::uint64_t got = 0;
-  while (got < r.valid) {
-    const bool was_direct = direct[r.file].load();
-    const ReadResult res = read_full(env, fd_for(r.file), staging + got, r.valid - got, r.offset + got, r.length - got);
-    got += res.bytes;
-    if (res.error == EINVAL && was_direct) {  // O_DIRECT refused at a read (tmpfs, FUSE): go buffered
-      direct[r.file] = false;
-      log::debug("{}: O_DIRECT read refused, reading buffered", f.path);
-      continue;
-    }
-    if (res.error != 0) {
-      throw_os_error("pread", res.error, ErrorContext{f.path, {}, r.offset + got, r.offset + r.length});
-    }
-    if (res.ended) {
-      throw IoError("file ended early (truncated while loading?)",
-                    ErrorContext{f.path, {}, r.offset + got, r.offset + r.valid});
-    }
-  }
+  sources[r.file]->read(r.offset, r.valid, staging, r.length);
+  const std::uint64_t got = r.valid;
   bytes_read.fetch_add(got, std::memory_order_relaxed);
   for (std::uint32_t k = 0; k < r.piece_count; ++k) {
     const ShardPiece& p = plan.pieces[r.first_piece + k];
@@ -386,7 +351,7 @@ ShardLoad::ShardLoad(const std::vector<std::string>& paths, const ShardSpec& spe
                      std::shared_ptr<Pool> pool, Env* env) {
   if (env == nullptr) env = default_env();
   Checkpoint checkpoint = open_checkpoint(env, paths);
-  state_ = std::make_unique<State>(checkpoint.files.size());
+  state_ = std::make_unique<State>();
   State& s = *state_;
   s.env = env;
   s.options = options;
@@ -399,18 +364,19 @@ ShardLoad::ShardLoad(const std::vector<std::string>& paths, const ShardSpec& spe
     r.path = cf.path;
     r.file_size = cf.header.file_size;
     r.data_offset = cf.header.data_offset();
-    int fd = -1;
-    if (options.direct && cf.stat.dio_mem_align <= kDefaultDirectAlign) {
-      fd = env->open_read(cf.path, O_DIRECT);
-      if (fd >= 0) {
-        r.direct = true;
-        r.alignment = std::max(cf.stat.dio_offset_align, kDefaultDirectAlign);
-      }
+    // Direct where the options ask and the file is not cached (Note [Direct
+    // I/O] in loader.h); the source goes buffered if O_DIRECT is refused.
+    SourceOptions so;
+    so.direct = options.direct ? DirectIo::kAuto : DirectIo::kOff;
+    std::unique_ptr<ByteSource> source =
+        open_byte_source(env, SourceFile{cf.path, cf.stat, cf.version, cf.header.data_offset()}, so);
+    if (options.wrap_source) source = options.wrap_source(std::move(source));
+    source->open();
+    if (source->direct()) {
+      r.direct = true;
+      r.alignment = std::max(cf.stat.dio_offset_align, kDefaultDirectAlign);
     }
-    if (fd < 0) fd = env->open_read(cf.path, 0);
-    if (fd < 0) throw_os_error("open", -fd, ErrorContext{cf.path});
-    s.fds.emplace_back(env, fd);
-    s.direct[i] = r.direct;
+    s.sources.push_back(std::move(source));
     max_align = std::max(max_align, r.alignment);
     files.push_back(std::move(r));
   }
