@@ -23,8 +23,9 @@
 #include "base/log.h"
 #include "base/parallel_for.h"
 #include "format/dtype_convert.h"
-#include "os/read_full.h"
+#include "pinload/byte_source.h"
 #include "pinload/error.h"
+#include "source/sources.h"
 
 namespace pinload {
 namespace fs = std::filesystem;
@@ -118,14 +119,6 @@ class OutFile {
   std::string path_;
   int fd_ = -1;
 };
-
-void read_exact(Env* env, int fd, void* dst, std::size_t bytes, std::uint64_t offset, const std::string& path) {
-  const ReadResult r = read_full(env, fd, dst, bytes, offset);
-  if (r.error != 0) throw_os_error("read failed", r.error, ErrorContext{path, {}, offset + r.bytes});
-  if (r.ended) {
-    throw IoError("file ended early (truncated while converting?)", ErrorContext{path, {}, offset + r.bytes});
-  }
-}
 
 // One tensor of an output file.
 struct OutTensor {
@@ -238,7 +231,9 @@ std::uint64_t first_infinite(DType dtype, const std::byte* data, std::uint64_t n
 
 void write_file(Env* env, const CheckpointFile& cf, const FilePlan& plan, const fs::path& out_path,
                 const ConvertOptions& options) {
-  ScopedFd in = open_or_throw(env, cf.path);
+  // The input's bytes come through its source (Note [Byte sources]).
+  const std::unique_ptr<ByteSource> in =
+      open_byte_source(env, SourceFile{cf.path, cf.stat, cf.version, cf.header.data_offset()}, SourceOptions{});
   OutFile out(out_path);
   out.write(plan.header.data(), plan.header.size(), 0);
   const std::uint64_t in_base = cf.header.data_offset();
@@ -255,7 +250,7 @@ void write_file(Env* env, const CheckpointFile& cf, const FilePlan& plan, const 
     if (options.stop != nullptr && options.stop->load(std::memory_order_relaxed)) {
       throw CancelledError("conversion interrupted", ErrorContext{cf.path});
     }
-    read_exact(env, in.get(), dst, bytes, offset, cf.path);
+    in->read(offset, bytes, static_cast<std::byte*>(dst), bytes);
   };
   detail::parallel_for(items.size(), options.threads, [&](std::size_t k) {
     const OutTensor& o = plan.tensors[items[k]];
@@ -327,10 +322,10 @@ void sync_dir(const fs::path& dir) {
 void write_index(Env* env, const std::string& index_path, const fs::path& out_path,
                  const std::unordered_map<std::string, std::set<std::string>>& quantized_by_shard,
                  const std::unordered_map<std::string, std::uint64_t>& data_bytes_by_shard) {
-  ScopedFd fd = open_or_throw(env, index_path);
-  const FileStat st = stat_or_throw(env, fd.get(), index_path);
-  std::string text(st.size, '\0');
-  read_exact(env, fd.get(), text.data(), text.size(), 0, index_path);
+  detail::LocalFileSource source(env, index_path, nullptr, SourceOptions{});
+  source.open();
+  std::string text(source.stat().size, '\0');
+  source.read(0, text.size(), reinterpret_cast<std::byte*>(text.data()), text.size());
   nlohmann::ordered_json index = nlohmann::ordered_json::parse(text, nullptr, false);
   if (index.is_discarded() || !index.is_object() || !index.contains("weight_map") || !index["weight_map"].is_object()) {
     throw InvalidFileError("not a safetensors index (no weight_map object)", ErrorContext{index_path});

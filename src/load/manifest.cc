@@ -14,6 +14,7 @@
 #include "load/sha256.h"
 #include "load/verify.h"
 #include "os/read_full.h"
+#include "pinload/byte_source.h"
 #include "pinload/checkpoint.h"
 #include "pinload/error.h"
 #include "pinload/remote.h"
@@ -104,7 +105,8 @@ ManifestFile hash_file(Env* env, const CheckpointFile& cf, const std::string& na
   out.has_tensors = true;
   out.data_offset = cf.header.data_offset();
   out.metadata = cf.header.metadata;
-  ScopedFd fd = open_or_throw(env, cf.path);
+  const std::unique_ptr<ByteSource> source =  // Note [Byte sources]
+      open_byte_source(env, SourceFile{cf.path, cf.stat, cf.version, cf.header.data_offset()}, SourceOptions{});
   FileHashing h(cf.header, options.piece_bytes);
   std::vector<std::byte> buffers[2] = {std::vector<std::byte>(kReadBytes), std::vector<std::byte>(kReadBytes)};
   std::future<void> whole;
@@ -112,9 +114,7 @@ ManifestFile hash_file(Env* env, const CheckpointFile& cf, const std::string& na
   for (int turn = 0; offset < out.size; turn ^= 1) {
     std::vector<std::byte>& buf = buffers[turn];
     const std::uint64_t n = std::min<std::uint64_t>(kReadBytes, out.size - offset);
-    const ReadResult r = read_full(env, fd.get(), buf.data(), n, offset);
-    if (r.error != 0) throw_os_error("read", r.error, ErrorContext{cf.path, {}, offset + r.bytes, offset + n});
-    if (r.ended) throw IoError("the file ended early", ErrorContext{cf.path, {}, offset + r.bytes, out.size});
+    source->read(offset, n, buf.data(), n);
     if (whole.valid()) whole.get();  // the other buffer is free again
     if (options.threads > 1) {
       whole = std::async(std::launch::async, [&h, &buf, n] { h.whole.update(buf.data(), n); });

@@ -5,7 +5,7 @@
 #include <cstring>
 #include <unordered_map>
 
-#include "os/read_full.h"
+#include "pinload/byte_source.h"
 #include "pinload/error.h"
 #include "pinload/remote.h"
 
@@ -133,10 +133,9 @@ Verifier::Verifier(Env* env, const VerifyOptions& options, const Checkpoint& che
     // file's identity is checked when the load opens it).
     const std::uint64_t header_bytes = cf.header.data_offset();
     std::vector<std::byte> header(header_bytes);
-    ScopedFd fd = open_or_throw(env, cf.path);
-    const ReadResult r = read_full(env, fd.get(), header.data(), header_bytes, 0);
-    if (r.error != 0) throw_os_error("read", r.error, ErrorContext{cf.path, {}, r.bytes, header_bytes});
-    if (r.ended) throw IoError("the file ended early", ErrorContext{cf.path, {}, r.bytes, header_bytes});
+    const std::unique_ptr<ByteSource> source =  // Note [Byte sources]
+        open_byte_source(env, SourceFile{cf.path, cf.stat, cf.version, header_bytes}, SourceOptions{});
+    source->read(0, header_bytes, header.data(), header_bytes);
     f.whole.update(header.data(), header.size());
     f.next = header_bytes;
   }

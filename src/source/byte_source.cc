@@ -170,8 +170,8 @@ void LocalFileSource::read(std::uint64_t offset, std::uint64_t bytes, std::byte*
     }
     if (r.error != 0) throw_os_error("read failed", r.error, ErrorContext{path_, {}, at, offset + bytes});
     if (r.ended) {
-      throw IoError("file ended at byte " + std::to_string(at) + " but was " + std::to_string(expected_.size) +
-                        " bytes when opened (truncated while reading?)",
+      throw IoError("file ended early, at byte " + std::to_string(at) + " of the " + std::to_string(expected_.size) +
+                        " it had when opened (truncated while reading?)",
                     ErrorContext{path_, {}, at, offset + bytes});
     }
     if (done < bytes) direct = false;

@@ -45,6 +45,9 @@ class LocalFileSource final : public ByteSource {
 
   // The stat of the open file (open() first).
   const FileStat& stat() const { return stat_; }
+  // The buffered descriptor of the open file, for posix_fadvise (the warmer's
+  // readahead and burn-after-reading); valid until close().
+  int buffered_descriptor() const { return buffered_.get(); }
   // Learns whether the file is on a network filesystem (opens it once).
   void probe_filesystem();
 

@@ -36,6 +36,7 @@
 #include "os/read_full.h"
 #include "remote/remote_client.h"
 #include "remote/remote_url.h"
+#include "source/sources.h"
 #include "store/server.h"
 #include "store/socket_path.h"
 #include "store/wire.h"
@@ -435,38 +436,29 @@ void Store::fill(Entry& entry, int fd) {
   const std::string& path = entry.path;
   EntryWriter out(entry, options_.numa_node, env_);
   std::byte* base = out.data();
-  // Direct reads where the file allows them (a reopen of the client's file
-  // through /proc, so the client's own descriptor keeps its flags), buffered
-  // through the client's descriptor otherwise.
-  ScopedFd direct(env_, env_->open_read("/proc/self/fd/" + std::to_string(fd), O_DIRECT));
-  if (direct.get() < 0) direct = ScopedFd();
-  if (direct.valid()) {
-    FileStat again;
-    if (env_->stat(direct.get(), &again) != 0 || !(FileIdentity::of(again) == entry.identity)) direct.reset();
-  }
-  fill_in_chunks(entry.bytes, options_.threads, [&](std::uint64_t at, std::size_t n) {
-    int rc = -EINVAL;
-    if (direct.valid()) {
+  // The client's file through a source of its own (Note [Byte sources]): a
+  // reopen through /proc, so the client's descriptor keeps its flags; direct
+  // where the file allows it and is not cached, buffered otherwise.
+  SourceOptions reads;
+  reads.direct = DirectIo::kAuto;
+  detail::LocalFileSource source(env_, "/proc/self/fd/" + std::to_string(fd), &entry.identity, reads);
+  try {
+    source.open();
+    fill_in_chunks(entry.bytes, options_.threads, [&](std::uint64_t at, std::size_t n) {
       // Whole 4 KiB pages: the memfd is sized past the file's end.
-      const std::size_t aligned = (n + 4095) / 4096 * 4096;
-      const ReadResult r = read_full(env_, direct.get(), base + at, n, at, aligned, 4096);
-      rc = r.error != 0 ? -r.error : r.bytes >= n ? 0 : r.ended ? -ENODATA : -EINVAL;
-    }
-    // EINVAL: O_DIRECT refused, or a short read left the position off the
-    // alignment: the rest of the chunk through the client's descriptor.
-    if (rc == -EINVAL) rc = read_fully(env_, fd, base + at, n, at);
-    if (rc != 0) {
-      throw IoError(rc == -ENODATA ? std::string("the file ended early: it was cut while the store read it")
-                                   : std::string("reading for the store failed: ") + std::strerror(-rc),
-                    ErrorContext{path, {}, at, at + n});
-    }
-  });
+      source.read(at, n, base + at, (n + 4095) / 4096 * 4096);
+    });
+  } catch (const Error& e) {  // name the client's path, not /proc's
+    ErrorContext context = e.context();
+    context.file = path;
+    throw_error(e.code(), e.message(), std::move(context));
+  }
   FileStat after;
   if (env_->stat(fd, &after) != 0 || !(FileIdentity::of(after) == entry.identity)) {
     throw IoError("the file was modified while the store read it", ErrorContext{path});
   }
   out.seal();
-  log::info("store: read {} ({} bytes, {} direct, {} in huge pages)", path, entry.bytes, direct.valid() ? "" : "not",
+  log::info("store: read {} ({} bytes, {} direct, {} in huge pages)", path, entry.bytes, source.direct() ? "" : "not",
             entry.huge_bytes);
 }
 

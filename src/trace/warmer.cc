@@ -18,8 +18,9 @@
 #include <vector>
 
 #include "base/log.h"
-#include "os/read_full.h"
 #include "pinload/env.h"
+#include "pinload/error.h"
+#include "source/sources.h"
 #include "trace/pre_content.h"
 
 namespace pinload::trace {
@@ -133,24 +134,29 @@ WarmReport warm(const WarmPlan& plan, const WarmOptions& options) {
 
   // Files first, before any mark of ours: our own reads then never report
   // to our group (Note [Pre-content events]).
-  std::vector<int> fds(plan.files.size(), -1);
+  // Each file's bytes through its source (Note [Byte sources]), buffered:
+  // warming fills the page cache. Null: not warmed.
+  std::vector<std::unique_ptr<detail::LocalFileSource>> sources(plan.files.size());
+  std::vector<int> fds(plan.files.size(), -1);  // the sources' descriptors, for fadvise
   std::map<std::pair<std::uint64_t, std::uint64_t>, std::uint32_t> by_identity;  // (device, inode) -> file
   for (std::uint32_t i = 0; i < plan.files.size(); ++i) {
     const TemplateFile& f = plan.files[i];
-    const int fd = env->open_read(f.path, 0);
-    if (fd < 0) {
-      log::warn("{}: not warmed: {}", f.path, std::strerror(-fd));
+    auto source = std::make_unique<detail::LocalFileSource>(env, f.path, nullptr, SourceOptions{});
+    try {
+      source->open();
+    } catch (const Error& e) {
+      log::warn("{}: not warmed: {}", f.path, e.message());
       continue;
     }
-    FileStat st;
-    if (env->stat(fd, &st) < 0 || st.size != f.size || st.inode != f.inode || st.device != f.device ||
+    const FileStat& st = source->stat();
+    if (st.size != f.size || st.inode != f.inode || st.device != f.device ||
         (f.mtime_ns != 0 && st.mtime_ns != f.mtime_ns)) {
       log::warn("{}: not warmed: the file changed since the template was recorded", f.path);
-      env->close(fd);
       continue;
     }
-    env->fadvise(fd, 0, 0, POSIX_FADV_RANDOM);  // exactly the piece, no readahead past it
-    fds[i] = fd;
+    fds[i] = source->buffered_descriptor();
+    env->fadvise(fds[i], 0, 0, POSIX_FADV_RANDOM);  // exactly the piece, no readahead past it
+    sources[i] = std::move(source);
     by_identity[{st.device, st.inode}] = i;
   }
 
@@ -241,13 +247,17 @@ WarmReport warm(const WarmPlan& plan, const WarmOptions& options) {
       taken += length;
       tracker.on_warmed(i);  // counted now, so other threads see it in the budget
       lock.unlock();
-      const int fd = fds[piece.file];
+      detail::LocalFileSource& source = *sources[piece.file];
       std::uint64_t done = 0;
       while (done < length && !stopping()) {
         const std::uint64_t n = std::min<std::uint64_t>(buffer.size(), length - done);
-        const ReadResult got = read_full(env, fd, buffer.data(), n, piece.offset + done);
-        done += got.bytes;
-        if (got.error != 0 || got.ended) break;
+        try {
+          source.read(piece.offset + done, n, reinterpret_cast<std::byte*>(buffer.data()), n);
+        } catch (const Error& e) {
+          log::debug("{}: warming stopped: {}", source.path(), e.what());
+          break;
+        }
+        done += n;
       }
       lock.lock();
       report.warmed += done;
@@ -315,9 +325,7 @@ WarmReport warm(const WarmPlan& plan, const WarmOptions& options) {
     follower.join();
   }
   (void)warming_done;
-  for (int fd : fds) {
-    if (fd >= 0) env->close(fd);
-  }
+  sources.clear();
   report.dropped = tracker.dropped_bytes();
   report.interrupted = interrupted;
   report.seconds = std::chrono::duration<double>(Clock::now() - start).count();
