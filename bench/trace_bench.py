@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tests" / "py"))
+sys.path.insert(0, str(HERE.parent / "tests" / "cli"))
 import trace_helpers as th  # noqa: E402
 
 

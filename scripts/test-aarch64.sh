@@ -36,7 +36,7 @@ LIB=/usr/lib/aarch64-linux-gnu
 # /usr/include after the cross compiler's own (never before its libc's).
 FLAGS=(-std=c++20 -O2 -ffp-contract=off -Wall -Wextra -Werror -Iinclude -Isrc -idirafter /usr/include)
 SOURCES=(src/format/dtype_convert.cc src/format/dtype_convert_simd.cc src/format/dtype.cc src/base/error.cc
-         tests/dtype_convert_test.cc)
+         tests/unit/dtype_convert_test.cc)
 objects=()
 for s in "${SOURCES[@]}"; do
   o="$OUT/$(basename "$s").o"

@@ -1,7 +1,7 @@
 """Lifetimes: tensors hold their pool block; loads and frees return the pool to its baseline.
 
 Host loads here read into the pool (zero_copy="off"): zero-copy loads hold no pool block
-(Note [Zero-copy loads]; their lifetimes: tests/zero_copy_test.cc)."""
+(Note [Zero-copy loads]; their lifetimes: tests/unit/zero_copy_test.cc)."""
 
 import gc
 

@@ -1,5 +1,5 @@
 """The Python progress bar (tqdm) draws the C++ CLI's line: same fields, same units (GB, GB/s).
-tests/cli_progress_test.cc checks the CLI's progress_line() against the same strings."""
+tests/unit/cli_progress_test.cc checks the CLI's progress_line() against the same strings."""
 
 import io
 

@@ -14,7 +14,7 @@ import pytest
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(REPO_ROOT / "tests" / "py"))
+sys.path.insert(0, str(REPO_ROOT / "tests" / "cli"))
 
 import servers  # noqa: E402
 

@@ -1,5 +1,5 @@
 """The byte-source fault table (tests/support/source_faults.h) on remote
-objects: the same cases that tests/source_faults_test.cc runs on local files
+objects: the same cases that tests/unit/source_faults_test.cc runs on local files
 read direct, buffered and mapped, here on an object behind nginx, on one in
 SeaweedFS (S3), and on one through the object cache. Each case injects its
 fault into the source the load opens (LoadOptions::wrap_source): a failed

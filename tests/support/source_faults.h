@@ -1,7 +1,7 @@
 // Test support: one table of byte-source faults (Note [Byte sources] in
 // byte_source.h), run against whatever source a load opens. The same table
 // runs on local files read direct, buffered and from their mappings
-// (tests/source_faults_test.cc) and on remote objects behind nginx and
+// (tests/unit/source_faults_test.cc) and on remote objects behind nginx and
 // SeaweedFS (tests/remote/test_source_faults.py, through the
 // pinload_source_faults program).
 //
