@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <span>
 #include <string_view>
 
 namespace pinload {
@@ -22,6 +23,19 @@ std::string_view dtype_name(DType dtype) noexcept;
 std::optional<DType> dtype_from_name(std::string_view name) noexcept;
 // Size of one element in bits: 4 for F4, 6 for F6_*, 8..128 otherwise.
 unsigned dtype_bits(DType dtype) noexcept;
+
+// A dtype a load may convert floating tensors to (DTypeOptions::to), as the
+// CLI's --dtype, Python's dtype= (after a "torch." prefix) and the benches
+// spell it.
+struct DTypeSpelling {
+  std::string_view text;
+  DType dtype;
+};
+// Every spelling, ours, torch's and the format's: "bf16", "bfloat16",
+// "BF16", "fp16", "float16", "half", "F16", "fp32", "float32", "float", "F32".
+std::span<const DTypeSpelling> conversion_dtype_spellings() noexcept;
+// The conversion dtype `text` spells; nullopt for anything else.
+std::optional<DType> parse_conversion_dtype(std::string_view text) noexcept;
 
 // One element-wise conversion (src/format/dtype_convert.h on the host, the
 // device's convert_async on a device): each element becomes

@@ -81,7 +81,7 @@ void run_load(const LoadArgs& args) {
     options.target.mode = DeviceMode::kStreaming;
     if (args.staging_bytes != 0) options.target.staging_bytes = args.staging_bytes;
   }
-  if (!args.dtype.empty()) options.dtype.to = parse_dtype_arg(args.dtype);  // checked by CLI11
+  if (!args.dtype.empty()) options.dtype.to = parse_conversion_dtype(args.dtype);  // checked by CLI11
   if (!options.dtype.keep.empty() && !options.dtype.to) throw UsageError("--keep needs --dtype");
   // Note [Verified loads] (manifest.h).
   if (!args.verify.empty()) options.verify.manifest = std::make_shared<Manifest>(load_manifest(args.verify));

@@ -165,7 +165,7 @@ void add_store_command(CLI::App& app) {
       ->allow_extra_args(false);  // the PATHs after it are not patterns
   w->add_option("PATH", warm->paths, "checkpoints: files, indexes, folders");
   w->callback([warm] {
-    if (!warm->dtype.empty()) warm->conversion.to = parse_dtype_arg(warm->dtype);  // checked by CLI11
+    if (!warm->dtype.empty()) warm->conversion.to = parse_conversion_dtype(warm->dtype);  // checked by CLI11
     if (!warm->conversion.keep.empty() && !warm->conversion.to) throw UsageError("--keep needs --dtype");
     std::vector<std::string> paths = warm->paths;
     if (!warm->template_file.empty()) {

@@ -59,4 +59,20 @@ std::optional<DType> dtype_from_name(std::string_view name) noexcept {
 
 unsigned dtype_bits(DType dtype) noexcept { return kSpecs[static_cast<std::size_t>(dtype)].bits; }
 
+std::span<const DTypeSpelling> conversion_dtype_spellings() noexcept {
+  static constexpr DTypeSpelling kSpellings[] = {
+      {"bf16", DType::kBF16}, {"bfloat16", DType::kBF16}, {"BF16", DType::kBF16},
+      {"fp16", DType::kF16},  {"float16", DType::kF16},   {"half", DType::kF16},  {"F16", DType::kF16},
+      {"fp32", DType::kF32},  {"float32", DType::kF32},   {"float", DType::kF32}, {"F32", DType::kF32},
+  };
+  return kSpellings;
+}
+
+std::optional<DType> parse_conversion_dtype(std::string_view text) noexcept {
+  for (const DTypeSpelling& s : conversion_dtype_spellings()) {
+    if (s.text == text) return s.dtype;
+  }
+  return std::nullopt;
+}
+
 }  // namespace pinload

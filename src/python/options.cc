@@ -67,17 +67,7 @@ std::optional<DType> conversion_dtype_from_python(const py::handle& value, const
   if (value.is_none()) return std::nullopt;
   std::string text = py::str(value);
   if (text.rfind("torch.", 0) == 0) text = text.substr(6);
-  struct Name {
-    std::string_view text;
-    DType dtype;
-  };
-  static constexpr Name kNames[] = {
-      {"bfloat16", DType::kBF16}, {"bf16", DType::kBF16},    {"BF16", DType::kBF16}, {"float16", DType::kF16},
-      {"half", DType::kF16},      {"fp16", DType::kF16},     {"F16", DType::kF16},   {"float32", DType::kF32},
-      {"float", DType::kF32},     {"fp32", DType::kF32},     {"F32", DType::kF32}};
-  for (const Name& n : kNames) {
-    if (n.text == text) return n.dtype;
-  }
+  if (const std::optional<DType> d = parse_conversion_dtype(text)) return d;  // the one table (dtype.h)
   throw InvalidArgumentError(std::string(option) + " must be torch.bfloat16, torch.float16 or torch.float32 (or None), not " +
                              std::string(py::repr(value)));
 }

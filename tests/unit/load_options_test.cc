@@ -4,8 +4,10 @@
 
 #include <cmath>
 #include <limits>
+#include <set>
 #include <string>
 
+#include "pinload/dtype.h"
 #include "pinload/error.h"
 #include "pinload/loader.h"
 #include "pinload/size.h"
@@ -154,6 +156,22 @@ TEST(Spellings, DirectAndCachedReadRoundTrip) {
   }
   EXPECT_FALSE(parse_direct_io("yes").has_value());
   EXPECT_FALSE(parse_cached_read("mmap").has_value());
+}
+
+// One table of conversion dtype spellings (dtype.h), read by the CLI's --dtype
+// and Python's dtype=.
+TEST(ConversionDTypeSpellings, EverySpellingParsesAndNothingElse) {
+  std::set<DType> seen;
+  for (const DTypeSpelling& s : conversion_dtype_spellings()) {
+    EXPECT_EQ(parse_conversion_dtype(s.text), s.dtype) << s.text;
+    seen.insert(s.dtype);
+  }
+  EXPECT_EQ(seen, (std::set<DType>{DType::kBF16, DType::kF16, DType::kF32}));
+  EXPECT_EQ(parse_conversion_dtype("bfloat16"), DType::kBF16);
+  EXPECT_EQ(parse_conversion_dtype("half"), DType::kF16);
+  for (const char* bad : {"", "BFLOAT16", "f32", "F8_E4M3", "torch.float32", "int8"}) {
+    EXPECT_EQ(parse_conversion_dtype(bad), std::nullopt) << bad;
+  }
 }
 
 }  // namespace
