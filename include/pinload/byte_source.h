@@ -2,7 +2,8 @@
 //
 // Note [Byte sources]
 // Every reader of a checkpoint's bytes reads through a ByteSource: a load's
-// chunk executor, the sharded loader, conversion on load and the header
+// chunk executor, the sharded loader, conversion on load, `pinload convert`,
+// manifests, verified loads, the warmer, the node store's fill, and header
 // reads. A source reads a range of one file into memory, whole, or throws a
 // typed error naming the file and the range. open_byte_source is the one
 // place that decides which source a path gets:
@@ -11,11 +12,17 @@
 //     buffered from the first refusal on; a file in the page cache is also
 //     mapped, and copy_mapped copies from the mapping (Note [Mapped reads]);
 //   - an s3:// or http(s):// object: ranged GETs on the remote client's
-//     pooled connections (Note [Remote reads] in remote.h), written through
-//     to the object cache where there is one; a cached copy is a local file.
+//     pooled connections (Note [Remote reads] in src/remote/remote_client.h),
+//     written through to the object cache where there is one; a cached copy
+//     is a local file.
 // Retries (EINTR, EAGAIN and short reads: os/read_full.h), the refusal of
 // O_DIRECT and the fallbacks from a mapping live inside the sources; their
-// callers see bytes or an error.
+// callers see bytes or an error. What does not read through a source: a
+// zero-copy load, which hands out the file's own mapping (Note [Zero-copy
+// loads] in loader.h), and reads of text that is not a checkpoint's (a
+// manifest, a template, sysfs and /proc, the store's key over a client's
+// descriptor, the object cache checking its own entries), which call
+// read_full directly.
 //
 // A source holds descriptors and a mapping only while open: reads open it,
 // close() lets them go (Note [Files in flight] in io/read_session.h), and a

@@ -221,7 +221,7 @@ unsigned RemoteObjectSource::connections() const { return client_->connections()
 }  // namespace detail
 
 std::unique_ptr<ByteSource> open_byte_source(Env* env, const SourceFile& file, const SourceOptions& options) {
-  if (is_remote_path(file.path)) {  // Note [Remote reads] in remote.h
+  if (is_remote_path(file.path)) {  // Note [Remote reads] in src/remote/remote_client.h
     std::shared_ptr<remote::RemoteClient> client = remote::client_for(options.remote);
     remote::ObjectInfo object{file.path, file.stat.size, file.version, file.stat.mtime_ns};
     std::unique_ptr<remote::ObjectCache::Writer> writer;
