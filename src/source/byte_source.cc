@@ -29,12 +29,14 @@ bool on_network_filesystem(Env* env, int fd, const std::string& path) {
 
 // ---- a local file ----
 
-LocalFileSource::LocalFileSource(Env* env, std::string path, const FileIdentity* expected, const SourceOptions& options)
+LocalFileSource::LocalFileSource(Env* env, std::string path, const FileIdentity* expected, const SourceOptions& options,
+                                 int borrowed_fd)
     : env_(env),
       path_(std::move(path)),
       has_expected_(expected != nullptr),
       expected_(expected != nullptr ? *expected : FileIdentity{}),
-      options_(options) {}
+      options_(options),
+      borrowed_fd_(borrowed_fd) {}
 
 LocalFileSource::~LocalFileSource() { close(); }
 
@@ -43,6 +45,7 @@ void LocalFileSource::probe_filesystem() {
   const ScopedFd fd = open_regular_or_throw(env_, path_, &st);
   if (has_expected_) check_identity(st, path_, expected_);
   network_fs_ = on_network_filesystem(env_, fd.get(), path_);
+  probed_ = true;
 }
 
 void LocalFileSource::open() {
@@ -70,8 +73,7 @@ void LocalFileSource::close() {
 }
 
 void LocalFileSource::unmap() {
-  if (mapping_ != nullptr) env_->unmap(const_cast<std::byte*>(mapping_), mapping_bytes_);
-  mapping_ = nullptr;
+  if (const std::byte* m = mapping_.exchange(nullptr); m != nullptr) env_->unmap(const_cast<std::byte*>(m), mapping_bytes_);
 }
 
 // Maps a file in the page cache for copying (Note [Mapped reads] in
@@ -79,33 +81,44 @@ void LocalFileSource::unmap() {
 void LocalFileSource::map() {
   if (stat_.size == 0) return;
   int err = 0;
-  const void* data = env_->map_file(buffered_.get(), stat_.size, &err);
+  const void* data = env_->map_file(buffered_descriptor(), stat_.size, &err);
   if (data == nullptr) {
     log::debug("{}: cannot map ({}), reading with pread", path_, log::errno_text(err));
     return;
   }
-  mapping_ = static_cast<const std::byte*>(data);
   mapping_bytes_ = stat_.size;
+  mapping_.store(static_cast<const std::byte*>(data), std::memory_order_release);
 }
 
 // Opens the file and decides direct or buffered (Note [Direct I/O] in
 // loader.h): the residency decides under kAuto, and whether a buffered file
 // is mapped (unless kPread).
 void LocalFileSource::open_locked() {
-  buffered_ = open_regular_or_throw(env_, path_, &stat_);
+  if (borrowed_fd_ >= 0) {
+    stat_ = stat_or_throw(env_, borrowed_fd_, path_);
+    if (stat_.type != FileType::kRegular) {
+      throw InvalidFileError(std::string("is a ") + file_type_name(stat_.type) + ", not a regular file", ErrorContext{path_});
+    }
+  } else {
+    buffered_ = open_regular_or_throw(env_, path_, &stat_);
+  }
   if (!has_expected_) {
     expected_ = FileIdentity::of(stat_);
     has_expected_ = true;
   }
   check_identity(stat_, path_, expected_);
   const SourceOptions& o = options_;
+  if (!probed_ && o.direct == DirectIo::kAuto) {
+    network_fs_ = on_network_filesystem(env_, buffered_descriptor(), path_);
+    probed_ = true;
+  }
   if (o.direct == DirectIo::kOff && o.cached_read == CachedRead::kPread) {
     log::debug("{}: reading buffered with pread (direct off)", path_);
     return;
   }
   std::string why_direct = "direct on";
   if (o.direct != DirectIo::kOn) {
-    const double resident = env_->resident_fraction(buffered_.get(), stat_.size, kResidencySamples);
+    const double resident = env_->resident_fraction(buffered_descriptor(), stat_.size, kResidencySamples);
     const bool cached = resident >= o.resident_threshold;
     if (cached && o.cached_read != CachedRead::kPread) map();
     if (o.direct == DirectIo::kOff) {
@@ -144,7 +157,7 @@ void LocalFileSource::open_locked() {
 
 int LocalFileSource::buffered_fd() {
   open();
-  return buffered_.get();
+  return buffered_descriptor();
 }
 
 // Reads [offset, offset + bytes) with pread, direct or buffered (read_full:
@@ -180,8 +193,9 @@ void LocalFileSource::read(std::uint64_t offset, std::uint64_t bytes, std::byte*
 
 // Copies from the file's mapping (Note [Mapped reads] in loader.h).
 bool LocalFileSource::copy_mapped(std::uint64_t offset, std::uint64_t bytes, std::byte* dest) {
-  if (mapping_ == nullptr || offset + bytes > mapping_bytes_) return false;
-  const std::byte* src = mapping_ + offset;
+  const std::byte* mapping = mapping_.load(std::memory_order_acquire);
+  if (mapping == nullptr || offset + bytes > mapping_bytes_) return false;
+  const std::byte* src = mapping + offset;
   int rc;
   do {
     rc = env_->populate_read(src, bytes);

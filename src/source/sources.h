@@ -30,8 +30,13 @@ bool on_network_filesystem(Env* env, int fd, const std::string& path);
 class LocalFileSource final : public ByteSource {
  public:
   // `expected`: the identity every open must find (null: the first open's,
-  // which later opens must match).
-  LocalFileSource(Env* env, std::string path, const FileIdentity* expected, const SourceOptions& options);
+  // which later opens must match). `borrowed_fd` (>= 0): an open descriptor
+  // of the file, not owned, read for buffered reads instead of opening
+  // `path` (the node store reads a client's file through the client's
+  // descriptor, and reopens `path`, its /proc/self/fd link, only for
+  // O_DIRECT).
+  LocalFileSource(Env* env, std::string path, const FileIdentity* expected, const SourceOptions& options,
+                  int borrowed_fd = -1);
   ~LocalFileSource() override;
 
   const std::string& path() const override { return path_; }
@@ -40,14 +45,14 @@ class LocalFileSource final : public ByteSource {
   void read(std::uint64_t offset, std::uint64_t bytes, std::byte* dest, std::uint64_t capacity) override;
   bool copy_mapped(std::uint64_t offset, std::uint64_t bytes, std::byte* dest) override;
   bool direct() const override { return direct_.load(std::memory_order_relaxed); }
-  bool mapped() const override { return mapping_ != nullptr; }
+  bool mapped() const override { return mapping_.load(std::memory_order_acquire) != nullptr; }
   bool network_filesystem() const override { return network_fs_; }
 
   // The stat of the open file (open() first).
   const FileStat& stat() const { return stat_; }
   // The buffered descriptor of the open file, for posix_fadvise (the warmer's
   // readahead and burn-after-reading); valid until close().
-  int buffered_descriptor() const { return buffered_.get(); }
+  int buffered_descriptor() const { return borrowed_fd_ >= 0 ? borrowed_fd_ : buffered_.get(); }
   // Learns whether the file is on a network filesystem (opens it once).
   void probe_filesystem();
 
@@ -62,14 +67,16 @@ class LocalFileSource final : public ByteSource {
   bool has_expected_;
   FileIdentity expected_;
   SourceOptions options_;
+  int borrowed_fd_;
   bool network_fs_ = false;
+  bool probed_ = false;  // network_fs_ is known
   std::mutex mu_;  // guards opening
   std::atomic<bool> open_{false};
   FileStat stat_;
   ScopedFd buffered_;
   ScopedFd direct_fd_;
   std::atomic<bool> direct_{false};
-  const std::byte* mapping_ = nullptr;
+  std::atomic<const std::byte*> mapping_{nullptr};
   std::size_t mapping_bytes_ = 0;
 };
 

@@ -436,12 +436,13 @@ void Store::fill(Entry& entry, int fd) {
   const std::string& path = entry.path;
   EntryWriter out(entry, options_.numa_node, env_);
   std::byte* base = out.data();
-  // The client's file through a source of its own (Note [Byte sources]): a
-  // reopen through /proc, so the client's descriptor keeps its flags; direct
-  // where the file allows it and is not cached, buffered otherwise.
+  // The client's file through a source (Note [Byte sources]): buffered
+  // reads through the client's descriptor, direct ones through a reopen of
+  // it in /proc (so the client's descriptor keeps its flags), where the file
+  // allows them and is neither cached nor on a network filesystem.
   SourceOptions reads;
   reads.direct = DirectIo::kAuto;
-  detail::LocalFileSource source(env_, "/proc/self/fd/" + std::to_string(fd), &entry.identity, reads);
+  detail::LocalFileSource source(env_, "/proc/self/fd/" + std::to_string(fd), &entry.identity, reads, fd);
   try {
     source.open();
     fill_in_chunks(entry.bytes, options_.threads, [&](std::uint64_t at, std::size_t n) {

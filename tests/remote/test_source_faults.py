@@ -68,7 +68,10 @@ def test_the_table_over_http(nginx, served_root, model):
 
 def test_the_table_over_s3(weed, model):
     weed.client().upload_file(str(model), BUCKET, "source_faults/m.safetensors")
-    check(*run_table(f"s3://{BUCKET}/source_faults/m.safetensors", env=weed.env()), model)
+    url = f"s3://{BUCKET}/source_faults/m.safetensors"
+    proc, digests, cases = run_table(url, env=weed.env())
+    check(proc, digests, cases, model)
+    assert all(c.split()[-1] == url for c in cases if "fails" in c), cases
 
 
 def test_the_table_through_the_object_cache(nginx, served_root, model, tmp_path):
@@ -83,8 +86,9 @@ def test_the_table_through_the_object_cache(nginx, served_root, model, tmp_path)
     assert failed and all(c.split()[-1].startswith(str(tmp_path / "cache") + "/") for c in failed), cases
 
 
-def test_a_failing_case_fails_the_program(nginx, served_root, model):
-    """The program reports a wrong case: a URL whose object is not a checkpoint."""
+def test_an_object_that_is_not_a_checkpoint_fails_the_program(nginx, served_root, model):
+    """No case runs on an object that is not a checkpoint, and the program says so and exits 1
+    (a failing case's verdict is the judge's, tested in tests/unit/source_faults_test.cc)."""
     (served_root / "not_a_checkpoint.safetensors").write_bytes(b"\xff" * 64)
     proc, digests, cases = run_table(f"{nginx.url}/not_a_checkpoint.safetensors")
     assert proc.returncode == 1 and not cases and "pinload_source_faults" in proc.stderr, proc

@@ -12,6 +12,7 @@ namespace pinload::testing {
 int FaultEnv::open_read(const std::string& path, int extra_flags) {
   const bool direct = (extra_flags & O_DIRECT) != 0;
   if (direct && faults_.refuse_direct_open) return -EINVAL;
+  if (faults_.refuse_open) return -ENOENT;
   const int fd = EnvWrapper::open_read(path, extra_flags);
   if (fd >= 0) {
     std::lock_guard lock(mu_);

@@ -23,6 +23,8 @@ struct Faults {
   bool eintr_every_other = false;
   // open(O_DIRECT) fails with EINVAL.
   bool refuse_direct_open = false;
+  // Every open fails with ENOENT, as if the file had gone.
+  bool refuse_open = false;
   // The first pread on an O_DIRECT descriptor fails with EINVAL.
   bool refuse_direct_first_read = false;
   // Reads see the file as if cut to this many bytes, and populating a

@@ -35,6 +35,7 @@ void FaultSource::open() {
 
 void FaultSource::read(std::uint64_t offset, std::uint64_t bytes, std::byte* dest, std::uint64_t capacity) {
   counts_->reads++;
+  if (direct()) counts_->direct_reads++;
   if (fault_.kind == SourceFaultKind::kOpenFails) {  // a read opens the source first
     counts_->injected++;
     throw_os_error("cannot open", ENOENT, ErrorContext{path()});
@@ -63,13 +64,19 @@ bool FaultSource::copy_mapped(std::uint64_t offset, std::uint64_t bytes, std::by
   return copied;
 }
 
-FaultOutcome load_with_fault(const std::string& path, LoadOptions options, const SourceFault& fault) {
-  FaultOutcome out;
+std::uint64_t fault_target_byte(const std::string& path, const LoadOptions& options, double where) {
   const Checkpoint checkpoint = open_checkpoint(default_env(), {path}, options.resolve);
   const CheckpointFile& file = checkpoint.files.at(0);
   const std::uint64_t data_begin = file.header.data_offset();
   const std::uint64_t data_bytes = file.stat.size - data_begin;
-  out.target_byte = data_begin + static_cast<std::uint64_t>(fault.where * static_cast<double>(data_bytes - 1));
+  if (data_bytes == 0) throw InvalidArgumentError("the fault table needs tensor data", ErrorContext{path});
+  return data_begin + static_cast<std::uint64_t>(where * static_cast<double>(data_bytes - 1));
+}
+
+FaultOutcome load_with_fault(const std::string& path, LoadOptions options, const SourceFault& fault, Env* env) {
+  FaultOutcome out;
+  const Checkpoint checkpoint = open_checkpoint(default_env(), {path}, options.resolve);
+  out.target_byte = fault_target_byte(path, options, fault.where);
   auto counts = std::make_shared<FaultSource::Counts>();
   options.wrap_source = [&](std::unique_ptr<ByteSource> source) -> std::unique_ptr<ByteSource> {
     return std::make_unique<FaultSource>(std::move(source), fault, out.target_byte, counts);
@@ -77,7 +84,7 @@ FaultOutcome load_with_fault(const std::string& path, LoadOptions options, const
   out.fds_before = open_fd_count();
   out.threads_before = stable_thread_count();
   {
-    Loader loader(options);
+    Loader loader(options, nullptr, env);
     try {
       const StateDict sd = loader.load(checkpoint);
       for (const Tensor& t : sd) {
@@ -100,6 +107,7 @@ FaultOutcome load_with_fault(const std::string& path, LoadOptions options, const
   out.mapped_copies = counts->mapped_copies;
   out.refused_copies = counts->refused_copies;
   out.injected = counts->injected;
+  out.direct_reads = counts->direct_reads;
   return out;
 }
 
@@ -124,8 +132,13 @@ std::string judge(const FaultOutcome& o, const SourceFault& fault, const std::st
       }
       const bool in_cache = !cache_dir.empty() && o.context.file.rfind(cache_dir + "/", 0) == 0;
       if (o.context.file != path && !in_cache) why << "error names '" << o.context.file << "', not the file: " << o.what << "; ";
-      if (fault.kind == SourceFaultKind::kReadFails &&
-          !(o.context.begin && o.context.end && *o.context.begin <= o.target_byte && o.target_byte < *o.context.end)) {
+      const bool has_range = o.context.begin && o.context.end && *o.context.begin < *o.context.end;
+      if (fault.kind == SourceFaultKind::kReadFails && o.cut_at_target &&
+          !(has_range && *o.context.begin >= o.target_byte)) {
+        why << "error's range does not start at or past the cut at byte " << o.target_byte << ": " << o.what << "; ";
+      }
+      if (fault.kind == SourceFaultKind::kReadFails && !o.cut_at_target &&
+          !(has_range && *o.context.begin <= o.target_byte && o.target_byte < *o.context.end)) {
         why << "error's range does not hold byte " << o.target_byte << ": " << o.what << "; ";
       }
       if (!o.digests.empty()) why << "tensors returned; ";

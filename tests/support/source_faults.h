@@ -49,7 +49,7 @@ const std::vector<SourceFault>& source_faults();
 class FaultSource final : public ByteSourceWrapper {
  public:
   struct Counts {
-    std::atomic<std::uint64_t> reads{0}, mapped_copies{0}, refused_copies{0}, injected{0};
+    std::atomic<std::uint64_t> reads{0}, mapped_copies{0}, refused_copies{0}, injected{0}, direct_reads{0};
   };
   // `target_byte`: the byte whose read fails (kReadFails).
   FaultSource(std::unique_ptr<ByteSource> target, SourceFault fault, std::uint64_t target_byte,
@@ -70,16 +70,27 @@ struct FaultOutcome {
   ErrorContext context;
   std::string what;
   std::uint64_t target_byte = 0;                // the byte whose read was to fail
+  // The file was cut at target_byte (FaultEnv's truncation), so any read at
+  // or past it may be the one that fails first: the error's range starts
+  // there or later.
+  bool cut_at_target = false;
   std::map<std::string, std::string> digests;  // name -> SHA-256 of its bytes, when the load did not fail
   std::uint64_t reads = 0, mapped_copies = 0, refused_copies = 0, injected = 0;
+  std::uint64_t direct_reads = 0;  // reads while the source was direct
   int fds_before = 0, fds_after = 0;
   int threads_before = 0, threads_after = 0;
   std::uint64_t pool_in_use_after = 0;  // bytes of the load's pool still in blocks after it ended
 };
 
+// The byte whose read fails under a kReadFails fault at `where`.
+std::uint64_t fault_target_byte(const std::string& path, const LoadOptions& options, double where);
+
 // Loads `path` (one file, local or remote) on the host with `options` and
-// `fault` injected into its source.
-FaultOutcome load_with_fault(const std::string& path, LoadOptions options, const SourceFault& fault);
+// `fault` injected into its source, reading through `env` (null: the
+// default; a FaultEnv injects faults below the source instead, with `fault`
+// then kNone).
+FaultOutcome load_with_fault(const std::string& path, LoadOptions options, const SourceFault& fault,
+                             Env* env = nullptr);
 
 // What is wrong with `outcome` for `fault` on `path`: "" where nothing is.
 // `expected`: the digests of a clean read (the independent reader's), checked

@@ -1,11 +1,15 @@
 // The byte-source fault table (tests/support/source_faults.h) on local files:
-// read direct, buffered with pread, and copied from their mappings. The same
-// table runs on remote objects in tests/remote/test_source_faults.py.
+// read direct, buffered with pread, and copied from their mappings; the
+// faults injected into the source (FaultSource) and below it (FaultEnv). The
+// same table runs on remote objects in tests/remote/test_source_faults.py.
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <random>
 #include <tuple>
 
+#include "fault_env.h"
 #include "file_check.h"
 #include "load/sha256.h"
 #include "source_faults.h"
@@ -81,6 +85,65 @@ TEST_P(SourceFaultsTest, TypedErrorNoLeakOrTheFilesBytes) {
   }
 }
 
+// Whether the folder's filesystem takes O_DIRECT (tmpfs does not).
+bool takes_direct(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_DIRECT | O_CLOEXEC);
+  if (fd < 0) return false;
+  ::close(fd);
+  return true;
+}
+
+TEST_P(SourceFaultsTest, DirectRowsReadDirect) {
+  const auto [reads, index] = GetParam();
+  if (reads != Reads::kDirect || source_faults().at(index).kind != SourceFaultKind::kNone) GTEST_SKIP() << "the clean direct row";
+  TempDir dir;
+  std::mt19937_64 rng(41);
+  const std::string path = dir.file("m.safetensors");
+  write_random_checkpoint(path, rng, 32, 1u << 16);
+  if (!takes_direct(path)) GTEST_SKIP() << "this filesystem refuses O_DIRECT";
+  const FaultOutcome outcome = load_with_fault(path, options_for(reads), source_faults().at(index));
+  EXPECT_GT(outcome.direct_reads, 0u);
+  EXPECT_EQ(outcome.direct_reads, outcome.reads);
+}
+
+// The same table with each fault injected below the source, into the OS
+// calls it makes (FaultEnv): the sources' own error paths, fallbacks and
+// cleanup. A failing read is the file cut short at the target byte; a failing
+// open, every open refused; a mapping that serves nothing, every populate
+// failing.
+class SourceFaultsBelowTest : public ::testing::TestWithParam<std::tuple<Reads, std::size_t>> {};
+
+TEST_P(SourceFaultsBelowTest, TypedErrorNoLeakOrTheFilesBytes) {
+  const auto [reads, index] = GetParam();
+  const SourceFault& fault = source_faults().at(index);
+  TempDir dir;
+  std::mt19937_64 rng(41);
+  const std::string path = dir.file("m.safetensors");
+  const FileImage image = write_random_checkpoint(path, rng, 32, 1u << 16);
+  Faults faults;
+  switch (fault.kind) {
+    case SourceFaultKind::kNone: break;
+    case SourceFaultKind::kReadFails: faults.truncate_to = fault_target_byte(path, options_for(reads), fault.where); break;
+    case SourceFaultKind::kOpenFails: faults.refuse_open = true; break;
+    case SourceFaultKind::kMappingFails: faults.populate_errno = EIO; break;
+  }
+  FaultEnv env(faults);
+  const SourceFault passthrough{"passthrough", SourceFaultKind::kNone, fault.where};
+  FaultOutcome outcome = load_with_fault(path, options_for(reads), passthrough, &env);
+  outcome.injected = fault.kind == SourceFaultKind::kNone ? 0 : 1;  // by the env
+  outcome.cut_at_target = true;
+  EXPECT_EQ(judge(outcome, fault, path, independent_digests(path, image)), "") << fault.name << ", " << reads_name(reads);
+  EXPECT_EQ(env.open_fds(), 0);
+  EXPECT_EQ(env.file_mapped_bytes(), 0);
+  if (fault.kind == SourceFaultKind::kMappingFails && reads == Reads::kMapped) {
+    EXPECT_GT(env.populates(), 0u);
+    EXPECT_GT(outcome.reads, 0u) << "what the mapping could not serve was read";
+  }
+  if (reads == Reads::kDirect && fault.kind == SourceFaultKind::kNone && takes_direct(path)) {
+    EXPECT_GT(env.direct_opens(), 0u);
+  }
+}
+
 // A judge that passes everything would pass the table: it must also fail.
 TEST(SourceFaultsJudge, FindsWhatIsWrong) {
   const SourceFault& middle = source_faults().at(2);
@@ -104,6 +167,12 @@ TEST(SourceFaultsJudge, FindsWhatIsWrong) {
   FaultOutcome held = o;
   held.pool_in_use_after = 4096;
   EXPECT_NE(judge(held, middle, "/m", {}), "");
+  FaultOutcome cut = o;
+  cut.cut_at_target = true;
+  cut.target_byte = 100;
+  EXPECT_EQ(judge(cut, middle, "/m", {}), "");
+  cut.target_byte = 150;
+  EXPECT_NE(judge(cut, middle, "/m", {}), "") << "a range starting before the cut";
   FaultOutcome succeeded;
   EXPECT_NE(judge(succeeded, middle, "/m", {}), "");
   const SourceFault& clean = source_faults().at(0);
@@ -121,6 +190,10 @@ std::string case_name(const ::testing::TestParamInfo<std::tuple<Reads, std::size
 }
 
 INSTANTIATE_TEST_SUITE_P(Table, SourceFaultsTest,
+                         ::testing::Combine(::testing::Values(Reads::kDirect, Reads::kBuffered, Reads::kMapped),
+                                            ::testing::Range<std::size_t>(0, source_faults().size())),
+                         case_name);
+INSTANTIATE_TEST_SUITE_P(Table, SourceFaultsBelowTest,
                          ::testing::Combine(::testing::Values(Reads::kDirect, Reads::kBuffered, Reads::kMapped),
                                             ::testing::Range<std::size_t>(0, source_faults().size())),
                          case_name);
