@@ -73,6 +73,7 @@ PUBLIC_HEADERS = {
     "prefetch.h": "load",
     "model_cache.h": "load",
     "session.h": "load",
+    "request.h": "load",
     "torch.h": "torch",
 }
 

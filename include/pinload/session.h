@@ -15,7 +15,12 @@
 //     options.pool_bytes on the NUMA node the options place it on (numa.h),
 //     and for a streaming load the shared staging pool of its
 //     staging_bytes;
-//   - open(paths) and start(spec, options, paths): the verbs of a load.
+//   - open(paths) and start(request): the verbs of a load. A request's kind
+//     says what is loaded and how it is handed out (Note [Requests] in
+//     request.h): whole, streamed, prefetched for a later request to adopt,
+//     a batch of files, a rank's shard, or through the session's model cache.
+//     start(spec, options, paths, hand_out) is the whole or streamed kind,
+//     returning the loader's own handle.
 // A session's devices close when it is destroyed: its loads' device tensors
 // and pinned blocks go first. Session::process() is the process's session,
 // never destroyed (tensors and device buffers may outlive every caller): the Python bindings and the
@@ -36,6 +41,7 @@
 #include "pinload/env.h"
 #include "pinload/loader.h"
 #include "pinload/pool.h"
+#include "pinload/request.h"
 
 namespace pinload {
 
@@ -80,11 +86,17 @@ class Session {
   Checkpoint open(const std::vector<std::string>& paths, const ResolveOptions& options = {}) const;
   LoadHandle start(std::string_view spec, LoadOptions options, std::vector<std::string> paths,
                    HandOut hand_out = HandOut::kWhole);
+  // Starts `request` (Note [Requests]) and returns at once: a kWhole or
+  // kStream request of a device and paths that a kPrefetch request started
+  // adopts what it read. Throws InvalidArgumentError for a request without
+  // paths or a kShard request to a device, and what loader() throws.
+  RequestHandle start(Request request);
 
  private:
   struct State;
   std::shared_ptr<Pool> shared_pool(Device* device, std::uint64_t capacity_bytes, int numa_node);
   std::shared_ptr<Pool> shared_staging_pool(const LoadOptions& options, int numa_node);
+  std::shared_ptr<class ModelCache> model_cache(const Request& request);
   Env* env_;
   std::unique_ptr<State> state_;
 };
