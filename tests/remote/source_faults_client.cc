@@ -35,10 +35,18 @@ int main(int argc, char** argv) {
     }
     for (const auto& [name, digest] : first.digests) std::cout << name << '\t' << digest << '\n';
     bool all_ok = true;
+    // The remote client's pool may still grow to its connections: allowed
+    // per case, and over the whole table, where a descriptor leaked per load
+    // would exceed it.
+    const int connections = static_cast<int>(options.resolve.remote.connections);
+    const int fds_at_start = first.fds_after;
+    int fds_at_end = fds_at_start;
     for (const SourceFault& fault : source_faults()) {
       const FaultOutcome outcome = load_with_fault(path, options, fault);
+      fds_at_end = outcome.fds_after;
       const char* cache_dir = std::getenv("PINLOAD_CACHE_DIR");
-      const std::string why = judge(outcome, fault, path, first.digests, cache_dir != nullptr ? cache_dir : "");
+      const std::string why =
+          judge(outcome, fault, path, first.digests, cache_dir != nullptr ? cache_dir : "", connections);
       all_ok = all_ok && why.empty();
       if (why.empty()) {
         std::cout << "ok " << fault.name << " (" << outcome.injected << " faults injected)";
@@ -47,6 +55,11 @@ int main(int argc, char** argv) {
       } else {
         std::cout << "FAIL " << fault.name << ": " << why << '\n';
       }
+    }
+    if (fds_at_end > fds_at_start + connections) {
+      std::cout << "FAIL the table: descriptors " << fds_at_start << " -> " << fds_at_end << " over its "
+                << source_faults().size() << " loads\n";
+      all_ok = false;
     }
     std::cout.flush();
     return all_ok ? 0 : 1;

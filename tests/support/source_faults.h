@@ -96,8 +96,10 @@ FaultOutcome load_with_fault(const std::string& path, LoadOptions options, const
 // `expected`: the digests of a clean read (the independent reader's), checked
 // wherever the load did not fail. An error names `path`, or a file under
 // `cache_dir` where that is set (a remote object's cached copy is read as a
-// local file: Note [Remote cache]).
+// local file: Note [Remote cache]). `fd_allowance`: descriptors a load may
+// leave open (a remote client's pool growing to its connections).
 std::string judge(const FaultOutcome& outcome, const SourceFault& fault, const std::string& path,
-                  const std::map<std::string, std::string>& expected, const std::string& cache_dir = "");
+                  const std::map<std::string, std::string>& expected, const std::string& cache_dir = "",
+                  int fd_allowance = 0);
 
 }  // namespace pinload::testing
