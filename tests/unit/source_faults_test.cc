@@ -61,15 +61,25 @@ std::map<std::string, std::string> independent_digests(const std::string& path, 
   return out;
 }
 
+// The table's checkpoint: 32 tensors, several chunks of every row's block size.
+struct TableModel {
+  TempDir dir;
+  std::string path = dir.file("m.safetensors");
+  FileImage image;
+  TableModel() {
+    std::mt19937_64 rng(41);
+    image = write_random_checkpoint(path, rng, 32, 1u << 16);
+  }
+};
+
 class SourceFaultsTest : public ::testing::TestWithParam<std::tuple<Reads, std::size_t>> {};
 
 TEST_P(SourceFaultsTest, TypedErrorNoLeakOrTheFilesBytes) {
   const auto [reads, index] = GetParam();
   const SourceFault& fault = source_faults().at(index);
-  TempDir dir;
-  std::mt19937_64 rng(41);
-  const std::string path = dir.file("m.safetensors");
-  const FileImage image = write_random_checkpoint(path, rng, 32, 1u << 16);
+  const TableModel model;
+  const std::string& path = model.path;
+  const FileImage& image = model.image;
   ASSERT_GT(image.data.size(), 8 * options_for(reads).block_size) << "several chunks per file";
   const FaultOutcome outcome = load_with_fault(path, options_for(reads), fault);
   EXPECT_EQ(judge(outcome, fault, path, independent_digests(path, image)), "") << fault.name << ", " << reads_name(reads);
@@ -96,10 +106,8 @@ bool takes_direct(const std::string& path) {
 TEST_P(SourceFaultsTest, DirectRowsReadDirect) {
   const auto [reads, index] = GetParam();
   if (reads != Reads::kDirect || source_faults().at(index).kind != SourceFaultKind::kNone) GTEST_SKIP() << "the clean direct row";
-  TempDir dir;
-  std::mt19937_64 rng(41);
-  const std::string path = dir.file("m.safetensors");
-  write_random_checkpoint(path, rng, 32, 1u << 16);
+  const TableModel model;
+  const std::string& path = model.path;
   if (!takes_direct(path)) GTEST_SKIP() << "this filesystem refuses O_DIRECT";
   const FaultOutcome outcome = load_with_fault(path, options_for(reads), source_faults().at(index));
   EXPECT_GT(outcome.direct_reads, 0u);
@@ -116,10 +124,9 @@ class SourceFaultsBelowTest : public ::testing::TestWithParam<std::tuple<Reads, 
 TEST_P(SourceFaultsBelowTest, TypedErrorNoLeakOrTheFilesBytes) {
   const auto [reads, index] = GetParam();
   const SourceFault& fault = source_faults().at(index);
-  TempDir dir;
-  std::mt19937_64 rng(41);
-  const std::string path = dir.file("m.safetensors");
-  const FileImage image = write_random_checkpoint(path, rng, 32, 1u << 16);
+  const TableModel model;
+  const std::string& path = model.path;
+  const FileImage& image = model.image;
   Faults faults;
   switch (fault.kind) {
     case SourceFaultKind::kNone: break;
