@@ -1,6 +1,6 @@
 // pinload/env.h: the one seam between pinload and the operating system.
 //
-// Everything the loader asks of the OS (files, reads, stat, page-cache probes,
+// Everything the loader asks of the OS (files, folders, reads, stat, page-cache probes,
 // file mappings, anonymous memory and locking) goes through an Env. Calls mirror the system
 // calls they wrap and report failure as a negative errno, never by throwing,
 // so that the code above them owns retries (EINTR, short reads) and fallbacks
@@ -36,6 +36,17 @@ struct FileStat {
   std::uint32_t dio_offset_align = 0;
 };
 
+// One entry of a folder: its name and what it names, symbolic links
+// followed (kSymlink: a link to nothing).
+struct FolderEntry {
+  std::string name;
+  FileType type = FileType::kOther;
+};
+
+class Env;
+// The process-wide POSIX Env. Never null; lives until exit.
+Env* default_env();
+
 class Env {
  public:
   virtual ~Env() = default;
@@ -51,6 +62,15 @@ class Env {
   virtual std::int64_t pread(int fd, void* buffer, std::size_t bytes, std::uint64_t offset) = 0;
   // statx(2) of an open file: 0 or -errno.
   virtual int stat(int fd, FileStat* out) = 0;
+  // stat(2) of a path, symbolic links followed; `type` and `size` are
+  // filled. 0 or -errno (-ENOENT or -ENOTDIR: nothing is there). An Env that
+  // does not say asks default_env().
+  virtual int stat_path(const std::string& path, FileStat* out) { return default_env()->stat_path(path, out); }
+  // The entries of a folder but "." and "..", in the order readdir(3) gives
+  // them: 0 or -errno. An Env that does not say asks default_env().
+  virtual int list_folder(const std::string& path, std::vector<FolderEntry>* out) {
+    return default_env()->list_folder(path, out);
+  }
   // posix_fadvise(2): 0 or -errno.
   virtual int fadvise(int fd, std::uint64_t offset, std::uint64_t length, int advice) = 0;
   // The f_type of fstatfs(2) for an open file (NFS_SUPER_MAGIC, FUSE's, ...):
@@ -137,9 +157,6 @@ class Env {
   }
 };
 
-// The process-wide POSIX Env. Never null; lives until exit.
-Env* default_env();
-
 // Forwards every call to a target Env. Subclass it and override one call to
 // inject a fault. *target must outlive the wrapper.
 class EnvWrapper : public Env {
@@ -155,6 +172,10 @@ class EnvWrapper : public Env {
     return target_->pread(fd, buffer, bytes, offset);
   }
   int stat(int fd, FileStat* out) override { return target_->stat(fd, out); }
+  int stat_path(const std::string& path, FileStat* out) override { return target_->stat_path(path, out); }
+  int list_folder(const std::string& path, std::vector<FolderEntry>* out) override {
+    return target_->list_folder(path, out);
+  }
   int fadvise(int fd, std::uint64_t offset, std::uint64_t length, int advice) override {
     return target_->fadvise(fd, offset, length, advice);
   }

@@ -273,13 +273,7 @@ Checkpoint open_checkpoint(Env* env, const std::vector<std::string>& paths, cons
   if (paths.empty()) throw InvalidArgumentError("no checkpoint path given");
   Checkpoint checkpoint;
   Resolver resolver(env, options, &checkpoint);
-  try {
-    for (const std::string& path : paths) resolver.add_path(path, "");
-  } catch (const fs::filesystem_error& e) {
-    // Listing a folder: a symlink loop, no read permission, ...
-    const std::string file = e.path1().empty() ? std::string{} : e.path1().string();
-    throw_os_error("cannot list folder", e.code().value(), ErrorContext{file});
-  }
+  for (const std::string& path : paths) resolver.add_path(path, "");
 
   std::unordered_map<std::string, const std::string*> owner;
   for (const CheckpointFile& file : checkpoint.files) {

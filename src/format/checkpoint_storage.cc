@@ -18,40 +18,30 @@ namespace pinload::detail {
 namespace fs = std::filesystem;
 namespace {
 
-const char* special_file_name(fs::file_type type) {
-  switch (type) {
-    case fs::file_type::fifo: return "FIFO";
-    case fs::file_type::socket: return "socket";
-    case fs::file_type::character: return "character device";
-    case fs::file_type::block: return "block device";
-    default: return "special file";
-  }
-}
-
 class LocalStorage final : public Storage {
  public:
   explicit LocalStorage(Env* env) : env_(env) {}
 
   PathKind kind(const std::string& path) override {
-    std::error_code ec;
-    const fs::file_status status = fs::status(path, ec);
+    FileStat st;
+    const int rc = env_->stat_path(path, &st);
     // ENOENT and ENOTDIR are "not found"; ELOOP, EACCES on a parent, ... are not.
-    if (ec && ec != std::errc::no_such_file_or_directory && ec != std::errc::not_a_directory) {
-      throw_os_error("cannot stat", ec.value(), ErrorContext{path});
-    }
-    if (ec || !fs::exists(status)) return PathKind::kMissing;
-    if (!fs::is_directory(status) && !fs::is_regular_file(status)) {
-      // Note [Special files] in checkpoint.h: refused before open(), which would block on a FIFO.
-      throw InvalidFileError(std::string("is a ") + special_file_name(status.type()) + ", not a regular file or folder",
-                             ErrorContext{path});
-    }
-    return fs::is_directory(status) ? PathKind::kFolder : PathKind::kFile;
+    if (rc == -ENOENT || rc == -ENOTDIR) return PathKind::kMissing;
+    if (rc != 0) throw_os_error("cannot stat", -rc, ErrorContext{path});
+    if (st.type == FileType::kDirectory) return PathKind::kFolder;
+    if (st.type == FileType::kRegular) return PathKind::kFile;
+    // Note [Special files] in checkpoint.h: refused before open(), which would block on a FIFO.
+    throw InvalidFileError(std::string("is a ") + file_type_name(st.type) + ", not a regular file or folder",
+                           ErrorContext{path});
   }
 
   void list(const std::string& folder, std::vector<std::string>* files, std::vector<std::string>* folders) override {
-    for (const auto& entry : fs::directory_iterator(folder)) {
-      if (entry.is_regular_file()) files->push_back(entry.path().filename().string());
-      else if (entry.is_directory()) folders->push_back(entry.path().filename().string());
+    std::vector<FolderEntry> entries;
+    // A symlink loop, no read permission, ...
+    if (int rc = env_->list_folder(folder, &entries); rc != 0) throw_os_error("cannot list folder", -rc, ErrorContext{folder});
+    for (FolderEntry& entry : entries) {
+      if (entry.type == FileType::kRegular) files->push_back(std::move(entry.name));
+      else if (entry.type == FileType::kDirectory) folders->push_back(std::move(entry.name));
     }
     std::sort(files->begin(), files->end());
     std::sort(folders->begin(), folders->end());

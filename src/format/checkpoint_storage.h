@@ -31,7 +31,7 @@ class Storage {
   virtual std::string parent(const std::string& path) const = 0;
 };
 
-// The local filesystem through `env` (headers) and std::filesystem (listing).
+// The local filesystem through `env`: stat, listing and header reads.
 std::unique_ptr<Storage> local_storage(Env* env);
 // s3:// and http(s):// paths (remote.h).
 std::unique_ptr<Storage> remote_storage(const RemoteOptions& options);

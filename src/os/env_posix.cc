@@ -1,3 +1,4 @@
+#include <dirent.h>
 #include <fcntl.h>
 #include <linux/mempolicy.h>
 #include <sched.h>
@@ -9,6 +10,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <string_view>
 #include <vector>
 
 #include "base/madvise.h"
@@ -120,6 +122,48 @@ class PosixEnv final : public Env {
     out->device = st.st_dev;
     out->mtime_ns = static_cast<std::int64_t>(st.st_mtim.tv_sec) * 1'000'000'000 + st.st_mtim.tv_nsec;
     return 0;
+  }
+
+  int stat_path(const std::string& path, FileStat* out) override {
+    struct ::stat st {};
+    if (::stat(path.c_str(), &st) != 0) return -errno;
+    out->type = file_type_of(st.st_mode);
+    out->size = static_cast<std::uint64_t>(st.st_size);
+    return 0;
+  }
+
+  int list_folder(const std::string& path, std::vector<FolderEntry>* out) override {
+    DIR* dir = ::opendir(path.c_str());
+    if (dir == nullptr) return -errno;
+    std::vector<FolderEntry> entries;
+    int rc = 0;
+    for (;;) {
+      errno = 0;
+      const dirent* entry = ::readdir(dir);
+      if (entry == nullptr) {
+        rc = -errno;  // 0 at the end
+        break;
+      }
+      const std::string_view name(entry->d_name);
+      if (name == "." || name == "..") continue;
+      FolderEntry e{std::string(name), FileType::kOther};
+      switch (entry->d_type) {
+        case DT_REG: e.type = FileType::kRegular; break;
+        case DT_DIR: e.type = FileType::kDirectory; break;
+        case DT_FIFO: e.type = FileType::kFifo; break;
+        case DT_SOCK: e.type = FileType::kSocket; break;
+        case DT_CHR: e.type = FileType::kCharDevice; break;
+        case DT_BLK: e.type = FileType::kBlockDevice; break;
+        default: {  // a link, or a filesystem that does not say: follow it
+          struct ::stat st {};
+          e.type = ::fstatat(::dirfd(dir), entry->d_name, &st, 0) == 0 ? file_type_of(st.st_mode) : FileType::kSymlink;
+        }
+      }
+      entries.push_back(std::move(e));
+    }
+    ::closedir(dir);
+    if (rc == 0) *out = std::move(entries);
+    return rc;
   }
 
   int fadvise(int fd, std::uint64_t offset, std::uint64_t length, int advice) override {

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <filesystem>
 #include <map>
 #include <random>
@@ -321,6 +322,78 @@ TEST_F(CheckpointTest, FolderWithoutWeightsIsNotFound) {
   write_text(file("config.json"), "{}");
   const auto e = expect_error<NotFoundError>([&] { open({dir_.path().string()}); });
   EXPECT_EQ(e.context().file, dir_.path().string());
+}
+
+// Folders are stat'ed and listed through the Env, like every other OS call.
+class FolderEnv : public EnvWrapper {
+ public:
+  FolderEnv() : EnvWrapper(default_env()) {}
+  int stat_path(const std::string& path, FileStat* out) override {
+    ++stats;
+    return stat_error != 0 ? stat_error : EnvWrapper::stat_path(path, out);
+  }
+  int list_folder(const std::string& path, std::vector<FolderEntry>* out) override {
+    ++lists;
+    if (list_error != 0) return list_error;
+    const int rc = EnvWrapper::list_folder(path, out);
+    std::erase_if(*out, [&](const FolderEntry& e) { return e.name == hidden; });
+    return rc;
+  }
+  int stat_error = 0;
+  int list_error = 0;
+  std::string hidden;
+  int stats = 0;
+  int lists = 0;
+};
+
+TEST_F(CheckpointTest, FolderIsListedThroughTheEnv) {
+  write_tensors(file("a.safetensors"), {"a"});
+  write_tensors(file("b.safetensors"), {"b"});
+  FolderEnv env;
+  env.hidden = "b.safetensors";
+  const Checkpoint c = open_checkpoint(&env, {dir_.path().string()}, {});
+  EXPECT_EQ(paths_of(c), std::vector<std::string>{file("a.safetensors")});  // the Env's listing, not the disk's
+  EXPECT_GE(env.stats, 1);
+  EXPECT_EQ(env.lists, 1);
+}
+
+TEST_F(CheckpointTest, FolderThatCannotBeListedIsAnIoErrorNamingIt) {
+  write_tensors(file("a.safetensors"), {"a"});
+  FolderEnv env;
+  env.list_error = -EACCES;
+  const auto e = expect_error<IoError>([&] { open_checkpoint(&env, {dir_.path().string()}, {}); });
+  EXPECT_EQ(e.context().file, dir_.path().string());
+  EXPECT_TRUE(contains(e.message(), "cannot list folder")) << e.what();
+}
+
+TEST_F(CheckpointTest, PathThatCannotBeStatedIsAnIoErrorNamingIt) {
+  write_tensors(file("a.safetensors"), {"a"});
+  FolderEnv env;
+  env.stat_error = -ELOOP;
+  const auto e = expect_error<IoError>([&] { open_checkpoint(&env, {file("a.safetensors")}, {}); });
+  EXPECT_EQ(e.context().file, file("a.safetensors"));
+  EXPECT_TRUE(contains(e.message(), "cannot stat")) << e.what();
+}
+
+TEST_F(CheckpointTest, ListingFollowsLinksAndSkipsDanglingOnes) {
+  write_tensors(file("a.safetensors"), {"a"});
+  mkdir("sub");
+  write_tensors(file("sub/x.safetensors"), {"x"});
+  fs::create_symlink(file("sub/x.safetensors"), file("b.safetensors"));
+  fs::create_symlink(file("gone.safetensors"), file("c.safetensors"));
+  fs::create_directory_symlink(file("sub"), file("link"));
+  std::vector<FolderEntry> entries;
+  ASSERT_EQ(default_env()->list_folder(dir_.path().string(), &entries), 0);
+  std::map<std::string, FileType> types;
+  for (const FolderEntry& e : entries) types[e.name] = e.type;
+  EXPECT_EQ(types, (std::map<std::string, FileType>{{"a.safetensors", FileType::kRegular},
+                                                    {"b.safetensors", FileType::kRegular},
+                                                    {"c.safetensors", FileType::kSymlink},
+                                                    {"link", FileType::kDirectory},
+                                                    {"sub", FileType::kDirectory}}));
+  const Checkpoint c = open({dir_.path().string()});
+  EXPECT_EQ(paths_of(c), (std::vector<std::string>{file("a.safetensors"), file("b.safetensors")}));
+  EXPECT_EQ(default_env()->list_folder(file("a.safetensors"), &entries), -ENOTDIR);
 }
 
 // ---------------------------------------------------------------------------
