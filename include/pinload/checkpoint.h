@@ -38,6 +38,7 @@
 #include <utility>
 #include <vector>
 
+#include "pinload/byte_source.h"
 #include "pinload/env.h"
 #include "pinload/remote.h"
 #include "pinload/safetensors.h"
@@ -51,6 +52,10 @@ struct CheckpointFile {
   Header header;
   std::string version;  // remote objects: the ETag the header was read at
 };
+
+// What a byte source needs of the file: its path, the identity and version
+// its header was read at, and where its data starts (Note [Byte sources]).
+SourceFile source_file(const CheckpointFile& file);
 
 struct Checkpoint {
   std::vector<CheckpointFile> files;  // load order

@@ -250,9 +250,11 @@ class ScopedFd {
 ScopedFd open_or_throw(Env* env, const std::string& path, int extra_flags = 0);
 // Stats an open file; throws IoError naming `path`.
 FileStat stat_or_throw(Env* env, int fd, const std::string& path);
-// open_or_throw + stat_or_throw of a file that must be a regular file: a
-// FIFO, socket, device or folder throws InvalidFileError naming its type
-// (Note [Special files] in checkpoint.h). *st receives the stat.
+// stat_or_throw of a file that must be a regular file: a FIFO, socket,
+// device or folder throws InvalidFileError naming its type (Note [Special
+// files] in checkpoint.h).
+FileStat stat_regular_or_throw(Env* env, int fd, const std::string& path);
+// open_or_throw + stat_regular_or_throw. *st receives the stat.
 ScopedFd open_regular_or_throw(Env* env, const std::string& path, FileStat* st, int extra_flags = 0);
 // Reads exactly `bytes` at `offset`, retrying EINTR and short reads. Throws
 // IoError on failure and InvalidFileError if the file ends first.

@@ -233,7 +233,7 @@ void write_file(Env* env, const CheckpointFile& cf, const FilePlan& plan, const 
                 const ConvertOptions& options) {
   // The input's bytes come through its source (Note [Byte sources]).
   const std::unique_ptr<ByteSource> in =
-      open_byte_source(env, SourceFile{cf.path, cf.stat, cf.version, cf.header.data_offset()}, SourceOptions{});
+      open_byte_source(env, source_file(cf), SourceOptions{});
   OutFile out(out_path);
   out.write(plan.header.data(), plan.header.size(), 0);
   const std::uint64_t in_base = cf.header.data_offset();

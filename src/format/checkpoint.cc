@@ -252,6 +252,10 @@ std::vector<std::pair<std::string, std::string>> Checkpoint::metadata() const {
   return out;
 }
 
+SourceFile source_file(const CheckpointFile& file) {
+  return SourceFile{file.path, file.stat, file.version, file.header.data_offset()};
+}
+
 CheckpointFile read_checkpoint_file(Env* env, const std::string& path) {
   if (is_remote_path(path)) return detail::read_remote_checkpoint_file(RemoteOptions{}, path);
   CheckpointFile file;

@@ -249,7 +249,6 @@ std::unique_ptr<ReadSession> ReadSession::open(Env* env, const ReadOptions& opti
   for (const CheckpointFile& cf : s->checkpoint_.files) {
     auto f = std::make_unique<OpenFile>();
     f->path = cf.path;
-    f->stat = cf.stat;
     FileRead r;
     r.path = cf.path;
     r.file_size = cf.stat.size;
@@ -260,7 +259,7 @@ std::unique_ptr<ReadSession> ReadSession::open(Env* env, const ReadOptions& opti
     r.alignment = std::max(cf.stat.dio_offset_align, kFallbackDirectAlign);
     // Readers are decided here, from the paths, not from opened files (those
     // open at their first chunk: Note [Files in flight]).
-    f->source = open_byte_source(env, SourceFile{cf.path, cf.stat, cf.version, cf.header.data_offset()},
+    f->source = open_byte_source(env, source_file(cf),
                                  SourceOptions{options.direct, options.cached_read, options.resident_threshold, options.remote});
     if (options.wrap_source) f->source = options.wrap_source(std::move(f->source));
     f->remote = f->source->connections() != 0;

@@ -57,8 +57,7 @@ namespace detail {
 // Every open checks the file's identity against the stat of its header read
 // (Note [One version per load] in checkpoint.h).
 struct OpenFile {
-  std::string path;
-  FileStat stat;  // of the header read
+  std::string path;  // as the checkpoint names it (a cached remote object's source reads another)
   // Where the bytes come from (Note [Byte sources] in byte_source.h), made
   // when the session opens; it holds descriptors only between
   // open_in_flight and close_in_flight.

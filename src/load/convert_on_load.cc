@@ -59,8 +59,7 @@ class ScaleReader {
   std::vector<float> read(const CheckpointFile& cf, const TensorInfo& t) {
     auto it = sources_.find(cf.path);
     if (it == sources_.end()) {
-      SourceFile file{cf.path, cf.stat, cf.version, cf.header.data_offset()};
-      it = sources_.emplace(cf.path, open_byte_source(env_, file, SourceOptions{})).first;
+      it = sources_.emplace(cf.path, open_byte_source(env_, source_file(cf), SourceOptions{})).first;
     }
     std::vector<float> values(t.numel());
     auto* p = reinterpret_cast<std::byte*>(values.data());

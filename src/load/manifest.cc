@@ -106,7 +106,7 @@ ManifestFile hash_file(Env* env, const CheckpointFile& cf, const std::string& na
   out.data_offset = cf.header.data_offset();
   out.metadata = cf.header.metadata;
   const std::unique_ptr<ByteSource> source =  // Note [Byte sources]
-      open_byte_source(env, SourceFile{cf.path, cf.stat, cf.version, cf.header.data_offset()}, SourceOptions{});
+      open_byte_source(env, source_file(cf), SourceOptions{});
   FileHashing h(cf.header, options.piece_bytes);
   std::vector<std::byte> buffers[2] = {std::vector<std::byte>(kReadBytes), std::vector<std::byte>(kReadBytes)};
   std::future<void> whole;

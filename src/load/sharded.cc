@@ -369,7 +369,7 @@ ShardLoad::ShardLoad(const std::vector<std::string>& paths, const ShardSpec& spe
     SourceOptions so;
     so.direct = options.direct ? DirectIo::kAuto : DirectIo::kOff;
     std::unique_ptr<ByteSource> source =
-        open_byte_source(env, SourceFile{cf.path, cf.stat, cf.version, cf.header.data_offset()}, so);
+        open_byte_source(env, source_file(cf), so);
     if (options.wrap_source) source = options.wrap_source(std::move(source));
     source->open();
     if (source->direct()) {

@@ -134,7 +134,7 @@ Verifier::Verifier(Env* env, const VerifyOptions& options, const Checkpoint& che
     const std::uint64_t header_bytes = cf.header.data_offset();
     std::vector<std::byte> header(header_bytes);
     const std::unique_ptr<ByteSource> source =  // Note [Byte sources]
-        open_byte_source(env, SourceFile{cf.path, cf.stat, cf.version, header_bytes}, SourceOptions{});
+        open_byte_source(env, source_file(cf), SourceOptions{});
     source->read(0, header_bytes, header.data(), header_bytes);
     f.whole.update(header.data(), header.size());
     f.next = header_bytes;

@@ -146,20 +146,14 @@ class PosixEnv final : public Env {
       }
       const std::string_view name(entry->d_name);
       if (name == "." || name == "..") continue;
-      FolderEntry e{std::string(name), FileType::kOther};
-      switch (entry->d_type) {
-        case DT_REG: e.type = FileType::kRegular; break;
-        case DT_DIR: e.type = FileType::kDirectory; break;
-        case DT_FIFO: e.type = FileType::kFifo; break;
-        case DT_SOCK: e.type = FileType::kSocket; break;
-        case DT_CHR: e.type = FileType::kCharDevice; break;
-        case DT_BLK: e.type = FileType::kBlockDevice; break;
-        default: {  // a link, or a filesystem that does not say: follow it
-          struct ::stat st {};
-          e.type = ::fstatat(::dirfd(dir), entry->d_name, &st, 0) == 0 ? file_type_of(st.st_mode) : FileType::kSymlink;
-        }
+      FileType type;
+      if (entry->d_type != DT_UNKNOWN && entry->d_type != DT_LNK) {
+        type = file_type_of(DTTOIF(entry->d_type));
+      } else {  // a link, or a filesystem that does not say: follow it
+        struct ::stat st {};
+        type = ::fstatat(::dirfd(dir), entry->d_name, &st, 0) == 0 ? file_type_of(st.st_mode) : FileType::kSymlink;
       }
-      entries.push_back(std::move(e));
+      entries.push_back(FolderEntry{std::string(name), type});
     }
     ::closedir(dir);
     if (rc == 0) *out = std::move(entries);
@@ -330,12 +324,17 @@ FileStat stat_or_throw(Env* env, int fd, const std::string& path) {
   return st;
 }
 
+FileStat stat_regular_or_throw(Env* env, int fd, const std::string& path) {
+  const FileStat st = stat_or_throw(env, fd, path);
+  if (st.type != FileType::kRegular) {
+    throw InvalidFileError(std::string("is a ") + file_type_name(st.type) + ", not a regular file", ErrorContext{path});
+  }
+  return st;
+}
+
 ScopedFd open_regular_or_throw(Env* env, const std::string& path, FileStat* st, int extra_flags) {
   ScopedFd fd = open_or_throw(env, path, extra_flags);
-  *st = stat_or_throw(env, fd.get(), path);
-  if (st->type != FileType::kRegular) {
-    throw InvalidFileError(std::string("is a ") + file_type_name(st->type) + ", not a regular file", ErrorContext{path});
-  }
+  *st = stat_regular_or_throw(env, fd.get(), path);
   return fd;
 }
 

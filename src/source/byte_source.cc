@@ -95,10 +95,7 @@ void LocalFileSource::map() {
 // is mapped (unless kPread).
 void LocalFileSource::open_locked() {
   if (borrowed_fd_ >= 0) {
-    stat_ = stat_or_throw(env_, borrowed_fd_, path_);
-    if (stat_.type != FileType::kRegular) {
-      throw InvalidFileError(std::string("is a ") + file_type_name(stat_.type) + ", not a regular file", ErrorContext{path_});
-    }
+    stat_ = stat_regular_or_throw(env_, borrowed_fd_, path_);
   } else {
     buffered_ = open_regular_or_throw(env_, path_, &stat_);
   }
@@ -241,11 +238,9 @@ std::unique_ptr<ByteSource> open_byte_source(Env* env, const SourceFile& file, c
     std::unique_ptr<remote::ObjectCache::Writer> writer;
     if (const remote::ObjectCache* cache = client->cache(); cache != nullptr) {
       if (std::string hit = cache->lookup(object); !hit.empty()) {
-        // The cached copy is read as a local file, of its own identity.
-        FileStat st;
-        ScopedFd fd = open_regular_or_throw(env, hit, &st);
-        const FileIdentity identity = FileIdentity::of(st);
-        return std::make_unique<detail::LocalFileSource>(env, std::move(hit), &identity, options);
+        // The cached copy is read as a local file, of its own identity: its
+        // first open's, which later opens must match.
+        return std::make_unique<detail::LocalFileSource>(env, std::move(hit), nullptr, options);
       }
       const std::uint64_t first = file.data_offset / detail::kFallbackDirectAlign * detail::kFallbackDirectAlign;
       writer = cache->begin(object, first);

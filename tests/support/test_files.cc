@@ -1,9 +1,11 @@
 #include "test_files.h"
 
 #include <dirent.h>
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <fstream>
 #include <thread>
 #include <map>
@@ -11,6 +13,16 @@
 #include <stdexcept>
 
 namespace pinload::testing {
+
+bool direct_io_works(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
+  if (fd < 0) return false;
+  void* buffer = std::aligned_alloc(4096, 4096);
+  const bool ok = ::pread(fd, buffer, 4096, 0) >= 0;
+  std::free(buffer);
+  ::close(fd);
+  return ok;
+}
 namespace fs = std::filesystem;
 
 TempDir::TempDir() {

@@ -11,6 +11,9 @@ namespace pinload::testing {
 
 // A fresh folder under $TMPDIR (or /tmp), removed with its contents on
 // destruction.
+// Whether O_DIRECT opens and reads `path` (tmpfs refuses it).
+bool direct_io_works(const std::string& path);
+
 class TempDir {
  public:
   TempDir();

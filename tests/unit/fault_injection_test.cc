@@ -35,6 +35,7 @@ namespace {
 using testing::FaultEnv;
 using testing::Faults;
 using testing::FileImage;
+using testing::direct_io_works;
 using testing::expect_matches_file;
 using testing::TempDir;
 using testing::TensorSpec;
@@ -74,17 +75,6 @@ void write_blob(const std::string& path, const std::string& name, std::uint64_t 
   testing::write_file(path, testing::raw_file("{\"" + name + "\":{\"dtype\":\"U8\",\"shape\":[" + n +
                                                   "],\"data_offsets\":[0," + n + "]}}",
                                               std::vector<std::uint8_t>(bytes, 0x5a)));
-}
-
-// Whether O_DIRECT opens and reads `path`.
-bool direct_io_works(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
-  if (fd < 0) return false;
-  void* buffer = std::aligned_alloc(4096, 4096);
-  const bool ok = ::pread(fd, buffer, 4096, 0) >= 0;
-  std::free(buffer);
-  ::close(fd);
-  return ok;
 }
 
 enum class Mode { kOn, kOff, kAutoCold };  // kAutoCold: kAuto that tries O_DIRECT on cached files

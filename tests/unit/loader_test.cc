@@ -31,6 +31,7 @@ namespace pinload {
 namespace {
 
 namespace fs = std::filesystem;
+using testing::direct_io_works;
 using testing::FaultEnv;
 using testing::FileImage;
 using testing::Layout;
@@ -86,17 +87,6 @@ FileImage write_shard(const std::string& path, const std::string& stem, int coun
   FileImage image = testing::make_image(specs, rng, 1, metadata);
   testing::write_file(path, image.bytes());
   return image;
-}
-
-// Whether O_DIRECT opens and reads `path`.
-bool direct_io_works(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
-  if (fd < 0) return false;
-  void* buffer = std::aligned_alloc(4096, 4096);
-  const bool ok = ::pread(fd, buffer, 4096, 0) >= 0;
-  std::free(buffer);
-  ::close(fd);
-  return ok;
 }
 
 // kAuto reads a freshly written (cached) file buffered; kAutoCold makes it try

@@ -2,9 +2,7 @@
 // read direct, buffered with pread, and copied from their mappings; the
 // faults injected into the source (FaultSource) and below it (FaultEnv). The
 // same table runs on remote objects in tests/remote/test_source_faults.py.
-#include <fcntl.h>
 #include <gtest/gtest.h>
-#include <unistd.h>
 
 #include <random>
 #include <tuple>
@@ -95,21 +93,13 @@ TEST_P(SourceFaultsTest, TypedErrorNoLeakOrTheFilesBytes) {
   }
 }
 
-// Whether the folder's filesystem takes O_DIRECT (tmpfs does not).
-bool takes_direct(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_DIRECT | O_CLOEXEC);
-  if (fd < 0) return false;
-  ::close(fd);
-  return true;
-}
-
 // The direct rows read direct, where the filesystem allows it.
 TEST(SourceFaultsDirect, TheCleanDirectRowReadsDirect) {
   const SourceFault& clean = source_faults().at(0);
   ASSERT_EQ(clean.kind, SourceFaultKind::kNone);
   const TableModel model;
   const std::string& path = model.path;
-  if (!takes_direct(path)) GTEST_SKIP() << "this filesystem refuses O_DIRECT";
+  if (!direct_io_works(path)) GTEST_SKIP() << "this filesystem refuses O_DIRECT";
   const FaultOutcome outcome = load_with_fault(path, options_for(Reads::kDirect), clean);
   EXPECT_GT(outcome.direct_reads, 0u);
   EXPECT_EQ(outcome.direct_reads, outcome.reads);
@@ -147,7 +137,7 @@ TEST_P(SourceFaultsBelowTest, TypedErrorNoLeakOrTheFilesBytes) {
     EXPECT_GT(env.populates(), 0u);
     EXPECT_GT(outcome.reads, 0u) << "what the mapping could not serve was read";
   }
-  if (reads == Reads::kDirect && fault.kind == SourceFaultKind::kNone && takes_direct(path)) {
+  if (reads == Reads::kDirect && fault.kind == SourceFaultKind::kNone && direct_io_works(path)) {
     EXPECT_GT(env.direct_opens(), 0u);
   }
 }
