@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdint>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -54,6 +55,23 @@ TemplateFile identity_of(const std::string& path) {
   return TemplateFile{path, "", st.size, st.mtime_ns, st.inode, st.device};
 }
 
+struct ProcIo {
+  std::uint64_t rchar = 0;       // bytes asked of read calls
+  std::uint64_t read_bytes = 0;  // bytes that came from storage
+};
+
+ProcIo read_proc_io() {
+  ProcIo io;
+  std::ifstream in("/proc/self/io");
+  std::string key;
+  std::uint64_t value = 0;
+  while (in >> key >> value) {
+    if (key == "rchar:") io.rchar = value;
+    if (key == "read_bytes:") io.read_bytes = value;
+  }
+  return io;
+}
+
 int run_warm(WarmArgs& args) {
   const std::string& template_file = args.template_file;
   const std::vector<std::string>& paths = args.paths;
@@ -98,7 +116,11 @@ int run_warm(WarmArgs& args) {
     plan = trace::plan_whole_files(files);
     source = "plain paths";
   }
+  // The replay's own I/O: /proc/self/io around it, so what the command read
+  // to start (its libraries, the template) is not counted.
+  const ProcIo before = read_proc_io();
   const trace::WarmReport r = trace::warm(plan, options);
+  const ProcIo after = read_proc_io();
   std::fprintf(stderr, "pinload warm: %s, %s: warmed %.1f MB of %.1f MB in %.2f s%s%s\n", source.c_str(), r.mode.c_str(),
                static_cast<double>(r.warmed) / 1e6, static_cast<double>(r.planned) / 1e6, r.seconds,
                r.interrupted.empty() ? "" : "; stopped: ", r.interrupted.c_str());
@@ -112,14 +134,8 @@ int run_warm(WarmArgs& args) {
   out["consumer_events"] = r.consumer_events;
   out["seconds"] = r.seconds;
   out["interrupted"] = r.interrupted;
-  // This process's own I/O counters (/proc/self/io), so a caller can check
-  // that a replay read each byte once.
-  std::ifstream io("/proc/self/io");
-  std::string key;
-  std::uint64_t value = 0;
-  while (io >> key >> value) {
-    if (key == "rchar:" || key == "read_bytes:") out["proc_io"][key.substr(0, key.size() - 1)] = value;
-  }
+  out["proc_io"]["rchar"] = after.rchar - before.rchar;
+  out["proc_io"]["read_bytes"] = after.read_bytes - before.read_bytes;
   std::printf("%s\n", out.dump().c_str());
   return 0;
 }

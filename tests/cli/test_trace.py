@@ -230,8 +230,9 @@ def test_warm_reads_each_byte_once(tmp_path, run_pinload, need_events):
     th.drop_file_cache(ckpt)
     w = warm_json(run_pinload("warm", "--template", tmp_path / "t.pltemplate", "--threads", "4"))
     assert w["source"] == "traced template" and w["planned_bytes"] == recorded == w["warmed_bytes"], w
-    # /proc/<warmer>/io: what came from storage is the template's bytes, each once.
-    assert recorded - 4 * th.PAGE <= w["proc_io"]["read_bytes"] <= recorded, w
+    # The replay's /proc/self/io: what came from storage is the template's bytes, each once
+    # (six ranges; two pages allowed for the warmer's own code faulted in meanwhile).
+    assert recorded - 4 * th.PAGE <= w["proc_io"]["read_bytes"] <= recorded + 2 * th.PAGE, w
 
 
 def test_warm_refuses_a_stale_template(tmp_path, run_pinload, need_events):
