@@ -227,6 +227,8 @@ RemoteClient::Handle* RemoteClient::acquire() {
   auto h = std::make_unique<Handle>();
   h->curl = curl_easy_init();
   if (h->curl == nullptr) throw IoError("cannot create a libcurl handle");
+  std::lock_guard lock(mu_);
+  ++open_handles_;
   return h.release();
 }
 
@@ -237,8 +239,14 @@ void RemoteClient::release(Handle* h) {
     idle_.push_back(h);
     return;
   }
+  --open_handles_;
   curl_easy_cleanup(h->curl);
   delete h;
+}
+
+RemoteClient::HandleCounts RemoteClient::handle_counts() {
+  std::lock_guard lock(mu_);
+  return {open_handles_, idle_.size()};
 }
 
 // A handle for one request; back to the pool at scope exit.

@@ -108,6 +108,15 @@ class RemoteClient {
   // The write-through cache (Note [Remote cache]); null unless cache_dir is set.
   const ObjectCache* cache() const { return cache_.get(); }
   unsigned connections() const { return connections_; }
+  // The curl handles that exist and those waiting in the pool. Between
+  // requests every handle is pooled; each holds its connection and libcurl's
+  // wake-up descriptors (kDescriptorsPerHandle at most).
+  struct HandleCounts {
+    std::size_t open = 0;
+    std::size_t pooled = 0;
+  };
+  HandleCounts handle_counts();
+  static constexpr int kDescriptorsPerHandle = 3;  // the connection, and a socket pair
 
   struct Handle;  // a pooled curl easy handle
 
@@ -128,7 +137,8 @@ class RemoteClient {
   std::string ca_file_;
   std::shared_ptr<ObjectCache> cache_;
   std::mutex mu_;
-  std::vector<Handle*> idle_;  // guarded by mu_
+  std::vector<Handle*> idle_;     // guarded by mu_
+  std::size_t open_handles_ = 0;  // guarded by mu_
 };
 
 // The process's client for `options` under the AWS_* environment as it is

@@ -9,8 +9,11 @@
 #include <cstdio>
 #include <cstdlib>
 #include <iostream>
+#include <memory>
+#include <string>
 
 #include "pinload/error.h"
+#include "remote/remote_client.h"
 #include "source_faults.h"
 
 int main(int argc, char** argv) {
@@ -25,8 +28,7 @@ int main(int argc, char** argv) {
     LoadOptions options;
     options.block_size = 256u << 10;
     options.resolve.remote.connections = 4;
-    // The warm-up: the remote client's pooled connections open here, so the
-    // cases count only what a load leaves behind.
+    // The warm-up: the remote client's first connections open here.
     const SourceFault& clean = source_faults().at(0);
     const FaultOutcome first = load_with_fault(path, options, clean);
     if (first.failed) {
@@ -35,18 +37,27 @@ int main(int argc, char** argv) {
     }
     for (const auto& [name, digest] : first.digests) std::cout << name << '\t' << digest << '\n';
     bool all_ok = true;
-    // The remote client's pool may still grow to its connections: allowed
-    // per case, and over the whole table, where a descriptor leaked per load
-    // would exceed it.
-    const int connections = static_cast<int>(options.resolve.remote.connections);
+    // Between loads the remote client keeps its curl handles, each with its
+    // connection and libcurl's wake-up descriptors. A load may leave that many
+    // more descriptors for each handle its pool gained (how many it gains
+    // depends on how the reads overlapped), and none for anything else; every
+    // handle it opened must be back in the pool.
+    const std::shared_ptr<remote::RemoteClient> client = remote::client_for(options.resolve.remote);
+    constexpr int kPerHandle = remote::RemoteClient::kDescriptorsPerHandle;
+    const remote::RemoteClient::HandleCounts handles_at_start = client->handle_counts();
     const int fds_at_start = first.fds_after;
     int fds_at_end = fds_at_start;
     for (const SourceFault& fault : source_faults()) {
+      const remote::RemoteClient::HandleCounts before = client->handle_counts();
       const FaultOutcome outcome = load_with_fault(path, options, fault);
+      const remote::RemoteClient::HandleCounts after = client->handle_counts();
       fds_at_end = outcome.fds_after;
       const char* cache_dir = std::getenv("PINLOAD_CACHE_DIR");
-      const std::string why =
-          judge(outcome, fault, path, first.digests, cache_dir != nullptr ? cache_dir : "", connections);
+      std::string why = judge(outcome, fault, path, first.digests, cache_dir != nullptr ? cache_dir : "",
+                              kPerHandle * (static_cast<int>(after.pooled) - static_cast<int>(before.pooled)));
+      if (after.open != after.pooled) {
+        why += "curl handles: " + std::to_string(after.open) + " open, " + std::to_string(after.pooled) + " pooled; ";
+      }
       all_ok = all_ok && why.empty();
       if (why.empty()) {
         std::cout << "ok " << fault.name << " (" << outcome.injected << " faults injected)";
@@ -56,9 +67,11 @@ int main(int argc, char** argv) {
         std::cout << "FAIL " << fault.name << ": " << why << '\n';
       }
     }
-    if (fds_at_end > fds_at_start + connections) {
+    const remote::RemoteClient::HandleCounts handles_at_end = client->handle_counts();
+    if (fds_at_end > fds_at_start + kPerHandle * (static_cast<int>(handles_at_end.pooled) - static_cast<int>(handles_at_start.pooled))) {
       std::cout << "FAIL the table: descriptors " << fds_at_start << " -> " << fds_at_end << " over its "
-                << source_faults().size() << " loads\n";
+                << source_faults().size() << " loads, pooled curl handles " << handles_at_start.pooled << " -> "
+                << handles_at_end.pooled << '\n';
       all_ok = false;
     }
     std::cout.flush();

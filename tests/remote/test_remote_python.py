@@ -113,7 +113,7 @@ def test_no_leaks_after_200_failing_loads(remote_model, nginx):
 
         def fail_once():
             with pytest.raises(pinload.Error) as info:
-                pt.load_file(url, block_size="256K")
+                pt.load_file(url, block_size="256K", connections=4)
             assert url in str(info.value)
 
         for _ in range(10):  # fills the connection pool
@@ -123,7 +123,9 @@ def test_no_leaks_after_200_failing_loads(remote_model, nginx):
         in_use = pinload.pool_stats("cpu")["in_use"]
         for _ in range(200):
             fail_once()
-        assert count_fds() <= fds + 2
+        # The client's pool may still gain handles (it keeps up to twice its 4 connections, each
+        # handle with its connection and libcurl's socket pair); a descriptor leaked per load is 200.
+        assert count_fds() <= fds + 3 * 8
         # The proxy's handler threads come and go with its connections: give them a moment.
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline and (threading.active_count() > threads
