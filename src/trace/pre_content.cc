@@ -7,10 +7,13 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <linux/fanotify.h>
+#include <thread>
 #include <unordered_map>
 
 namespace pinload::trace {
@@ -41,21 +44,8 @@ constexpr long kSysMmap = 9;
 #elif defined(__aarch64__)
 constexpr long kSysMmap = 222;
 #else
-constexpr long kSysMmap = -2;
+constexpr long kSysMmap = kSyscallUnknown - 1;  // matches no thread
 #endif
-
-// The system call thread `tid` is in (/proc/<tid>/syscall), or -1.
-long syscall_of(pid_t tid) {
-  char path[64], text[64];
-  std::snprintf(path, sizeof path, "/proc/%d/syscall", tid);
-  const int fd = ::open(path, O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return -1;
-  const ssize_t n = ::read(fd, text, sizeof text - 1);
-  ::close(fd);
-  if (n <= 0) return -1;
-  text[n] = '\0';
-  return std::strtol(text, nullptr, 10);
-}
 
 // Thread `tid`'s process id and command name, from the head of
 // /proc/<tid>/status ("Name:\t...\n...Tgid:\t...\n"), one read(2); the
@@ -89,6 +79,28 @@ void describe_thread(pid_t tid, ReadEvent* e) {
 }
 
 }  // namespace
+
+long blocked_syscall(pid_t tid) {
+  char path[64], text[64];
+  std::snprintf(path, sizeof path, "/proc/%d/syscall", tid);
+  // "running" while the thread is on a CPU. A reader queues its event before
+  // it sleeps until the answer, so the listener can look in between: ask
+  // again (read as a number, "running" would be 0, read(2) on x86-64).
+  for (int attempt = 0; attempt < 200; ++attempt) {
+    const int fd = ::open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return kSyscallUnknown;
+    const ssize_t n = ::read(fd, text, sizeof text - 1);
+    ::close(fd);
+    if (n <= 0) return kSyscallUnknown;
+    text[n] = '\0';
+    char* end = nullptr;
+    const long number = std::strtol(text, &end, 10);
+    if (end != text) return number;
+    if (std::strncmp(text, "running", 7) != 0) return kSyscallUnknown;
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
+  return kSyscallUnknown;
+}
 
 std::unique_ptr<PreContentListener> PreContentListener::open(std::string* why) {
   const int group = ::fanotify_init(FAN_CLASS_PRE_CONTENT | FAN_CLOEXEC | FAN_NONBLOCK | FAN_UNLIMITED_QUEUE | FAN_REPORT_TID,
@@ -160,7 +172,8 @@ int PreContentListener::poll(int timeout_ms, const std::function<void(const Read
     ReadEvent& d = described.emplace_back();
     if (m->fd >= 0) {
       d.tid = m->pid;
-      d.mapped = syscall_of(m->pid) == kSysMmap;
+      const long call = blocked_syscall(m->pid);
+      d.mapped = call == kSysMmap || call == kOutsideSyscalls;
       // Note [Naming the reader]: before the allow. Consecutive events of one
       // thread (a batch of one reader's reads) are named once.
       if (described.size() >= 2 && described[described.size() - 2].tid == d.tid) {

@@ -31,8 +31,9 @@
 // the tensors with pread(2); a template of that mapping would say "the whole
 // file". So the group reports thread ids (FAN_REPORT_TID), and before an
 // event is allowed the listener reads the reader's current system call from
-// /proc/<tid>/syscall (a few microseconds; the thread is blocked in it):
-// mmap is a mapping, anything else a read.
+// /proc/<tid>/syscall (a few microseconds; the thread is blocked in it, or
+// about to be, which the file shows as "running" and is asked again): mmap,
+// or a page fault outside any system call, is a mapping; anything else a read.
 //
 // Note [Naming the reader]
 // A template names the process behind each read (TemplateReader in
@@ -100,6 +101,14 @@ class PreContentListener {
   explicit PreContentListener(int group) : group_(group) {}
   int group_;
 };
+
+// The system call thread `tid` is blocked in (/proc/<tid>/syscall): its
+// number; kOutsideSyscalls where it is blocked outside any (the kernel's -1:
+// a page fault on a mapping); kSyscallUnknown where it is gone or still
+// running after some 20 ms of asking.
+inline constexpr long kOutsideSyscalls = -1;
+inline constexpr long kSyscallUnknown = -2;
+long blocked_syscall(pid_t tid);
 
 // Whether pre-content events work for files under `dir`: "" when they do,
 // else the reason (the kernel's, the filesystem's or the privilege's).

@@ -92,10 +92,15 @@ def test_trace_pread_backend_holds_exactly_the_ranges_read(tmp_path, run_pinload
     assert f == (str(ckpt), st.st_size, st.st_mtime_ns, st.st_ino, th.pinload_device(st))
 
 
-def test_trace_load_file_pread_and_mmap(tmp_path, run_pinload, need_events):
+@pytest.mark.parametrize("cache", ["cached", "evicted"])
+def test_trace_load_file_pread_and_mmap(tmp_path, run_pinload, need_events, cache):
     # One process (one torch import): load_file with backend="pread" on one
-    # copy, with the default mmap on another.
+    # copy, with the default mmap on another. Evicted, the mapping's pages
+    # arrive by page faults (events outside any system call, where a kernel
+    # reports them): still the mapping's.
     pread, mmap = make_checkpoint(tmp_path / "pread.safetensors"), make_checkpoint(tmp_path / "mmap.safetensors")
+    if cache == "evicted":
+        th.drop_file_cache(pread, mmap)
     script = ("import sys, safetensors.torch as st\n"
               "a = st.load_file(sys.argv[1], backend='pread'); b = st.load_file(sys.argv[2]); print(len(a) + len(b))\n")
     t = trace(run_pinload, tmp_path / "t.pltemplate", tmp_path, [sys.executable, "-c", script, str(pread), str(mmap)],

@@ -1,7 +1,21 @@
 // The plain-data parts of the page-cache commands (src/trace/): the recorder's
-// each-byte-once merging, warm plans, and burn-after-reading bookkeeping.
+// each-byte-once merging, warm plans, burn-after-reading bookkeeping, and the
+// reader's system call that tells a mapping from a read.
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <linux/userfaultfd.h>
+#include <sys/ioctl.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <thread>
+
+#include "trace/pre_content.h"
 #include "trace/trace_recorder.h"
 #include "trace/warm_plan.h"
 
@@ -101,6 +115,77 @@ TEST(BurnTracker, DropsAPieceReadWholeOnceTheConsumerMovesOn) {
   EXPECT_TRUE(burn.on_consumer_read(0, 9 << 20, 1 << 20).empty());  // 1 not finished: kept
   EXPECT_TRUE(burn.touched(2));  // the consumer reached 2 first: the warmer skips it
   EXPECT_TRUE(burn.on_consumer_read(7, 0, 1).empty());  // another file: ignored
+}
+
+pid_t current_tid() { return static_cast<pid_t>(::syscall(SYS_gettid)); }
+
+TEST(BlockedSyscall, AThreadBlockedInAReadIsInRead) {
+  int pipe_fds[2];
+  ASSERT_EQ(::pipe(pipe_fds), 0);
+  std::atomic<pid_t> tid{0};
+  std::thread reader([&] {
+    tid = current_tid();
+    char c;
+    (void)!::read(pipe_fds[0], &c, 1);
+  });
+  while (tid == 0) std::this_thread::yield();
+  long call = kSyscallUnknown;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (call != SYS_read && std::chrono::steady_clock::now() < deadline) call = blocked_syscall(tid);
+  EXPECT_EQ(call, SYS_read);
+  (void)!::write(pipe_fds[1], "x", 1);
+  reader.join();
+  ::close(pipe_fds[0]);
+  ::close(pipe_fds[1]);
+}
+
+// A page fault on a mapping (held here by userfaultfd) is outside any system
+// call: the listener counts its event as the mapping's.
+TEST(BlockedSyscall, AThreadBlockedInAPageFaultIsOutsideSystemCalls) {
+  const int uffd = static_cast<int>(::syscall(SYS_userfaultfd, O_CLOEXEC));
+  if (uffd < 0) GTEST_SKIP() << "userfaultfd: " << std::strerror(errno);
+  uffdio_api api{.api = UFFD_API, .features = 0, .ioctls = 0};
+  ASSERT_EQ(::ioctl(uffd, UFFDIO_API, &api), 0);
+  const std::size_t page = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
+  void* area = ::mmap(nullptr, page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ASSERT_NE(area, MAP_FAILED);
+  uffdio_register reg{.range = {reinterpret_cast<std::uint64_t>(area), page}, .mode = UFFDIO_REGISTER_MODE_MISSING,
+                      .ioctls = 0};
+  ASSERT_EQ(::ioctl(uffd, UFFDIO_REGISTER, &reg), 0);
+  std::atomic<pid_t> tid{0};
+  std::thread toucher([&] {
+    tid = current_tid();
+    EXPECT_EQ(*static_cast<volatile char*>(area), 0);
+  });
+  while (tid == 0) std::this_thread::yield();
+  long call = kSyscallUnknown;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (call != kOutsideSyscalls && std::chrono::steady_clock::now() < deadline) call = blocked_syscall(tid);
+  EXPECT_EQ(call, kOutsideSyscalls);
+  uffdio_zeropage zero{.range = {reinterpret_cast<std::uint64_t>(area), page}, .mode = 0, .zeropage = 0};
+  EXPECT_EQ(::ioctl(uffd, UFFDIO_ZEROPAGE, &zero), 0);
+  ::ioctl(uffd, UFFDIO_UNREGISTER, &reg.range);  // wakes the toucher whatever happened
+  toucher.join();
+  ::munmap(area, page);
+  ::close(uffd);
+}
+
+// /proc/<tid>/syscall says "running" for a thread on a CPU; parsed as a
+// number that was 0, which is read(2) on x86-64: a mapping's event taken
+// for a read.
+TEST(BlockedSyscall, ARunningThreadIsUnknownNotARead) {
+  std::atomic<bool> stop{false};
+  std::atomic<pid_t> tid{0};
+  std::thread spinner([&] {
+    tid = current_tid();
+    while (!stop.load(std::memory_order_relaxed)) {
+    }
+  });
+  while (tid == 0) std::this_thread::yield();
+  EXPECT_EQ(blocked_syscall(tid), kSyscallUnknown);
+  stop = true;
+  spinner.join();
+  EXPECT_EQ(blocked_syscall(tid), kSyscallUnknown);  // gone
 }
 
 }  // namespace
