@@ -70,19 +70,8 @@ std::string shape_text(const std::vector<std::uint64_t>& shape);
 // Lower-case hex SHA-256 of `bytes` (OpenSSL's libcrypto).
 std::string sha256_hex(std::span<const std::byte> bytes);
 
-// Note [Printable text]
-// A tensor name or metadata value is whatever the file says: it may hold a
-// tab or newline (which would forge a whole line of `inspect` or `load
-// --digest` output) or an escape sequence (which a terminal would obey). The
-// plain-text output prints each such string escaped, reversibly:
-//   - a backslash becomes "\\";
-//   - a byte below 0x20, 0x7f, a C1 control (U+0080..U+009F, which some
-//     terminals obey as escapes) and any byte that is not part of valid UTF-8
-//     become "\xNN" (lowercase hex), byte by byte;
-//   - everything else (printable ASCII and valid UTF-8) is kept.
-// So an escaped string holds no tab, newline or control byte. `inspect
-// --json` is exact instead: JSON's own escaping, which every JSON reader
-// undoes. Error messages are escaped the same way.
+// `text` escaped for plain-text output: pinload::printable_text, see
+// Note [Printable text] in base/printable.h. `inspect --json` is exact instead.
 std::string printable(const std::string& text);
 
 }  // namespace pinload::cli

@@ -4,6 +4,7 @@
 #include <optional>
 #include <string>
 
+#include "base/printable.h"
 #include "cli/command.h"
 #include "cli/load_option_args.h"
 #include "cli/size_arg.h"
@@ -160,44 +161,6 @@ std::string sha256_hex(std::span<const std::byte> bytes) {
   return out;
 }
 
-std::string printable(const std::string& text) {
-  std::string out;
-  out.reserve(text.size());
-  static constexpr char kHex[] = "0123456789abcdef";
-  auto escape = [&](unsigned char c) {
-    out += "\\x";
-    out += kHex[c >> 4];
-    out += kHex[c & 15];
-  };
-  for (std::size_t i = 0; i < text.size();) {
-    const auto c = static_cast<unsigned char>(text[i]);
-    if (c == '\\') {
-      out += "\\\\";
-      ++i;
-      continue;
-    }
-    if (c < 0x20 || c == 0x7f) {
-      escape(c);
-      ++i;
-      continue;
-    }
-    const std::size_t len = c < 0x80 ? 1 : (c >> 5) == 6 ? 2 : (c >> 4) == 14 ? 3 : (c >> 3) == 30 ? 4 : 0;
-    bool valid = len != 0 && i + len <= text.size();
-    for (std::size_t k = 1; valid && k < len; ++k) valid = (static_cast<unsigned char>(text[i + k]) >> 6) == 2;
-    if (valid && len == 2) {
-      // Overlong forms and C1 controls (U+0080..U+009F: 0xC2 0x80..0x9F).
-      const auto c1 = static_cast<unsigned char>(text[i + 1]);
-      valid = c >= 0xC2 && !(c == 0xC2 && c1 < 0xA0);
-    }
-    if (!valid) {
-      escape(c);
-      ++i;
-      continue;
-    }
-    out.append(text, i, len);
-    i += len;
-  }
-  return out;
-}
+std::string printable(const std::string& text) { return printable_text(text); }
 
 }  // namespace pinload::cli

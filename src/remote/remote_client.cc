@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "base/log.h"
+#include "base/printable.h"
 #include "pinload/error.h"
 #include "remote/object_cache.h"
 
@@ -32,15 +33,8 @@ void init_curl_once() {
   if (rc != CURLE_OK) throw IoError(std::string("cannot initialise libcurl: ") + curl_easy_strerror(rc));
 }
 
-// A header's value for a message: at most 120 bytes, control bytes as '?'.
-std::string printable(std::string_view v) {
-  std::string out(v.substr(0, 120));
-  for (char& c : out) {
-    if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) c = '?';
-  }
-  if (v.size() > 120) out += "...";
-  return out;
-}
+// A server's text for a message: at most 120 bytes, escaped (Note [Printable text]).
+std::string printable(std::string_view v) { return printable_text(v, 120); }
 
 bool iequals_prefix(std::string_view line, std::string_view name) {
   if (line.size() < name.size()) return false;
@@ -187,7 +181,7 @@ std::string range_text(std::uint64_t first, std::uint64_t last) {
 
 std::string status_message(long status, const std::string& body) {
   std::string msg = "HTTP " + std::to_string(status);
-  if (const std::string code = s3_error_code(body); !code.empty()) msg += " (" + code + ")";
+  if (const std::string code = s3_error_code(body); !code.empty()) msg += " (" + printable(code) + ")";
   return msg;
 }
 
@@ -373,7 +367,7 @@ ObjectInfo RemoteClient::get_range(const std::string& path, std::uint64_t offset
     if (!t.refused.empty()) throw IoError(t.refused, where);
     if (t.accepted) {
       if (expect != nullptr && !expect->etag.empty() && !t.etag.empty() && t.etag != expect->etag) {
-        throw IoError("object changed while loading (ETag " + printable(t.etag) + ", was " + expect->etag + ")", where);
+        throw IoError("object changed while loading (ETag " + printable(t.etag) + ", was " + printable(expect->etag) + ")", where);
       }
       // Note [Remote consistency]: the second of a coarse validator.
       if (expect != nullptr && expect->mtime_ns != 0 && t.mtime_ns != 0 && t.mtime_ns != expect->mtime_ns) {
@@ -405,7 +399,7 @@ ObjectInfo RemoteClient::get_range(const std::string& path, std::uint64_t offset
       }
       if (t.status == 404 || t.status == 410) throw NotFoundError("no such object: " + status_message(t.status, t.error_body), where);
       if (t.status == 412) {
-        throw IoError("object changed since its header was read (If-Match " + req.if_match + " failed)", where);
+        throw IoError("object changed since its header was read (If-Match " + printable(req.if_match) + " failed)", where);
       }
       if (!retryable_status(t.status)) {
         std::string msg = status_message(t.status, t.error_body);

@@ -5,6 +5,7 @@
 
 #include <map>
 
+#include "base/printable.h"
 #include "pinload/error.h"
 #include "pinload/remote.h"
 
@@ -30,6 +31,31 @@ TEST(RemoteUrl, DisplayDropsCredentialsAndQuery) {
   EXPECT_EQ(display_url("https://user:secret@host:8/a/b?X-Amz-Signature=abc"), "https://host:8/a/b");
   EXPECT_EQ(display_url("http://host/a@b"), "http://host/a@b");
   EXPECT_EQ(display_url("s3://b/k"), "s3://b/k");
+}
+
+// Note [Printable text]: every byte a server sends reaches a message as valid UTF-8.
+TEST(PrintableText, EscapesWhatIsNotPrintableUtf8) {
+  struct Row {
+    std::string in, out;
+  };
+  const Row rows[] = {
+      {"plain ASCII", "plain ASCII"},
+      {"a\\b", "a\\\\b"},                                    // a backslash is doubled
+      {"t\tn\nr\r\x1b[31m\x7f", "t\\x09n\\x0ar\\x0d\\x1b[31m\\x7f"},  // C0 controls, DEL
+      {"w\xc3\xbcrfel \xe2\x82\xac \xf0\x9f\x98\x80", "w\xc3\xbcrfel \xe2\x82\xac \xf0\x9f\x98\x80"},  // valid UTF-8 kept
+      {"\xc2\x85", "\\xc2\\x85"},                              // C1 control (NEL)
+      {"\"abc\xff\"", "\"abc\\xff\""},                          // a stray byte >= 0x80 (defect 2's ETag)
+      {"\xc3", "\\xc3"},                                      // a sequence cut short
+      {"\xc0\xaf", "\\xc0\\xaf"},                              // overlong
+      {"\xe0\x80\xaf", "\\xe0\\x80\\xaf"},                      // overlong
+      {"\xed\xa0\x80", "\\xed\\xa0\\x80"},                      // a UTF-16 surrogate
+      {"\xf4\x90\x80\x80", "\\xf4\\x90\\x80\\x80"},              // above U+10FFFF
+      {std::string("nul\0byte", 8), "nul\\x00byte"},
+  };
+  for (const Row& row : rows) EXPECT_EQ(printable_text(row.in), row.out) << row.in;
+  EXPECT_EQ(printable_text("abcdef", 3), "abc...");
+  EXPECT_EQ(printable_text("abc", 3), "abc");
+  EXPECT_EQ(printable_text("ab\xc3\xbc", 3), "ab...");  // not cut inside a character
 }
 
 TEST(RemoteUrl, EncodesLikeSigV4) {
