@@ -1,6 +1,9 @@
 #include "remote/remote_url.h"
 
+#include <curl/curl.h>
+
 #include <algorithm>
+#include <memory>
 #include <cctype>
 #include <charconv>
 #include <cstdlib>
@@ -94,6 +97,74 @@ std::string first_element(std::string_view xml, std::string_view tag) {
 
 }  // namespace
 
+namespace {
+
+// Note [Canonical URLs]: one URL as libcurl's URL API holds it.
+class CurlUrl {
+ public:
+  CurlUrl() : h_(curl_url()) {
+    if (h_ == nullptr) throw std::bad_alloc();
+  }
+  ~CurlUrl() { curl_url_cleanup(h_); }
+  CurlUrl(const CurlUrl&) = delete;
+  CurlUrl& operator=(const CurlUrl&) = delete;
+
+  CURLUcode set(CURLUPart part, const std::string& value, unsigned flags) {
+    return curl_url_set(h_, part, value.c_str(), flags);
+  }
+  // The part, or nullopt where it is absent (or cannot be had: `rc` says).
+  std::optional<std::string> get(CURLUPart part, unsigned flags, CURLUcode* rc = nullptr) const {
+    char* text = nullptr;
+    const CURLUcode got = curl_url_get(h_, part, &text, flags);
+    if (rc != nullptr) *rc = got;
+    if (got != CURLUE_OK) return std::nullopt;
+    std::string out(text);
+    curl_free(text);
+    return out;
+  }
+
+ private:
+  CURLU* h_;
+};
+
+bool has_authority(std::string_view url) {
+  const std::size_t host = url.find("://");
+  return host != std::string_view::npos && host + 3 < url.size() && url[host + 3] != '/';
+}
+
+std::string ascii_lower(std::string s) {
+  std::transform(s.begin(), s.end(), s.begin(), [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  return s;
+}
+
+// An http(s) URL parsed as libcurl fetches it, or nullopt (`problem` says why).
+std::unique_ptr<CurlUrl> parse_http(std::string_view url, std::string* problem) {
+  auto u = std::make_unique<CurlUrl>();
+  if (!has_authority(url)) {
+    *problem = "URL has no host";
+    return nullptr;
+  }
+  if (const CURLUcode rc = u->set(CURLUPART_URL, std::string(url), CURLU_URLENCODE); rc != CURLUE_OK) {
+    *problem = std::string("libcurl cannot parse the URL: ") + curl_url_strerror(rc);
+    return nullptr;
+  }
+  const std::optional<std::string> scheme = u->get(CURLUPART_SCHEME, 0);
+  if (scheme != "http" && scheme != "https") {
+    *problem = "only http, https and s3 URLs are read";
+    return nullptr;
+  }
+  return u;
+}
+
+// S3's characters of a bucket name (with the legacy upper case and '_').
+bool valid_bucket(std::string_view bucket) {
+  return !bucket.empty() && std::all_of(bucket.begin(), bucket.end(), [](unsigned char c) {
+    return std::isalnum(c) || c == '.' || c == '-' || c == '_';
+  });
+}
+
+}  // namespace
+
 std::optional<Location> parse_location(std::string_view path) {
   Location loc;
   if (path.starts_with("s3://")) {
@@ -103,29 +174,71 @@ std::optional<Location> parse_location(std::string_view path) {
     loc.bucket = std::string(rest.substr(0, slash));
     loc.key = slash == std::string_view::npos ? std::string{} : std::string(rest.substr(slash + 1));
     if (loc.bucket.empty()) throw InvalidFileError("S3 path has no bucket", ErrorContext{std::string(path)});
+    canonical_url(path);  // checks the bucket
     return loc;
   }
   if (path.starts_with("http://") || path.starts_with("https://")) {
-    const std::size_t host = path.find("://") + 3;
-    if (host >= path.size() || path[host] == '/') {
-      throw InvalidFileError("URL has no host", ErrorContext{display_url(path)});
-    }
+    if (!has_authority(path)) throw InvalidFileError("URL has no host", ErrorContext{display_url(path)});
     loc.scheme = Location::Scheme::kHttp;
-    loc.url = std::string(path);
+    loc.url = canonical_url(path);
     return loc;
   }
   return std::nullopt;
 }
 
-std::string display_url(std::string_view url) {
-  std::string out(url.substr(0, url.find('?')));
-  const std::size_t scheme = out.find("://");
-  if (scheme != std::string::npos) {
-    const std::size_t host = scheme + 3;
-    const std::size_t path = out.find('/', host);
-    const std::size_t at = out.rfind('@', path == std::string::npos ? out.size() : path);
-    if (at != std::string::npos && at >= host) out.erase(host, at + 1 - host);
+std::string canonical_url(std::string_view url) {
+  const auto refuse = [&](const std::string& why) -> std::string {
+    throw InvalidArgumentError(why, ErrorContext{display_url(url)});
+  };
+  if (url.starts_with("s3://")) {
+    const std::string_view rest = url.substr(5);
+    if (!valid_bucket(rest.substr(0, rest.find('/')))) {
+      return refuse("an S3 bucket name is made of letters, digits, '.', '-' and '_'");
+    }
+    return std::string(url);
   }
+  if (!url.starts_with("http://") && !url.starts_with("https://")) {
+    return refuse("only http, https and s3 URLs are read (gs:// and Azure: see docs/remote.md)");
+  }
+  std::string problem;
+  std::unique_ptr<CurlUrl> u = parse_http(url, &problem);
+  if (!u) return refuse(problem);
+  if (u->get(CURLUPART_USER, 0) || u->get(CURLUPART_PASSWORD, 0) || u->get(CURLUPART_OPTIONS, 0)) {
+    return refuse("URL holds user information (user:password@); pass credentials in a presigned URL's query");
+  }
+  if (u->get(CURLUPART_FRAGMENT, 0) || url.find('#') != std::string_view::npos) {
+    return refuse("URL holds a fragment ('#'), which is never sent to the server; write '#' in a path as %23");
+  }
+  CURLUcode rc = CURLUE_OK;
+  const std::optional<std::string> host = u->get(CURLUPART_HOST, CURLU_PUNYCODE, &rc);
+  if (!host) return refuse(std::string("libcurl cannot convert the host name to IDNA: ") + curl_url_strerror(rc));
+  // An IPv6 literal keeps its zone id's case (an interface name).
+  if (u->set(CURLUPART_HOST, host->starts_with('[') ? *host : ascii_lower(*host), 0) != CURLUE_OK) {
+    return refuse("libcurl refuses the host name");
+  }
+  const std::optional<std::string> out = u->get(CURLUPART_URL, CURLU_NO_DEFAULT_PORT);
+  CurlUrl again;
+  if (!out || again.set(CURLUPART_URL, *out, 0) != CURLUE_OK || again.get(CURLUPART_URL, CURLU_NO_DEFAULT_PORT) != out) {
+    return refuse("libcurl does not parse the URL to one form");
+  }
+  return *out;
+}
+
+std::string display_url(std::string_view url) {
+  if (!url.starts_with("http://") && !url.starts_with("https://")) return std::string(url);
+  std::string problem;
+  if (std::unique_ptr<CurlUrl> u = parse_http(url, &problem)) {
+    std::string host = u->get(CURLUPART_HOST, CURLU_PUNYCODE).value_or(u->get(CURLUPART_HOST, 0).value_or(""));
+    if (!host.starts_with('[')) host = ascii_lower(std::move(host));
+    const std::optional<std::string> port = u->get(CURLUPART_PORT, CURLU_NO_DEFAULT_PORT);
+    return *u->get(CURLUPART_SCHEME, 0) + "://" + host + (port ? ":" + *port : "") +
+           u->get(CURLUPART_PATH, 0).value_or("/");
+  }
+  // Never fetched: shown cut at its query or fragment, without user information.
+  std::string out(url.substr(0, url.find_first_of("?#")));
+  const std::size_t host = out.find("://") + 3;
+  const std::size_t at = out.rfind('@', std::min(out.find('/', host), out.size()));
+  if (at != std::string::npos && at >= host) out.erase(host, at + 1 - host);
   return out;
 }
 

@@ -18,15 +18,44 @@ struct Location {
   Scheme scheme = Scheme::kHttp;
   std::string bucket;  // s3
   std::string key;     // s3: without the leading '/'; may end in '/'
-  std::string url;     // http(s): as given
+  std::string url;     // http(s): canonical_url, what libcurl fetches
 };
 
 // nullopt where `path` is not remote; throws InvalidFileError for a remote
-// path without a bucket or host.
+// path without a bucket or host, InvalidArgumentError for one that
+// canonical_url refuses.
 std::optional<Location> parse_location(std::string_view path);
 
-// `url` without user:password@ and without ?query (presigned URLs carry
-// signatures there): what messages and logs show.
+// Note [Canonical URLs]
+// A remote object is named by one string, parsed once, by the parser that
+// fetches it: libcurl's URL API. Hand-cut parsing disagreed with it: the
+// store keyed 'http://127.0.0.1:EVIL#@127.0.0.1:REAL/m' after its last '@'
+// (REAL), while libcurl ends the host at '#' and fetched EVIL, so one user's
+// object was stored under another's URL. canonical_url:
+//   - parses with curl_url_set(CURLUPART_URL, CURLU_URLENCODE): spaces and
+//     bytes outside ASCII in the path and query become %XX, as libcurl would
+//     send them; control bytes and malformed URLs are refused;
+//   - refuses user information (user:password@: credentials belong in a
+//     presigned query or S3's environment), fragments (never sent, and the
+//     place the host confusion above hides), schemes other than http(s) and
+//     hosts libcurl cannot convert to IDNA (punycode);
+//   - lowercases the scheme and the host name (IDNA names as punycode),
+//     drops a default port (http://h:80/ is http://h/), resolves dot
+//     segments and writes an empty path as '/', all by libcurl;
+//   - checks that its result parses to itself, so that what a key names is
+//     what is fetched.
+// s3://bucket/key is kept as written, with a bucket of S3's characters
+// ([A-Za-z0-9.-_]): the request URL is built from the bucket and the key
+// (s3_object_url), and a bucket holding ':', '@' or '/' would be a host.
+// Throws InvalidArgumentError naming the URL (display_url).
+std::string canonical_url(std::string_view url);
+
+// What messages, logs and store keys show of `url`: the scheme, host, port
+// and path that libcurl parses (Note [Canonical URLs]), without user
+// information, query (presigned URLs carry signatures there) or fragment; so
+// a URL that libcurl fetches from host A never displays as host B. An s3://
+// path is shown as written. A URL that libcurl cannot parse (and so never
+// fetches) is cut at its first '?' or '#', without user information.
 std::string display_url(std::string_view url);
 
 // RFC 3986 percent-encoding of all but unreserved characters (and '/' when

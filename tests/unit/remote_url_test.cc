@@ -1,8 +1,11 @@
 // Remote paths and the text formats of S3 and HTTP (remote_url.h), no I/O.
 #include "remote/remote_url.h"
 
+#include <curl/curl.h>
 #include <gtest/gtest.h>
 
+#include <cctype>
+#include <clocale>
 #include <map>
 
 #include "base/printable.h"
@@ -31,6 +34,117 @@ TEST(RemoteUrl, DisplayDropsCredentialsAndQuery) {
   EXPECT_EQ(display_url("https://user:secret@host:8/a/b?X-Amz-Signature=abc"), "https://host:8/a/b");
   EXPECT_EQ(display_url("http://host/a@b"), "http://host/a@b");
   EXPECT_EQ(display_url("s3://b/k"), "s3://b/k");
+}
+
+// libcurl's own parse of `url`: the host it connects to.
+std::string curl_host(const std::string& url) {
+  CURLU* u = curl_url();
+  char* host = nullptr;
+  std::string out;
+  if (curl_url_set(u, CURLUPART_URL, url.c_str(), CURLU_URLENCODE) == CURLUE_OK &&
+      curl_url_get(u, CURLUPART_HOST, &host, 0) == CURLUE_OK) {
+    for (const char* c = host; *c != '\0'; ++c) out += static_cast<char>(std::tolower(static_cast<unsigned char>(*c)));
+    curl_free(host);
+  }
+  curl_url_cleanup(u);
+  return out;
+}
+
+// Note [Canonical URLs]: the host a URL displays (and is keyed) as is the one
+// libcurl fetches from (issue 46, defect 4: the key took the text after the
+// last '@', libcurl ended the host at '#').
+TEST(RemoteUrl, DisplayShowsTheHostLibcurlFetches) {
+  struct Row {
+    std::string url, shown;
+  };
+  const Row rows[] = {
+      {"http://127.0.0.1:1#@127.0.0.1:2/m", "http://127.0.0.1:1/"},
+      {"http://127.0.0.1:1?@127.0.0.1:2/m", "http://127.0.0.1:1/"},
+      {"http://127.0.0.1:1/x#@127.0.0.1:2/m", "http://127.0.0.1:1/x"},
+      {"http://a\\@evil:9/x", "http://evil:9/x"},
+      {"http://u:p@Real.Example:80/a/../m?sig=1", "http://real.example/m"},
+      {"https://h:443/m", "https://h/m"},
+      {"http://0x7f.1:8/m", "http://127.0.0.1:8/m"},
+      {"http://[::1]:8/m", "http://[::1]:8/m"},
+      {"s3://b/k?v#w@x", "s3://b/k?v#w@x"},  // an S3 key is whatever follows the bucket
+  };
+  for (const Row& row : rows) {
+    EXPECT_EQ(display_url(row.url), row.shown) << row.url;
+    if (row.url.starts_with("http")) {
+      const std::string host = curl_host(row.url);
+      EXPECT_FALSE(host.empty()) << row.url;
+      EXPECT_NE(display_url(row.url).find("//" + host), std::string::npos) << row.url;
+    }
+  }
+  // Never fetched (libcurl refuses it): cut at '?' or '#', without user information.
+  EXPECT_EQ(display_url("http://a@b@c/x?q"), "http://c/x");
+}
+
+TEST(RemoteUrl, CanonicalUrlIsLibcurls) {
+  struct Row {
+    std::string url, canonical;
+  };
+  const Row rows[] = {
+      {"http://Real.EXAMPLE:80/a/../m.safetensors", "http://real.example/m.safetensors"},
+      {"https://h:443/m", "https://h/m"},
+      {"https://h:8443/m?X-Amz-Signature=ab&X-Amz-Date=1", "https://h:8443/m?X-Amz-Signature=ab&X-Amz-Date=1"},
+      {"http://h", "http://h/"},
+      {"http://h:/m", "http://h/m"},
+      {"http://h/a b.safetensors", "http://h/a%20b.safetensors"},
+      {"http://h/w\xc3\xbcrfel", "http://h/w%c3%bcrfel"},
+      {"http://h/a%2Fb%20c", "http://h/a%2Fb%20c"},
+      {"http://0x7f.1:8/m", "http://127.0.0.1:8/m"},
+      {"http://[::1]:80/m", "http://[::1]/m"},
+      {"s3://bucket/a b#c?d@e", "s3://bucket/a b#c?d@e"},
+      {"s3://bucket", "s3://bucket"},
+  };
+  for (const Row& row : rows) {
+    EXPECT_EQ(canonical_url(row.url), row.canonical) << row.url;
+    EXPECT_EQ(canonical_url(row.canonical), row.canonical) << row.url;
+  }
+  const std::string refused[] = {
+      "http://127.0.0.1:1#@127.0.0.1:2/m",  // defect 4
+      "http://h/m#",
+      "http://h/m#frag",
+      "http://u:p@h/m",
+      "http://u@h/m",
+      "http://a\\@evil/m",
+      "http://a@b@c/m",
+      "http://h:99999/m",
+      "http://h/\x01m",
+      "http:///m",
+      "ftp://h/m",
+      "gs://bucket/m",
+      "s3://ev:il@host/m",
+      "s3://b#x/m",
+      "s3:///m",
+  };
+  for (const std::string& url : refused) {
+    try {
+      canonical_url(url);
+      ADD_FAILURE() << url << " was accepted";
+    } catch (const InvalidArgumentError& e) {
+      EXPECT_EQ(e.context().file, display_url(url)) << e.what();
+      EXPECT_EQ(std::string(e.what()).find("u:p"), std::string::npos) << e.what();  // no credentials shown
+    }
+  }
+  // The fetch takes the same form, and refuses what canonical_url refuses.
+  EXPECT_EQ(parse_location("http://H:80/m")->url, "http://h/m");
+  EXPECT_THROW(parse_location("http://127.0.0.1:1#@127.0.0.1:2/m"), InvalidArgumentError);
+  EXPECT_THROW(parse_location("s3://b@h/m"), InvalidArgumentError);
+}
+
+TEST(RemoteUrl, CanonicalHostIsIdna) {
+  // libcurl converts with libidn2 from the locale's encoding; where it cannot, it refuses to fetch.
+  const std::string saved = std::setlocale(LC_CTYPE, nullptr);
+  if (std::setlocale(LC_CTYPE, "C.UTF-8") == nullptr || !(curl_version_info(CURLVERSION_NOW)->features & CURL_VERSION_IDN)) {
+    GTEST_SKIP() << "no UTF-8 locale or libcurl without IDN";
+  }
+  EXPECT_EQ(canonical_url("http://B\xc3\xbc" "cher.example/m"), "http://xn--bcher-kva.example/m");
+  EXPECT_EQ(display_url("http://B\xc3\xbc" "cher.example/m?q"), "http://xn--bcher-kva.example/m");
+  std::setlocale(LC_CTYPE, "C");
+  EXPECT_THROW(canonical_url("http://B\xc3\xbc" "cher.example/m"), InvalidArgumentError);
+  std::setlocale(LC_CTYPE, saved.c_str());
 }
 
 // Note [Printable text]: every byte a server sends reaches a message as valid UTF-8.
