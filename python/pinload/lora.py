@@ -23,9 +23,21 @@ read from the base and written once; on CUDA the base copies go host-to-device o
 and each fuse waits only for its own weight's copy (restores overlap the fuses).
 
 Note [Validate before writing]
-``switch`` resolves every key of every adapter against the model (unknown key, wrong shape,
-missing base tensor, unsupported dtype: a typed error naming the key) before it writes any
-weight, so a failed switch leaves the model as it was.
+``switch`` resolves every key of every adapter against the model (unknown key, wrong shape, rank
+0, an alpha that is not one finite value, NaN or infinity in a pair unless ``allow_nonfinite``,
+missing base tensor, unsupported dtype: a typed error naming the file and the key) before it
+writes any weight, so a failed switch leaves the model as it was. Convolutions in any memory
+format (``channels_last``) are fused through their own strides, so their layout is no failure.
+
+Note [Atomic switches]
+What the checks cannot foresee (memory running out for a product, an interrupt, a device error)
+can still stop a switch midway. The fuser records each weight before it writes it, and on any
+exception puts those back as the previous set had them: the ones the previous set touched are
+recomputed from the base with its adapters (the same computation, so the same bits: Note [Switch
+by recomputing from the base]), the others copied from the base; then the error propagates and
+``active`` is the previous set. Nothing is copied aside beforehand, so a switch needs no memory for
+its undo. If putting back fails too, every weight either set touched is copied from the base and
+the fuser holds no adapter (the error says so).
 """
 
 from __future__ import annotations
@@ -33,6 +45,8 @@ from __future__ import annotations
 import collections
 import itertools
 import json
+import logging
+import math
 import os
 import threading
 from dataclasses import dataclass, field
@@ -47,9 +61,11 @@ from ._options import LoadKwargs, LoadOptions, request, size
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-__all__ = ["LoraAdapter", "LoraFuser", "LoraKeyError", "LoraLibrary", "LoraShapeError"]
+__all__ = ["LoraAdapter", "LoraFuser", "LoraKeyError", "LoraLibrary", "LoraShapeError", "LoraValueError"]
 
 PathLike = Union[str, "os.PathLike[str]", bytes]
+
+log = logging.getLogger("pinload.lora")
 
 
 class LoraKeyError(InvalidFileError):
@@ -60,6 +76,12 @@ class LoraKeyError(InvalidFileError):
 class LoraShapeError(InvalidFileError):
     """An adapter's ``up``/``down`` pair whose shapes do not fit the weight it names: ``.file`` is the
     adapter, ``.tensor`` the key. Raised before any weight is written."""
+
+
+class LoraValueError(InvalidFileError):
+    """An adapter tensor holding NaN or infinity (refused unless ``LoraFuser(allow_nonfinite=True)``),
+    or an alpha that is not a finite number: ``.file`` is the adapter, ``.tensor`` the key. Raised
+    before any weight is written."""
 
 
 def _err(cls, message: str, *, file: Optional[str] = None, tensor: Optional[str] = None):
@@ -252,6 +274,7 @@ class _Entry:
     down: torch.Tensor  # [r, in] or [r, in, kh, kw]
     up: torch.Tensor  # [out, r] or [out, r, 1, 1]
     factor: float  # alpha / rank
+    nonfinite: Optional[str] = None  # what of the pair holds NaN or infinity (refused unless allowed)
 
 
 _KOHYA_PREFIXES = ("lora_unet_", "lora_te_", "lora_te1_", "lora_te2_", "lora_te3_")
@@ -380,7 +403,7 @@ def _resolve_kohya(sd: Dict[str, torch.Tensor], file: str, target: _Target,
         component, rest = _kohya_component(name)
         if component == "unet" and "unet" not in target.components:
             component = _denoiser(target)
-        alpha = float(parts["alpha"].item()) if "alpha" in parts else None
+        alpha = _alpha(parts["alpha"], file, f"{name}.alpha") if "alpha" in parts else None
         weight = None
         if name in placed:
             weight = target.weight_name(*placed[name])
@@ -505,7 +528,9 @@ def _resolve_peft(sd: Dict[str, torch.Tensor], file: str, target: _Target, metad
             weight = target.weight_name(place, module)
             if weight is None:
                 raise _err(LoraKeyError, f"names no weight of the model's {place}", file=file, tensor=key)
-            alpha: Optional[float] = float(parts["alpha"].item()) if "alpha" in parts else None
+            alpha: Optional[float] = None
+            if "alpha" in parts:
+                alpha = _alpha(parts["alpha"], file, (f"{component}." if component else "") + f"{module}.alpha")
             if alpha is None and cfg is not None:
                 rank = parts["up"].shape[1]
                 a = _pattern_value(cfg.get("alpha_pattern") or {}, module)
@@ -513,9 +538,24 @@ def _resolve_peft(sd: Dict[str, torch.Tensor], file: str, target: _Target, metad
                 lora_alpha = a if a is not None else cfg.get("lora_alpha")
                 r = r if r is not None else cfg.get("r", rank)
                 if lora_alpha is not None:
+                    for what, v in (("lora_alpha", lora_alpha), ("r", r)):
+                        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or (
+                                what == "r" and v <= 0):
+                            raise _err(LoraValueError, f"the metadata's {what} for this module is {v!r}: not a "
+                                       f"{'positive ' if what == 'r' else ''}finite number", file=file, tensor=key)
                     alpha = float(lora_alpha) * rank / float(r)  # factor = lora_alpha / r
             out.append((weight, key, parts["down"], parts["up"], alpha))
     return out, skipped
+
+
+def _alpha(t: torch.Tensor, file: str, key: str) -> float:
+    """An ``.alpha`` tensor's one value."""
+    if t.numel() != 1:
+        raise _err(LoraShapeError, f"an alpha is one value, not a tensor of shape {list(t.shape)}", file=file,
+                   tensor=key)
+    if t.is_complex():
+        raise _err(LoraValueError, f"an alpha is a real number, not {t.dtype}", file=file, tensor=key)
+    return float(t.reshape(()).item())
 
 
 def _to_peft(part: Dict[str, torch.Tensor], *, text_encoder: bool) -> Dict[str, torch.Tensor]:
@@ -564,8 +604,24 @@ def _resolve(adapter: LoraAdapter, target: _Target) -> List[_Entry]:
         w = target.weights[weight]
         _check_shapes(w, down, up, file, key, weight)
         rank = down.shape[0]
-        entries.append(_Entry(weight, key, down, up, (alpha / rank) if alpha is not None else 1.0))
+        entries.append(_Entry(weight, key, down, up, (alpha / rank) if alpha is not None else 1.0,
+                              _nonfinite(down, up, alpha, key)))
     return entries
+
+
+def _nonfinite(down: torch.Tensor, up: torch.Tensor, alpha: Optional[float], key: str) -> Optional[str]:
+    """What of a pair holds NaN or infinity (its tensor's name and count), or None."""
+    up_key = f"{key} (its up)"
+    for d, u in ((".lora_down.weight", ".lora_up.weight"), (".lora_A.weight", ".lora_B.weight")):
+        if key.endswith(d):
+            up_key = key[: -len(d)] + u
+    for name, t in ((key, down), (up_key, up)):
+        bad = int(torch.count_nonzero(~torch.isfinite(t)))
+        if bad:
+            return f"'{name}' holds {bad} NaN or infinite values"
+    if alpha is not None and not math.isfinite(alpha):
+        return f"its alpha is {alpha}"
+    return None
 
 
 def _check_shapes(w: torch.Tensor, down: torch.Tensor, up: torch.Tensor, file: str, key: str, weight: str) -> None:
@@ -575,6 +631,8 @@ def _check_shapes(w: torch.Tensor, down: torch.Tensor, up: torch.Tensor, file: s
 
     if not (down.is_floating_point() and up.is_floating_point()):
         raise bad("the pair is not floating point")
+    if down.dim() >= 1 and down.shape[0] == 0:
+        raise bad("rank 0: the pair has no rows (a rank-0 adapter changes nothing and has no alpha / rank)")
     if w.dim() == 2:
         if down.dim() != 2 or up.dim() != 2:
             raise bad("a linear weight takes 2-D lora weights")
@@ -669,7 +727,8 @@ class LoraFuser:
     ``library``: a :class:`LoraLibrary` for adapters given as paths. ``unet_config``: the UNet's
     config (or its dict), for kohya files with SGM block names fused into a state dict (a module
     brings its own). ``verify_base``: compare each
-    weight with its base copy the first time it is touched (once; a mismatch raises).
+    weight with its base copy, bit for bit, the first time it is touched (once; a mismatch raises).
+    ``allow_nonfinite``: fuse adapters holding NaN or infinity (refused with LoraValueError by default).
 
     ``switch(adapters)``, ``fuse(adapters)``, ``unfuse()``; ``adapters`` is a list of
     ``(adapter or path, scale)``. See Note [Switch by recomputing from the base].
@@ -677,7 +736,8 @@ class LoraFuser:
 
     def __init__(self, model: Any, base: Optional[Mapping[str, torch.Tensor]] = None, *,
                  library: Optional[LoraLibrary] = None, component: Optional[str] = None,
-                 unet_config: Any = None, verify_base: bool = True, chunk_bytes: int = 16 << 20) -> None:
+                 unet_config: Any = None, verify_base: bool = True, allow_nonfinite: bool = False,
+                 chunk_bytes: int = 16 << 20) -> None:
         self._target = _flatten(model, component)
         if unet_config is not None:  # a state dict has no config: SGM block names need layers_per_block
             if isinstance(unet_config, Mapping):
@@ -690,6 +750,8 @@ class LoraFuser:
         self._checked: set = set()
         self._library = library
         self._verify = verify_base
+        self._allow_nonfinite = bool(allow_nonfinite)
+        self._writing: List[str] = []  # the weights the switch running now may have written
         self._chunk = int(chunk_bytes)
         self._active: List[Tuple[LoraAdapter, float]] = []
         self._touched: Dict[str, List[Tuple[_Entry, float]]] = {}
@@ -737,12 +799,18 @@ class LoraFuser:
         touched, recomputes those the new set touches from the base. Everything is checked first:
         a failing switch changes no weight."""
         items = [(a, float(s)) for a, s in adapters]
+        for a, s in items:
+            if not math.isfinite(s):
+                raise InvalidArgumentError(f"the scale of {a!r} is {s}: not a finite number")
         resolved_adapters = [self._adapter(a) for a, _ in items]
         if any(a is None for a in resolved_adapters):
             raise InvalidArgumentError("an adapter could not be loaded")
         plan = _Plan()
         for adapter, (_, scale) in zip(resolved_adapters, items):
             for e in self.resolve(adapter):
+                if e.nonfinite is not None and not self._allow_nonfinite:
+                    raise _err(LoraValueError, f"{e.nonfinite}; LoraFuser(allow_nonfinite=True) fuses it anyway",
+                               file=adapter.path, tensor=e.key)
                 if scale != 0.0:
                     plan.fuse.setdefault(e.weight, []).append((e, scale))
         plan.restore = [w for w in self._touched if w not in plan.fuse]
@@ -750,7 +818,12 @@ class LoraFuser:
             self._check_weight(w)
         for w in plan.fuse:
             self._scale_of(w)  # an FP8 weight without a scale fails here, before any write
-        self._run(plan)
+        old = self._touched
+        try:
+            self._run(plan)
+        except BaseException as e:  # an interrupt too: the model must not be left half switched
+            self._roll_back(old, e)
+            raise
         self._active = list(zip(resolved_adapters, [s for _, s in items]))
         self._touched = plan.fuse
         self.last_switch = {"restored": len(plan.restore), "fused": len(plan.fuse),
@@ -790,7 +863,7 @@ class LoraFuser:
             if b.device.type == w.device.type and _overlaps(b, w):
                 raise _err(InvalidArgumentError, "the base copy is the weight's own memory (load the model with a "
                            "copy of the base, e.g. to a device, or clone the weights)", tensor=name)
-            if self._verify and not torch.equal(b.to(w.device), w):
+            if self._verify and not _same_bits(b.to(w.device), w):
                 raise _err(InvalidArgumentError, "the weight differs from its base copy", tensor=name)
         self._checked.add(weight)
 
@@ -807,9 +880,33 @@ class LoraFuser:
 
     # -- the work --
 
+    def _roll_back(self, old: Dict[str, List[Tuple[_Entry, float]]], error: BaseException) -> None:
+        """Note [Atomic switches]: puts every weight the failed switch may have written back as it was."""
+        written = list(self._writing)
+        back = _Plan(fuse={w: old[w] for w in written if w in old}, restore=[w for w in written if w not in old])
+        log.warning("a LoRA switch failed (%s: %s) after writing %d weights: putting them back", type(error).__name__,
+                    error, len(written))
+        try:
+            if any(self._target.weights[w].is_cuda for w in written):
+                torch.cuda.synchronize()
+            self._run(back)
+            if any(self._target.weights[w].is_cuda for w in written):
+                torch.cuda.synchronize()
+        except BaseException as again:  # noqa: BLE001 - the base at least: every weight either set touched
+            log.error("putting the weights back failed too (%s: %s): restoring the base", type(again).__name__, again)
+            for w in set(old) | set(written):
+                self._target.weights[w].copy_(self._base_of(w))
+                s = self._scale_of(w)
+                if s is not None:
+                    self._target.weights[s].copy_(self._base_of(s))
+            self._active, self._touched = [], {}
+            if isinstance(error, Exception):
+                error.add_note("the model is at its base now: no adapter is fused")
+
     def _run(self, plan: _Plan) -> None:
         weights = self._target.weights
         names = list(plan.fuse) + plan.restore
+        self._writing = []
         if self._base is None:  # snapshot every weight about to change, before the first write
             for w in plan.fuse:
                 self._base_of(w)
@@ -818,29 +915,39 @@ class LoraFuser:
                     self._base_of(s)
         cuda = [n for n in names if weights[n].is_cuda]
         if cuda:
+            self._writing = names  # asynchronous: any of them
             self._run_cuda(plan)
             return
         for w in plan.restore:
+            self._writing.append(w)
             weights[w].copy_(self._base_of(w))
             s = self._scale_of(w)
             if s is not None:
                 weights[s].copy_(self._base_of(s))
         for w, pairs in plan.fuse.items():
+            self._writing.append(w)
             self._fuse_one(w, pairs, self._base_of(w))
 
     def _fuse_one(self, name: str, pairs: List[Tuple[_Entry, float]], base: torch.Tensor) -> None:
         """weights[name] = base + sum(scale * factor * up @ down), fp32 accumulation, in place."""
         w = self._target.weights[name]
         scale_name = self._scale_of(name)
-        out2 = w.view(w.shape[0], -1)
-        base2 = base.view(base.shape[0], -1)
-        ups = [(e.up.reshape(e.up.shape[0], -1), e.down.reshape(e.down.shape[0], -1), s * e.factor) for e, s in pairs]
+        rows, cols = w.shape[0], math.prod(w.shape[1:])
+        # A weight in another memory format (a channels_last convolution) is computed in row-major
+        # order and written back through its own strides.
+        flat = w.is_contiguous()
+        out2 = w.view(rows, cols) if flat else None
+        base2 = base.reshape(rows, cols)  # a view, or a row-major copy of a base in another format
+        ups = [(e.up.reshape(e.up.shape[0], e.up.shape[1]), e.down.reshape(e.down.shape[0], cols), s * e.factor)
+               for e, s in pairs]
         dev = w.device
         ups = [(u.to(dev, non_blocking=True), d.to(dev, non_blocking=True), c) for u, d, c in ups]
         if scale_name is not None:
             self._fuse_fp8(w, name, scale_name, base2, ups)
             return
         if _product_in_weight_dtype(w, ups):
+            if out2 is None:
+                out2 = torch.empty((rows, cols), dtype=w.dtype, device=dev)
             out2.copy_(base2)
             if len({c for _, _, c in ups}) == 1:
                 u = ups[0][0] if len(ups) == 1 else torch.cat([u for u, _, _ in ups], dim=1)
@@ -850,16 +957,17 @@ class LoraFuser:
                 u = torch.cat([u for u, _, _ in ups], dim=1)
                 d = torch.cat([(d.float() * c).to(w.dtype) for _, d, c in ups], dim=0)
                 out2.addmm_(u, d)
+            if not flat:
+                w.copy_(out2.view(w.shape))
             return
-        rows = out2.shape[0]
-        step = rows if w.is_cuda else max(1, self._chunk // (4 * max(1, out2.shape[1])))
+        step = rows if w.is_cuda else max(1, self._chunk // (4 * max(1, cols)))
         downs = [(u, d.float(), c) for u, d, c in ups]
         for r0 in range(0, rows, step):
             r1 = min(rows, r0 + step)
             acc = base2[r0:r1].to(dev, dtype=torch.float32, non_blocking=True, copy=True)  # never the base itself
             for u, d, c in downs:
                 acc.addmm_(u[r0:r1].float(), d, alpha=c)
-            out2[r0:r1].copy_(acc)
+            w[r0:r1].copy_(acc.view((r1 - r0,) + tuple(w.shape[1:])))
 
     def _fuse_fp8(self, w: torch.Tensor, name: str, scale_name: str, base2: torch.Tensor,
                   ups: List[Tuple[torch.Tensor, torch.Tensor, float]]) -> None:
@@ -881,7 +989,7 @@ class LoraFuser:
         new_scale = amax / mx
         new_scale = torch.where(amax == 0, torch.ones_like(new_scale), new_scale)
         q = (acc / new_scale).clamp(-mx, mx).to(w.dtype)
-        w.view(w.shape[0], -1).copy_(q)
+        w.copy_(q.view(w.shape))
         ws.copy_(new_scale.reshape(ws.shape).to(ws.dtype))
 
     def _run_cuda(self, plan: _Plan) -> None:
@@ -949,6 +1057,13 @@ def _mkldnn_has(dtype: torch.dtype) -> bool:
             known = False
         _MKLDNN_KERNELS[dtype] = known
     return known
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit (a NaN equals the same NaN; 0.0 and -0.0 differ), whatever the memory format."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
