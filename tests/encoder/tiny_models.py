@@ -117,13 +117,63 @@ def make_t5(out: Path, size: str = "tiny", seed: int = 0, dtype=None) -> Path:
     return out
 
 
-def make_clip(out: Path, seed: int = 0, projection: bool = False) -> Path:
+def flux_t5_config():
+    """T5 v1.1 XXL as FLUX.1 and SD3 ship it (google/t5-v1_1-xxl: gated-gelu, 32 buckets up to 128
+    positions, untied embeddings, d_kv 64), narrower and shallower."""
+    from transformers import T5Config
+
+    return T5Config(vocab_size=400, d_model=128, d_ff=320, num_layers=2, num_heads=4, d_kv=64,
+                    relative_attention_num_buckets=32, relative_attention_max_distance=128,
+                    feed_forward_proj="gated-gelu", is_encoder_decoder=False, use_cache=False, pad_token_id=0,
+                    eos_token_id=1, decoder_start_token_id=0, tie_word_embeddings=False,
+                    architectures=["T5EncoderModel"])
+
+
+def realistic_(model, seed: int = 0):
+    """Weight-like values in place: every weight and embedding N(0, 0.02), norms 1 + N(0, 0.02),
+    biases N(0, 0.002): finite in every dtype, as a trained checkpoint's (random init is not: T5's
+    factor-scaled init, for one, is far wider)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g, dtype=torch.float32)
+            if "norm" in name and name.endswith("weight"):
+                value = 1 + 0.02 * noise
+            elif name.endswith("bias"):
+                value = 0.002 * noise
+            else:
+                value = 0.02 * noise
+            p.copy_(value.to(p.dtype))
+    return model
+
+
+def make_flux_t5(out: Path, dtype=None, seed: int = 0) -> Path:
+    """A FLUX-shaped T5EncoderModel folder (flux_t5_config) with realistic weights (realistic_),
+    stored in ``dtype`` (FLUX's T5 ships in bfloat16), tokenizer in the same folder."""
+    from transformers import T5EncoderModel
+
+    model = realistic_(T5EncoderModel(flux_t5_config()).eval(), seed)
+    if dtype is not None:
+        model = model.to(dtype)
+    model.save_pretrained(str(out))
+    t5_tokenizer(out)
+    return out
+
+
+def make_clip(out: Path, seed: int = 0, projection: bool = False, dtype=None, realistic: bool = False) -> Path:
     import torch
     from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
     torch.manual_seed(seed)
     cls = CLIPTextModelWithProjection if projection else CLIPTextModel
-    cls(clip_config()).eval().save_pretrained(str(out))
+    model = cls(clip_config()).eval()
+    if realistic:
+        realistic_(model, seed)
+    if dtype is not None:
+        model = model.to(dtype)
+    model.save_pretrained(str(out))
     clip_tokenizer(out)
     return out
 

@@ -111,10 +111,13 @@ def encoder_identity(model: Path, dtype: str, state_dict: Optional[Dict[str, Any
         h.update(b"\0file\0" + path.name.encode() + b"\0" + _header(path))
     h.update(b"\0dtype\0" + dtype.encode())
     if state_dict is not None:
+        import torch
+
         for name in sorted(state_dict):
             t = state_dict[name]
             flat = t.detach().reshape(-1)[: max(1, 64 // max(1, t.element_size()))]
-            h.update(b"\0t\0" + name.encode() + b"\0" + flat.contiguous().view(-1).cpu().numpy().tobytes())
+            # As bytes: numpy has no bfloat16 (nor float8) dtype.
+            h.update(b"\0t\0" + name.encode() + b"\0" + flat.contiguous().cpu().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 
@@ -188,12 +191,19 @@ class Encoder:
         model = empty_model(model_cls, config)
         expected = set(model.state_dict().keys())
         tied = {n for names in _tied(model) for n in names[1:]}
+        identity = encoder_identity(model_dir, DTYPES[dtype], state_dict)
         if set(state_dict) <= expected and expected - set(state_dict) <= tied | _nonpersistent(model):
-            identity = encoder_identity(model_dir, DTYPES[dtype], state_dict)
-            model = load_into(model, state_dict, device=device, dtype=torch_dtype)
+            keep = _kept_in_fp32(model, torch_dtype)
+            state_dict = {k: v.to(torch.float32 if k in keep else torch_dtype) if v.is_floating_point() else v
+                          for k, v in state_dict.items()}
+            model = load_into(model, state_dict, device=device)
+            for prefix, sub in model.named_modules():  # re-created buffers, as from_pretrained has them
+                for n, b in sub._buffers.items():
+                    full = f"{prefix}.{n}" if prefix else n
+                    if b is not None and b.is_floating_point() and full not in keep:
+                        sub._buffers[n] = b.to(torch_dtype)
             how = "skip_init"
         else:
-            identity = encoder_identity(model_dir, DTYPES[dtype], state_dict)
             del model, state_dict
             from ..hooks import patch_transformers
 
@@ -202,7 +212,7 @@ class Encoder:
             model = model.to(device)
             how = "from_pretrained"
         state_dict = None
-        model = model.to(torch_dtype).eval().requires_grad_(False)
+        model = model.eval().requires_grad_(False)
         tok = AutoTokenizer.from_pretrained(str(tok_dir))
         tok_id = tokenizer_identity(tok_dir)
         both = hashlib.sha256(f"{identity}|{tok_id}".encode()).hexdigest()
@@ -271,6 +281,33 @@ class Encoder:
                 item["pooled"] = pooled[i].clone()
             results.append(item)
         return results
+
+
+def _kept_in_fp32(model: Any, torch_dtype: Any) -> set:
+    """Note [Modules kept in float32]
+    transformers keeps some modules of a model in float32 whatever the dtype asked for: a class's
+    ``_keep_in_fp32_modules`` at float16 (T5's ``wo``, whose outputs overflow float16), its
+    ``_keep_in_fp32_modules_strict`` at float16 and bfloat16. ``from_pretrained(dtype=...)``, which
+    the pipelines and a local encoder use, loads those parameters as float32 and T5's feed-forward
+    casts its input to ``wo``'s dtype; the skip_init path must do the same, or its embeddings
+    differ from local encoding (a plain ``model.to(dtype)`` would cast ``wo`` too). The names kept
+    are transformers' own plan (``_get_dtype_plan``) where it has one: patterns searched in each
+    parameter name, ``*`` matching anything, as transformers' loader matches them."""
+    import re
+
+    import torch
+
+    plan_of = getattr(model, "_get_dtype_plan", None)
+    if plan_of is not None:
+        patterns = [p for p, d in plan_of(torch_dtype).items() if d == torch.float32]
+    else:
+        patterns = list(getattr(model, "_keep_in_fp32_modules", None) or ()) if torch_dtype == torch.float16 else []
+        if torch_dtype in (torch.float16, torch.bfloat16):
+            patterns += list(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
+    if not patterns:
+        return set()
+    found = re.compile("|".join(f"(?:{p.replace('*', '.*')})" for p in patterns)).search
+    return {name for name in model.state_dict() if found(name)}
 
 
 def _tied(model: Any) -> List[List[str]]:
