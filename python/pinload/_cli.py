@@ -1,7 +1,9 @@
 """The ``pinload`` console script (pyproject.toml [project.scripts]): runs the C++ command-line
 program shipped in the wheel (``pinload/bin/pinload``), or the one of a build tree
 (``<build>/pinload`` next to ``<build>/python/pinload/_core*.so``). ``python -m pinload`` runs it too.
-``pinload encoder ...`` is the Python text-encoder server instead (pinload.encoder.server).
+``pinload encoder ...`` is the Python text-encoder server instead (pinload.encoder.server), served
+here in this process; the C++ program hands ``encoder`` to ``python -m pinload`` (Note [Encoder
+hand-off] in src/cli/encoder_command.cc), so the two never run each other in a loop.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     """Replaces this process with the pinload program (its exit code and output are the program's)."""
     args = sys.argv[1:] if argv is None else argv
     if args and args[0] == "encoder":  # the text-encoder server is Python (docs/encoder.md)
+        os.environ.pop("PINLOAD_ENCODER_HANDOFF", None)  # arrived: the server's children start afresh
         from .encoder.server import main as encoder_main
 
         return encoder_main(args[1:])

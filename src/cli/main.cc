@@ -33,6 +33,15 @@ const CLI::App* named_subcommand(const CLI::App& app, int argc, char** argv) {
   return nullptr;
 }
 
+}  // namespace
+
+// `pinload encoder ...` (encoder_command.cc): listed in --help; run_encoder_command replaces the
+// process with Python's pinload package, given the arguments after "encoder" (Note [Encoder hand-off]).
+void add_encoder_command(CLI::App& app);
+int run_encoder_command(int argc, char** argv);
+
+namespace {
+
 int usage_error(const CLI::App& app, const CLI::App* command, const std::string& what) {
   const CLI::App& shown = command != nullptr ? *command : app;
   const std::string name = command != nullptr ? "pinload " + command->get_name() : "pinload";
@@ -59,10 +68,16 @@ int run(int argc, char** argv) {
   add_warm_command(app);
   add_agent_command(app);
   add_store_command(app);
+  add_encoder_command(app);
 
   const CLI::App* command = named_subcommand(app, argc, argv);
   if (command == nullptr && argc > 1 && argv[1][0] != '-') {
     return usage_error(app, nullptr, "unknown command '" + std::string(argv[1]) + "'");
+  }
+  if (command != nullptr && command->get_name() == "encoder") {  // its arguments are Python's
+    int at = 1;
+    while (std::strcmp(argv[at], "encoder") != 0) ++at;
+    return run_encoder_command(argc - at - 1, argv + at + 1);
   }
   if (command != nullptr && command->get_name() == "trace") {
     for (int i = 1; i < argc; ++i) {
