@@ -344,6 +344,15 @@ ObjectInfo RemoteClient::get_range(const std::string& path, std::uint64_t offset
   Request req;
   req.url = request_url(path);
   req.s3 = path.starts_with("s3://");
+  // An ETag is visible ASCII or obs-text (RFC 9110 8.8.3). One with a control byte, sent in
+  // If-Match, would end that header line and start others: the daemon of a node store sends its
+  // clients' ETags.
+  if (expect != nullptr && std::any_of(expect->etag.begin(), expect->etag.end(), [](char c) {
+        return static_cast<unsigned char>(c) < 0x20 || c == 0x7f;
+      })) {
+    throw InvalidArgumentError("ETag " + printable(expect->etag) + " holds a control byte",
+                               ErrorContext{shown, {}, offset, end});
+  }
   // W/ never matches If-Match (RFC 9110 compares strongly): such answers are compared below.
   if (expect != nullptr && !expect->etag.starts_with("W/")) req.if_match = expect->etag;
   ObjectInfo info;

@@ -1,0 +1,42 @@
+"""An ETag is sent back to its server in If-Match; the node store's daemon sends the one its client
+gives (`get_remote`'s version). One holding CR LF ended the If-Match line and added headers of the
+client's choosing to the daemon's request. An ETag with a control byte is now refused before any
+request is made."""
+
+import json
+import socket
+
+import numpy as np
+from safetensors.numpy import save_file
+
+from raw_http import RawServer, StoreDaemon, base_env, http_answer, ranged_answer, remote_allow_args
+
+ETAG = b'"5d41402abc4b2a76b9719d911017c592"'
+
+
+def test_a_clients_etag_cannot_add_headers_to_the_daemons_request(tmp_path, pinload_bin):
+    path = tmp_path / "m.safetensors"
+    save_file({"w": np.arange(1000, dtype=np.float32)}, str(path))
+    data = path.read_bytes()
+    seen = []
+
+    def answer(request):
+        seen.append(request["headers"])
+        return http_answer(*ranged_answer(data, request, ETAG))
+
+    server = RawServer(answer)
+    daemon = StoreDaemon(pinload_bin, tmp_path, "--budget", "64M", *remote_allow_args(pinload_bin, server.url + "/"),
+                         env=base_env()).start()
+    try:
+        for version in (ETAG[:-1] + b'\r\nX-Injected: yes\r\nX-Other: "', ETAG[:-1] + b'\nX-Injected: yes"'):
+            with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+                s.connect(daemon.socket)
+                s.sendall(json.dumps({"op": "get_remote", "url": f"{server.url}/m.safetensors",
+                                      "version": version.decode(), "size": len(data)}).encode())
+                reply = json.loads(s.recv(1 << 20))
+            assert reply["ok"] is False, reply
+        assert daemon.alive()
+        assert not any("x-injected" in headers for headers in seen), seen
+    finally:
+        daemon.stop()
+        server.stop()
