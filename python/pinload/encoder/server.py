@@ -15,6 +15,28 @@ encoded on the encoder's own thread while the loop keeps accepting requests, so 
 makes the next batch larger. The queue is bounded (``--max-queue`` prompts): a request that does
 not fit is answered 429 at once, with Retry-After, not left waiting. Each prompt's result is split
 from the batch and copied (Note [Encoding modes] in model.py), so the cache holds only its bytes.
+
+Note [A failing batch]
+A prompt is checked before it is queued (a string, within the limits, valid Unicode: JSON's
+``"\\ud800"`` decodes to a lone surrogate, which the tokenizer refuses), so a bad prompt fails its own
+request with a 400. If the encoder raises on a batch anyway, the batch is split in halves and each
+half encoded again, down to single prompts: only the prompts that fail alone get the 500, every
+other one its result (which does not depend on the batch, Note [Encoding modes]). One failing
+prompt in a batch of n costs about 2 log2(n) more encoder calls, not n; a batch too large for the
+device's memory is encoded in parts the same way.
+
+Note [Slow and idle connections]
+Each connection must deliver a request's headers within ``--header-timeout`` of opening or of its
+previous answer (aiohttp's keep-alive timer, which closes a connection that has no complete request
+when it fires: partly sent headers, or idle), and a request's body within ``--body-timeout`` (408
+``body_timeout``). At most ``--max-connections`` are open (default: the soft descriptor limit less
+256, which leaves room for a burst of accepts, the model's files and the log). When a new connection
+would pass the limit, the connection that has waited longest for a request of its own is closed to
+make room (one sending headers or a body, idle between requests, or not reading its answer); only
+connections whose request the encoder is working on are never closed so, and when every connection
+is one of those the new one is answered 503 ``too_many_connections`` and closed. So connections that
+send nothing, or send slowly, neither exhaust the descriptors nor keep a normal request out, and
+each is closed after its timeout.
 """
 
 from __future__ import annotations
@@ -37,7 +59,7 @@ from .model import DTYPES, EncodeSpec, Encoder, stack
 
 log = logging.getLogger("pinload.encoder")
 
-__all__ = ["main", "make_app", "Batcher", "Overloaded"]
+__all__ = ["main", "make_app", "Batcher", "Overloaded", "ConnectionLimit"]
 
 PADDINGS = ("max_length", "longest")
 OPTIONS = ("padding", "truncation", "hidden_layer")
@@ -139,6 +161,8 @@ class Batcher:
                              f"{self.max_queue}")
         for k, idx in new.items():
             fut = loop.create_future()
+            # A request stops at its first failed prompt: the others' errors count as retrieved.
+            fut.add_done_callback(lambda f: f.cancelled() or f.exception())
             self._inflight[k] = fut
             self._queue.append((k, prompts[idx[0]], spec, fut))
             waits += [(i, fut) for i in idx]
@@ -177,26 +201,139 @@ class Batcher:
                     break
             batch = self._take()
             self.metrics.queue.set(len(self._queue))
-            prompts = [b[1] for b in batch]
-            self.metrics.batch_size.observe(len(batch))
-            t0 = time.perf_counter()
-            try:
-                out = await loop.run_in_executor(self._executor, self.encoder.encode, prompts, batch[0][2])
-            except Exception as e:  # the encoder failed: every prompt of the batch gets the error
-                log.exception("encoding a batch of %d prompts failed", len(batch))
-                for k, _, _, fut in batch:
-                    self._inflight.pop(k, None)
-                    if not fut.done():
-                        fut.set_exception(RequestError(500, "encoder_failed", f"{type(e).__name__}: {e}"))
-                continue
-            self.metrics.encode_seconds.observe(time.perf_counter() - t0)
+            out = await self._encode_apart(loop, batch)
             for (k, _, _, fut), value in zip(batch, out):
-                self.cache.put(k, value)
                 self._inflight.pop(k, None)
+                if isinstance(value, BaseException):
+                    if not fut.done():
+                        fut.set_exception(RequestError(500, "encoder_failed", f"{type(value).__name__}: {value}"))
+                    continue
+                self.cache.put(k, value)
                 if not fut.done():
                     fut.set_result(value)
             self.metrics.cache_bytes.set(self.cache.bytes)
             self.metrics.cache_entries.set(len(self.cache))
+
+    async def _encode_apart(self, loop: asyncio.AbstractEventLoop, batch: List[Tuple[str, str, EncodeSpec, Any]],
+                            ) -> List[Any]:
+        """Each prompt's result, or the exception that encoding it alone raised (Note [A failing batch])."""
+        self.metrics.batch_size.observe(len(batch))
+        t0 = time.perf_counter()
+        try:
+            out = await loop.run_in_executor(self._executor, self.encoder.encode, [b[1] for b in batch], batch[0][2])
+        except Exception as e:
+            if len(batch) == 1:
+                log.error("encoding a prompt failed: %s: %s", type(e).__name__, e)
+                return [e]
+            log.warning("encoding a batch of %d prompts failed (%s: %s): encoding its halves apart", len(batch),
+                        type(e).__name__, e)
+            half = len(batch) // 2
+            return await self._encode_apart(loop, batch[:half]) + await self._encode_apart(loop, batch[half:])
+        self.metrics.encode_seconds.observe(time.perf_counter() - t0)
+        return list(out)
+
+
+class ConnectionLimit:
+    """Note [Slow and idle connections]: the open connections, those waiting for a request of their own
+    (evictable, the longest waiting first) and those whose request is being encoded."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.open = 0  # admitted and not yet closed (an evicted one stops counting when it is closed)
+        self.evicted = 0
+        self.refused = 0
+        self._logged = (0.0, 0)  # when the last warning was written, and the evictions then
+        self._waiting: "collections.OrderedDict[_Guard, None]" = collections.OrderedDict()
+        self._by_handler: Dict[Any, "_Guard"] = {}
+
+    def admit(self, guard: "_Guard") -> bool:
+        if self.open >= self.limit:
+            if not self._waiting:
+                self.refused += 1
+                return False
+            oldest, _ = self._waiting.popitem(last=False)
+            self.evicted += 1
+            oldest.counted = False
+            self.open -= 1
+            oldest.evict()
+            now = time.monotonic()
+            if now - self._logged[0] >= 10:
+                log.warning("%d connections open (--max-connections): closed %d waiting longest for a request "
+                            "to make room", self.limit, self.evicted - self._logged[1])
+                self._logged = (now, self.evicted)
+        self.open += 1
+        self._waiting[guard] = None
+        return True
+
+    def register(self, guard: "_Guard", handler: Any) -> None:
+        self._by_handler[handler] = guard
+
+    def gone(self, guard: "_Guard") -> None:
+        if guard.handler is not None:
+            self._by_handler.pop(guard.handler, None)
+        if guard.counted:
+            guard.counted = False
+            self.open -= 1
+        self._waiting.pop(guard, None)
+
+    def working(self, handler: Any, busy: bool) -> None:
+        """``busy``: the connection's request is being encoded (not evictable); else it waits again."""
+        guard = self._by_handler.get(handler)
+        if guard is None or not guard.counted:
+            return
+        self._waiting.pop(guard, None)
+        if not busy:
+            self._waiting[guard] = None
+
+
+_BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json; charset=utf-8\r\n"
+         b"Retry-After: 1\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s")
+
+
+class _Guard(asyncio.Protocol):
+    """aiohttp's protocol for one connection, behind the ConnectionLimit."""
+
+    def __init__(self, limit: ConnectionLimit, make: Any) -> None:
+        self.limit, self.handler, self.transport, self.counted = limit, None, None, False
+        self._make = make
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+        if not self.limit.admit(self):
+            body = json.dumps({"error": {"type": "too_many_connections", "message": f"{self.limit.open} connections "
+                               "open, each with a request being encoded (--max-connections)"}}).encode()
+            transport.write(_BUSY % (len(body), body))
+            transport.close()
+            return
+        self.counted = True
+        self.handler = self._make()
+        self.limit.register(self, self.handler)
+        self.handler.connection_made(transport)
+
+    def evict(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        if self.handler is not None:
+            self.handler.data_received(data)
+
+    def eof_received(self) -> Optional[bool]:
+        return self.handler.eof_received() if self.handler is not None else None
+
+    def pause_writing(self) -> None:
+        if self.handler is not None:
+            self.handler.pause_writing()
+
+    def resume_writing(self) -> None:
+        if self.handler is not None:
+            self.handler.resume_writing()
+
+    def connection_lost(self, exc: Optional[Exception]) -> None:
+        self.limit.gone(self)
+        if self.handler is not None:
+            self.handler.connection_lost(exc)
+        self.transport = None
 
 
 def _error(status: int, kind: str, message: str, headers: Optional[Dict[str, str]] = None, **extra: Any):
@@ -215,6 +352,7 @@ class State:
         self.metrics = Metrics()
         self.failed: Optional[str] = None
         self.draining = False
+        self.connections: Optional[ConnectionLimit] = None
 
 
 def parse_request(body: Any, encoder: Encoder, args: argparse.Namespace) -> Tuple[List[str], EncodeSpec]:
@@ -242,6 +380,11 @@ def parse_request(body: Any, encoder: Encoder, args: argparse.Namespace) -> Tupl
         if len(p) > args.max_prompt_chars:
             raise RequestError(400, "prompt_too_long", f"prompts[{i}] has {len(p)} characters: at most "
                                f"{args.max_prompt_chars}", field="prompts", index=i, limit=args.max_prompt_chars)
+        try:
+            p.encode("utf-8")
+        except UnicodeEncodeError as ex:  # a lone surrogate ("\\ud800" in JSON): Note [A failing batch]
+            raise RequestError(400, "invalid_prompt", f"prompts[{i}] is not valid Unicode: {ex.reason} "
+                               f"{p[ex.start]!r} at character {ex.start}", field="prompts", index=i) from None
     limit = encoder.model_max_length
     max_length = body.get("max_length", args.default_max_length or limit)
     if not isinstance(max_length, int) or isinstance(max_length, bool):
@@ -296,6 +439,12 @@ def make_app(state: State):
             response = _error(e.status, kind, e.reason if e.status != 413 else e.text or e.reason)
         except RequestError as e:
             response = _error(e.status, e.kind, str(e), **e.extra)
+        except Exception as e:  # a bug: still a JSON answer, and the log has the traceback
+            log.exception("%s %s failed", request.method, request.path)
+            response = _error(500, "internal_error", f"{type(e).__name__}: {e}")
+        finally:
+            if state.connections is not None:  # answered: the connection waits for a request again
+                state.connections.working(request.protocol, False)
         m.requests.labels(endpoint, str(response.status)).inc()
         return response
 
@@ -330,10 +479,24 @@ def make_app(state: State):
             return _error(415, "unsupported_media_type",
                           f"Content-Type {request.content_type!r}: send application/json")
         try:
-            body = await request.json(loads=json.loads)
-        except (ValueError, UnicodeDecodeError) as ex:
+            raw = await asyncio.wait_for(request.read(), state.args.body_timeout)
+        except ConnectionError:  # the client went (or was closed to make room): no one to answer
+            log.debug("a connection closed while sending its body")
+            return _error(400, "connection_lost", "the connection closed while sending the body")
+        except asyncio.TimeoutError:
+            response = _error(408, "body_timeout", f"the body did not arrive within --body-timeout "
+                              f"{state.args.body_timeout:g} s")
+            response.force_close()
+            return response
+        try:
+            body = json.loads(raw)  # bytes: UTF-8 (or the UTF-16/32 that RFC 8259 readers detect)
+        except ValueError as ex:  # JSONDecodeError, UnicodeDecodeError
             return _error(400, "invalid_json", f"the body is not JSON: {ex}")
+        except RecursionError:
+            return _error(400, "invalid_json", "the body is not JSON this server reads: nested too deeply")
         prompts, spec = parse_request(body, e, state.args)
+        if state.connections is not None:  # its request is being encoded: never closed to make room
+            state.connections.working(request.protocol, True)
         try:
             items, hits = await batcher.submit(prompts, spec)
         except Overloaded as ex:
@@ -391,10 +554,25 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-body-bytes", type=_size, default=_size("4M"))
     ap.add_argument("--default-max-length", type=int, default=0, help="0: the tokenizer's model_max_length")
     ap.add_argument("--cache-bytes", type=_size, default=_size("1G"), help="embedding cache budget (0: off)")
+    ap.add_argument("--header-timeout", type=float, default=15.0,
+                    help="s for a connection to send a request's headers, from its start or its previous answer; "
+                    "idle connections are closed after it too")
+    ap.add_argument("--body-timeout", type=float, default=30.0, help="s for a request's body to arrive (408)")
+    ap.add_argument("--max-connections", type=int, default=0,
+                    help="open connections (0: the soft descriptor limit less 256)")
     ap.add_argument("--drain-seconds", type=float, default=10.0,
                     help="on SIGTERM, how long requests in flight may take to finish")
     ap.add_argument("--log-level", default="info")
     return ap
+
+
+def _default_max_connections() -> int:
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        soft = 1 << 16
+    return max(8, soft - 256)
 
 
 def _load(state: State, loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
@@ -432,15 +610,23 @@ async def _serve(args: argparse.Namespace) -> int:
     from aiohttp import web
 
     state = State(args)
+    state.connections = limit = ConnectionLimit(args.max_connections or _default_max_connections())
     app = make_app(state)
-    runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=args.drain_seconds)
+    # keepalive_timeout: aiohttp closes a connection without a complete request when it fires
+    # (Note [Slow and idle connections]).
+    # lingering_time: how long the rest of an unread body is read after the answer (aiohttp: 10 s).
+    runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=args.drain_seconds,
+                           keepalive_timeout=args.header_timeout, lingering_time=min(args.body_timeout, 5.0))
     await runner.setup()
-    site = web.TCPSite(runner, args.host, args.port, reuse_address=True)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    loop = asyncio.get_running_loop()
+    make = runner.server  # aiohttp's protocol factory, each connection's behind the limit
+    assert make is not None
+    listener = await loop.create_server(lambda: _Guard(limit, make), args.host, args.port, reuse_address=True)
+    port = listener.sockets[0].getsockname()[1]
     sys.stderr.write(f"pinload encoder: listening on http://{args.host}:{port}\n")
     sys.stderr.flush()
-    loop = asyncio.get_running_loop()
+    log.info("at most %d connections; header timeout %g s, body timeout %g s", limit.limit, args.header_timeout,
+             args.body_timeout)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
@@ -451,7 +637,8 @@ async def _serve(args: argparse.Namespace) -> int:
     state.metrics.ready.set(0)
     t0 = time.perf_counter()
     log.info("stopping: draining the requests in flight")
-    await runner.cleanup()  # stops listening, then waits for the requests in flight
+    listener.close()  # stops listening
+    await runner.cleanup()  # waits for the requests in flight
     if state.batcher is not None:
         await state.batcher.stop()
     log.info("stopped in %.2f s", time.perf_counter() - t0)
@@ -477,6 +664,11 @@ def main(argv: Optional[List[str]] = None) -> int:
                              "such a request could never be queued")
     if args.batch_window < 0:
         build_parser().error("--batch-window must be >= 0")
+    for name in ("header_timeout", "body_timeout"):
+        if not getattr(args, name) > 0:
+            build_parser().error(f"--{name.replace('_', '-')} must be > 0")
+    if args.max_connections < 0:
+        build_parser().error("--max-connections must be >= 0 (0: from the descriptor limit)")
     rc = asyncio.run(_serve(args))
     # Drained and stopped: nothing is left to flush but the logs. Tearing down the interpreter with
     # torch and transformers loaded takes seconds (10 s measured on a busy machine), which would
