@@ -2,7 +2,7 @@
 
 ``LoraLibrary(budget)`` loads adapter files with ``load_files_batch`` (one parallel sweep for the
 misses of a request; the tensors are views of pool blocks) and keeps them LRU within a byte budget,
-keyed by file identity (device, inode, size, mtime). ``LoraFuser(model, base)`` fuses a list of
+keyed by file identity (device, inode, size, mtime, ctime). ``LoraFuser(model, base)`` fuses a list of
 ``(adapter, scale)`` into the model's weights where they live (CPU, ``sim``, CUDA), without
 constructing PEFT modules:
 
@@ -95,9 +95,14 @@ def _err(cls, message: str, *, file: Optional[str] = None, tensor: Optional[str]
 # ---- the library ----
 
 
-def _identity(path: str) -> Tuple[int, int, int, int]:
+#: (device, inode, size, mtime, ctime): a file rewritten in place with its mtime set back still
+#: has a new ctime, which no caller can set.
+_Identity = Tuple[int, int, int, int, int]
+
+
+def _identity(path: str) -> _Identity:
     st = os.stat(path)
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def _size_class(n: int) -> int:
@@ -113,7 +118,7 @@ class LoraAdapter:
     """One adapter file in memory: its tensors as stored (views of a pool block), its metadata,
     and the key conversions already made for the models it was fused into."""
 
-    def __init__(self, path: str, identity: Tuple[int, int, int, int], tensors: Dict[str, torch.Tensor],
+    def __init__(self, path: str, identity: _Identity, tensors: Dict[str, torch.Tensor],
                  metadata: Optional[Dict[str, str]], data_bytes: Optional[int] = None) -> None:
         self.path = path
         self.identity = identity
@@ -133,7 +138,7 @@ class LoraLibrary:
     """Adapter files in pinload's pool, least recently used evicted beyond ``budget_bytes``.
 
     ``get(path)`` / ``get_many(paths)`` stat each file (no read) and return the cached adapter when
-    the file's identity (device, inode, size, mtime) is unchanged; the misses of one call are read
+    the file's identity (device, inode, size, mtime, ctime) is unchanged; the misses of one call are read
     in one ``load_files_batch`` sweep. An adapter larger than the whole budget is returned but not
     kept. ``device``: where the tensors are loaded ("cpu", "sim", "cuda:N"). Load options as for
     ``load_files_batch``; ``zero_copy`` is "off" unless given, so that the adapters are in pool
@@ -147,11 +152,11 @@ class LoraLibrary:
         if options is None:  # in the pool, where the budget counts them: not as file mappings
             load_options.setdefault("zero_copy", "off")  # type: ignore[typeddict-item]
         self._options = request(options=options, **load_options).options
-        self._entries: "collections.OrderedDict[Tuple[int, int, int, int], LoraAdapter]" = collections.OrderedDict()
+        self._entries: "collections.OrderedDict[_Identity, LoraAdapter]" = collections.OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
         self._stats = {"hits": 0, "misses": 0, "evictions": 0, "invalidations": 0, "too_large": 0}
-        self._aliases: Dict[str, Tuple[int, int, int, int]] = {}
+        self._aliases: Dict[str, _Identity] = {}
 
     @property
     def budget_bytes(self) -> int:
@@ -197,7 +202,7 @@ class LoraLibrary:
         from .torch import load_files_batch, safe_open
 
         out: List[Optional[LoraAdapter]] = []
-        missing: Dict[str, Tuple[int, int, int, int]] = {}
+        missing: Dict[str, _Identity] = {}
         with self._lock:
             for p in paths:
                 if isinstance(p, LoraAdapter):
@@ -241,6 +246,13 @@ class LoraLibrary:
                 for name, a in fresh.items():
                     if a.nbytes > self._budget:
                         self._stats["too_large"] += 1
+                        continue
+                    try:
+                        changed = _identity(name) != a.identity
+                    except OSError:
+                        changed = True
+                    if changed:  # the file changed while it was read: its bytes may be the new file's
+                        self._stats["invalidations"] += 1
                         continue
                     if a.identity not in self._entries:
                         self._entries[a.identity] = a
