@@ -247,3 +247,9 @@ __all__ += ["LoraFuser", "LoraLibrary"]
 if TYPE_CHECKING:
     from . import lora  # noqa: F401
     from .lora import LoraFuser, LoraLibrary  # noqa: F401
+
+# pinload.patch_safetensors (docs/python.md): safetensors' own loaders through pinload, for the whole process.
+_LAZY.update(patch_safetensors="safetensors_hook")
+__all__ += ["patch_safetensors"]
+if TYPE_CHECKING:
+    from .safetensors_hook import patch_safetensors  # noqa: F401
