@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Generate safetensors checkpoints of real architectures, filled with random bytes.
+"""Generate safetensors checkpoints of real architectures, filled with weight-like values.
 
 No model weights can be downloaded where pinload is developed and tested. For the
 FLUX components this script hand-codes the published architectures (tensor names,
@@ -45,9 +45,13 @@ T5 219 / 9,524,621,312 B, CLIP-L 196 / ~246 MB, VAE 244 / ~168 MB, SDXL UNet ~16
 and transformers are installed, --check also compares the hand-coded FLUX components with
 the real classes built on the meta device (names and shapes).
 
+Tensors hold finite values of each kind's usual scale (weights and embeddings about N(0, 0.02),
+norms' weights near 1, biases near 0), seeded and written at about disk speed (Note [Weight-like
+values]); `--fill random` writes random bytes instead (fp16/bf16 tensors then hold NaN and inf).
+
 The full FLUX transformer (24 GB) is never written unless asked for by name
 (`--only flux-dev`). Writing is idempotent: a file that exists with the expected
-size is kept (`--force` rewrites). Files are written to a temporary name and
+header (the fill's version included) and size is kept (`--force` rewrites). Files are written to a temporary name and
 renamed, so an interrupted run leaves no file of the right name and wrong content.
 
 Examples:
@@ -65,6 +69,7 @@ import os
 import struct
 import sys
 import time
+import zlib
 from dataclasses import dataclass, field
 
 DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "I64": 8}
@@ -642,10 +647,11 @@ def shard_name(comp: Component, i: int, n: int) -> str:
 # ---------------------------------------------------------------- writing
 
 
-def header_bytes(tensors) -> bytes:
+def header_bytes(tensors, metadata=None) -> bytes:
     """safetensors header: tensors sorted by name, contiguous; JSON padded with
-    spaces to a multiple of 8 (as the reference writer)."""
-    hdr = {"__metadata__": {"format": "pt"}}
+    spaces to a multiple of 8 (as the reference writer). `metadata` adds keys to
+    {"format": "pt"}."""
+    hdr = {"__metadata__": {"format": "pt", **(metadata or {})}}
     off = 0
     for t in sorted(tensors, key=lambda t: t.name):
         hdr[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [off, off + t.nbytes]}
@@ -657,9 +663,11 @@ def header_bytes(tensors) -> bytes:
 
 class RandomBytes:
     """Incompressible, non-repeating bytes at memory speed: one 64 MiB random base,
-    XOR-ed with a fresh 64-bit key per chunk."""
+    XOR-ed with a fresh 64-bit key per chunk. Floating tensors filled so hold NaN and
+    inf; `--fill random` and the benchmarks (bench/fresh_bench.py) use it."""
 
     CHUNK = 64 << 20
+    metadata: dict = {}  # the files' header is as it always was: caches of random files stay valid
 
     def __init__(self, seed=0):
         import numpy as np
@@ -673,9 +681,107 @@ class RandomBytes:
         self.np.bitwise_xor(self.base, key, out=self.buf)
         return memoryview(self.buf).cast("B")
 
+    def data(self, tensors):
+        """The data section of a file holding `tensors`, in chunks."""
+        left = sum(t.nbytes for t in tensors)
+        while left:
+            c = self.chunk()
+            n = min(left, len(c))
+            yield c[:n]
+            left -= n
 
-def write_file(path, tensors, rnd: RandomBytes, force: bool) -> tuple[bool, int]:
-    head = header_bytes(tensors)
+
+# Note [Weight-like values]
+# A checkpoint of random bytes is not a model: its fp16 and bf16 tensors hold NaN and inf, which
+# `pinload convert` refuses and `torch.equal` never equates. The default fill gives each tensor
+# its kind's usual values instead (trained checkpoints' scales, GPT-2/T5-style initialisation):
+# weights, embeddings and convolutions N(0, 0.02), norms' weights 1 + N(0, 0.02), biases
+# N(0, 0.01), integer buffers 0..n-1 along their last axis. Drawing every element would run far
+# below disk speed, so one block of N(0, 1) float32 is drawn once and encoded once per (kind,
+# dtype); a tensor is made of windows of it at random offsets (the encoded block is stored twice
+# over, so that any window is contiguous). Each tensor's offsets come from a generator seeded
+# with (seed, its name), so a file's bytes depend neither on which files were written before nor
+# on the order of writing. FILL_VERSION goes into every file's metadata: a change here bumps it,
+# and files written before (kept while their header matches: write_file) are then rewritten.
+FILL_VERSION = "weights-1"
+
+
+def tensor_kind(t: T) -> str:
+    """"bias", "norm" (a norm's scale: a 1-D weight of a module named *norm*, ln_*), "int" or "weight"."""
+    if t.dtype == "I64":
+        return "int"
+    module, _, leaf = t.name.rpartition(".")
+    if leaf == "bias":
+        return "bias"
+    last = module.rpartition(".")[2].lower()
+    if leaf == "weight" and len(t.shape) == 1 and ("norm" in last or last == "ln" or last.startswith("ln_")):
+        return "norm"
+    return "weight"
+
+
+class WeightValues:
+    """Finite, weight-like values at about memory speed (Note [Weight-like values])."""
+
+    BLOCK = 1 << 22  # elements: 16 MiB of float32
+    KINDS = {"weight": (0.0, 0.02), "norm": (1.0, 0.02), "bias": (0.0, 0.01)}  # (mean, std)
+
+    def __init__(self, seed=0):
+        import numpy as np
+        self.np = np
+        self.seed = seed
+        self.z = np.random.default_rng([seed, 0x9E3779B9]).standard_normal(self.BLOCK, dtype=np.float32)
+        self.encoded = {}
+        self.metadata = {"pinload_fill": FILL_VERSION}
+
+    def _block(self, kind: str, dtype: str) -> memoryview:
+        key = (kind, dtype)
+        if key not in self.encoded:
+            np = self.np
+            mean, std = self.KINDS[kind]
+            f = self.z * np.float32(std) + np.float32(mean)
+            if dtype == "F32":
+                e = f
+            elif dtype == "F16":
+                e = f.astype(np.float16)
+            elif dtype == "BF16":  # round to nearest even (as torch's .to(bfloat16))
+                u = f.view(np.uint32)
+                e = ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16)
+            else:
+                raise ValueError(f"no weight-like values for dtype {dtype}")
+            self.encoded[key] = memoryview(np.concatenate([e, e])).cast("B")
+        return self.encoded[key]
+
+    def tensor(self, t: T):
+        """The bytes of tensor `t`, in chunks."""
+        np = self.np
+        kind = tensor_kind(t)
+        n = math.prod(t.shape)
+        if kind == "int":
+            last = t.shape[-1] if t.shape else 1
+            yield memoryview(np.resize(np.arange(last, dtype="<i8"), n)).cast("B")
+            return
+        block = self._block(kind, t.dtype)
+        size = DTYPE_BYTES[t.dtype]
+        rng = np.random.default_rng([self.seed, zlib.crc32(t.name.encode())])
+        while n:
+            k = min(n, self.BLOCK)
+            off = int(rng.integers(self.BLOCK))
+            yield block[off * size:(off + k) * size]
+            n -= k
+
+    def data(self, tensors):
+        """The data section of a file holding `tensors` (the header's order: sorted by name)."""
+        for t in sorted(tensors, key=lambda t: t.name):
+            yield from self.tensor(t)
+
+
+FILLS = {"weights": WeightValues, "random": RandomBytes}
+
+
+def write_file(path, tensors, fill, force: bool) -> tuple[bool, int]:
+    """Writes `tensors` filled by `fill` (WeightValues or RandomBytes) unless a file of the same
+    header and size is there. Returns (written, size)."""
+    head = header_bytes(tensors, fill.metadata)
     data = sum(t.nbytes for t in tensors)
     size = len(head) + data
     if not force and os.path.isfile(path) and os.path.getsize(path) == size:
@@ -685,12 +791,10 @@ def write_file(path, tensors, rnd: RandomBytes, force: bool) -> tuple[bool, int]
     tmp = path + ".tmp"
     with open(tmp, "wb", buffering=0) as f:
         f.write(head)
-        left = data
-        while left:
-            c = rnd.chunk()
-            n = min(left, len(c))
-            f.write(c[:n])
-            left -= n
+        for c in fill.data(tensors):
+            f.write(c)
+    if os.path.getsize(tmp) != size:
+        raise SystemExit(f"{tmp}: wrote {os.path.getsize(tmp)} bytes, expected {size}")
     os.replace(tmp, path)
     return True, size
 
@@ -772,6 +876,9 @@ def main(argv=None):
     ap.add_argument("--check", action="store_true", help="print computed totals against the published models' figures and exit")
     ap.add_argument("--force", action="store_true", help="rewrite files that already exist")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--fill", choices=tuple(FILLS), default="weights",
+                    help="weights: finite, weight-like values of each tensor kind's usual scale (Note [Weight-like "
+                         "values]); random: random bytes (fp16/bf16 tensors then hold NaN and inf)")
     a = ap.parse_args(argv)
 
     if a.check:
@@ -805,19 +912,18 @@ def main(argv=None):
         root = pipeline_root(a.out, pipe, a.scale)
         os.makedirs(root, exist_ok=True)
         write_pipeline_files(root, model_index)
-        # One random stream per pipeline, so that adding a pipeline leaves the
-        # bytes of the others as they were.
-        rnd = RandomBytes(a.seed + seed_offset)
+        # One fill per pipeline, so that adding a pipeline leaves the bytes of the others as they were.
+        fill = FILLS[a.fill](a.seed + seed_offset)
         for c in make(a.scale):
             if c.key not in want:
                 continue
-            grand += write_component(c, root, rnd, shard_sel, a.force)
+            grand += write_component(c, root, fill, shard_sel, a.force)
         print(f"{root}: done")
     print(f"{fmt_bytes(grand)} in the selected files")
     return 0
 
 
-def write_component(c: Component, root: str, rnd: RandomBytes, shard_sel, force: bool) -> int:
+def write_component(c: Component, root: str, fill, shard_sel, force: bool) -> int:
     d = os.path.join(root, c.folder)
     os.makedirs(d, exist_ok=True)
     write_text(os.path.join(d, "config.json"), dict(c.config))
@@ -837,7 +943,7 @@ def write_component(c: Component, root: str, rnd: RandomBytes, shard_sel, force:
             continue
         path = os.path.join(d, shard_name(c, i, n))
         t0 = time.monotonic()
-        wrote, size = write_file(path, s, rnd, force)
+        wrote, size = write_file(path, s, fill, force)
         dt = time.monotonic() - t0
         total += size
         what = f"wrote in {dt:.1f}s ({size / dt / 1e9:.2f} GB/s)" if wrote else "exists, kept"
