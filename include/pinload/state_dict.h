@@ -82,7 +82,7 @@ class StateDict {
   // guarantees it).
   explicit StateDict(std::vector<Tensor> tensors,
                      std::vector<std::pair<std::string, std::string>> metadata = {});
-  StateDict(const StateDict& other) : StateDict(other.tensors_, other.metadata_) {}
+  StateDict(const StateDict& other) : StateDict(other.tensors_, other.metadata_) { files_ = other.files_; }
   StateDict& operator=(const StateDict& other) { return *this = StateDict(other); }
   StateDict(StateDict&&) noexcept = default;  // moving keeps the names' addresses
   StateDict& operator=(StateDict&&) noexcept = default;
@@ -94,16 +94,21 @@ class StateDict {
   const Tensor& operator[](std::size_t i) const { return tensors_.at(i); }
   // The tensor named `name`, or nullptr.
   const Tensor* find(std::string_view name) const;
-  // The tensor named `name`; throws NotFoundError.
+  // The tensor named `name`; throws NotFoundError naming the files loaded.
   const Tensor& at(std::string_view name) const;
   std::uint64_t total_bytes() const noexcept { return total_bytes_; }
   // "__metadata__" of the files loaded, merged (first file wins a key).
   const std::vector<std::pair<std::string, std::string>>& metadata() const noexcept { return metadata_; }
+  // The files the tensors were read from, in load order: set by the loader, empty in a state
+  // dict built by hand.
+  const std::vector<std::string>& files() const noexcept { return files_; }
+  void set_files(std::vector<std::string> files) { files_ = std::move(files); }
 
  private:
   std::vector<Tensor> tensors_;
   std::unordered_map<std::string_view, std::size_t> by_name_;
   std::vector<std::pair<std::string, std::string>> metadata_;
+  std::vector<std::string> files_;
   std::uint64_t total_bytes_ = 0;
 };
 

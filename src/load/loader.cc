@@ -531,6 +531,15 @@ std::uint64_t host_bytes_beside_blocks(const Checkpoint& checkpoint, const detai
   return bytes;
 }
 
+// The state dict with the paths it was read from (StateDict::at names them).
+StateDict with_files(StateDict sd, const Checkpoint& checkpoint) {
+  std::vector<std::string> files;
+  files.reserve(checkpoint.files.size());
+  for (const CheckpointFile& f : checkpoint.files) files.push_back(f.path);
+  sd.set_files(std::move(files));
+  return sd;
+}
+
 }  // namespace
 
 StateDict Loader::run(const Checkpoint& checkpoint, const LoadRequest& request, Counters* counters,
@@ -573,7 +582,7 @@ StateDict Loader::run(const Checkpoint& checkpoint, const LoadRequest& request, 
         sd = detail::load_zero_copy(options_, env_, checkpoint, *pool_, counters, stop, hand_out_ready, read_rest);
         break;
     }
-    if (sd) return std::move(*sd);
+    if (sd) return with_files(std::move(*sd), checkpoint);
   }
   // Note [Conversion on load]: what converts. A staged host load's chunks
   // stream through a ring of staging blocks of the pool (Note [Staged
@@ -694,7 +703,7 @@ StateDict Loader::run(const Checkpoint& checkpoint, const LoadRequest& request, 
   if (s.budgeted() && s.file_count() > 0) s.take_blocks_up_to(s.file_count() - 1, stop);  // files with nothing to read
   hand_out.rest();
   if (counters->stream) return StateDict();
-  return StateDict(std::move(index.tensors), std::move(index.metadata));
+  return with_files(StateDict(std::move(index.tensors), std::move(index.metadata)), checkpoint);
 }
 
 // ---- asynchronous loads ----

@@ -25,8 +25,16 @@ const Tensor* StateDict::find(std::string_view name) const {
 
 const Tensor& StateDict::at(std::string_view name) const {
   const Tensor* t = find(name);
-  if (t == nullptr) throw NotFoundError("no tensor named '" + std::string(name) + "' in the state dict");
-  return *t;
+  if (t != nullptr) return *t;
+  if (files_.empty()) throw NotFoundError("no such tensor in the state dict", ErrorContext{"", std::string(name)});
+  if (files_.size() == 1) throw NotFoundError("no such tensor in the file", ErrorContext{files_[0], std::string(name)});
+  // Several files: each named, the first few of a long list.
+  constexpr std::size_t kNamed = 8;
+  std::string which;
+  for (std::size_t i = 0; i < files_.size() && i < kNamed; ++i) which += (i ? ", " : "") + files_[i];
+  if (files_.size() > kNamed) which += " and " + std::to_string(files_.size() - kNamed) + " more";
+  throw NotFoundError("no such tensor in the " + std::to_string(files_.size()) + " files loaded (" + which + ")",
+                      ErrorContext{"", std::string(name)});
 }
 
 }  // namespace pinload

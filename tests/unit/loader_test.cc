@@ -195,6 +195,37 @@ TEST_F(LoaderTest, RandomCheckpointsOfEveryDtype) {
   }
 }
 
+// A missing tensor's NotFoundError names the file (one file) or every file loaded (several),
+// through the read path, a zero-copy load, an async load and a copy of the state dict.
+TEST_F(LoaderTest, MissingTensorNamesTheFiles) {
+  const std::string one = dir_.file("one.safetensors");
+  const std::string two = dir_.file("two.safetensors");
+  write_shard(one, "a", 2, 100, 1);
+  write_shard(two, "b", 2, 100, 2);
+  auto message_of = [](const StateDict& sd) -> std::string {
+    try {
+      sd.at("nope");
+    } catch (const NotFoundError& e) {
+      EXPECT_EQ(e.context().tensor, "nope");
+      return e.what();
+    }
+    ADD_FAILURE() << "no NotFoundError";
+    return {};
+  };
+  for (const ZeroCopy zero_copy : {ZeroCopy::kOff, ZeroCopy::kOn}) {
+    LoadOptions options = load_options(2, 64 * KiB, Mode::kOff);
+    options.zero_copy = zero_copy;
+    Loader loader(options, make_pool(), &env_);
+    const StateDict sd = loader.load({one});
+    EXPECT_EQ(message_of(sd), one + ": tensor 'nope': no such tensor in the file");
+    EXPECT_EQ(message_of(StateDict(sd)), one + ": tensor 'nope': no such tensor in the file");
+    const StateDict both = loader.load_async({one, two}).wait();
+    EXPECT_EQ(both.files(), (std::vector<std::string>{one, two}));
+    EXPECT_EQ(message_of(both), "tensor 'nope': no such tensor in the 2 files loaded (" + one + ", " + two + ")");
+  }
+  EXPECT_EQ(message_of(StateDict()), "tensor 'nope': no such tensor in the state dict");  // built by hand
+}
+
 TEST_F(LoaderTest, AsyncLoadReportsProgress) {
   const std::string& path = odd_model().path;
   const FileImage& image = odd_model().image;
