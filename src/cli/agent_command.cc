@@ -21,12 +21,18 @@ void add_agent_command(CLI::App& app) {
   auto options = std::make_shared<trace::AgentOptions>();
   CLI::App* command = app.add_subcommand(
       "agent", "Per service: record the first start, replay it later (docs/trace.md)");
-  command->add_option("--root", options->roots, "a folder of models to watch (repeatable)")->required();
-  command->add_option("--templates", options->templates_dir, "where templates are kept (outside the roots)")->required();
-  command->add_option("--idle-ms", options->idle_ms, "a recording ends after this long without reads (default 5000)")
-      ->check(integer_range(1, 3600000));
-  command->add_option("--threads", options->warm_threads, "concurrent reads of a replay (default 8)")
-      ->check(integer_range(1, kMaxThreads));  // as load --threads
+  command->add_option("--root", options->roots, "a folder of models to watch (repeatable)")->type_name("DIR")->required();
+  command->add_option("--templates", options->templates_dir, "where templates are kept (outside the roots)")
+      ->type_name("DIR")
+      ->required();
+  command->add_option("--idle-ms", options->idle_ms, "a recording ends after this long without reads")
+      ->transform(integer_range(1, 3600000))
+      ->type_name("MS 1..3600000")
+      ->capture_default_str();
+  command->add_option("--threads", options->warm_threads, "concurrent reads of a replay")
+      ->transform(integer_range(1, kMaxThreads))  // as load --threads
+      ->type_name("1..1024")
+      ->capture_default_str();
   command->callback([options] {
     struct sigaction sa {};
     sa.sa_handler = on_agent_signal;

@@ -92,10 +92,12 @@ void add_convert_command(CLI::App& app) {
   CLI::App* command = app.add_subcommand(
       "convert", "Write an FP8 copy of a checkpoint, ComfyUI layout (docs/fp8.md)");
   command->add_option("--to", args->to, "the FP8 format")
-      ->check(CLI::IsMember({"fp8-e4m3fn", "fp8-e5m2"}))
+      ->check(CLI::IsMember({"fp8-e4m3fn", "fp8-e5m2"}).description(""))
+      ->type_name("fp8-e4m3fn|fp8-e5m2")
       ->capture_default_str();
   command->add_option("--scale", args->scale, "one float32 scale per tensor, or per output row")
-      ->check(CLI::IsMember({"per-tensor", "per-row"}))
+      ->check(CLI::IsMember({"per-tensor", "per-row"}).description(""))
+      ->type_name("per-tensor|per-row")
       ->capture_default_str();
   command->add_option("--keep", args->options.keep, "a tensor pattern (glob or dotted name) kept as stored")
       ->type_name("PATTERN")

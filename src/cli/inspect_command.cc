@@ -1,4 +1,5 @@
 // pinload inspect [--json] [--variant V] PATH...: the headers, without reading tensor data.
+#include <cstdio>
 #include <iostream>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -56,11 +57,18 @@ void print_json(const Checkpoint& checkpoint) {
   std::cout << out;
 }
 
+// Sizes in GB, as `load` prints them; each tensor's bytes and offsets stay exact, and so does --json.
+std::string gb_text(std::uint64_t bytes) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%.3f GB", static_cast<double>(bytes) / 1e9);
+  return text;
+}
+
 void print_text(const Checkpoint& checkpoint) {
   for (const CheckpointFile& f : checkpoint.files) {
     // Note [Printable text] (command.h): names, metadata and paths escaped.
-    std::cout << printable(f.path) << ": " << f.header.tensors.size() << " tensors, " << f.header.data_size()
-              << " data bytes, header " << f.header.json_size << " bytes\n";
+    std::cout << printable(f.path) << ": " << f.header.tensors.size() << " tensors, " << gb_text(f.header.data_size())
+              << " of data, header " << f.header.json_size << " bytes\n";
     for (const TensorInfo& t : f.header.tensors) {
       const std::uint64_t base = f.header.data_offset();
       std::cout << "  " << printable(f.name_prefix + t.name) << "\t" << dtype_name(t.dtype) << "\t" << shape_text(t.shape)
@@ -70,7 +78,7 @@ void print_text(const Checkpoint& checkpoint) {
       std::cout << "  metadata " << printable(k) << " = " << printable(v) << "\n";
     }
   }
-  std::cout << "total: " << checkpoint.tensor_count() << " tensors, " << checkpoint.data_bytes() << " bytes in "
+  std::cout << "total: " << checkpoint.tensor_count() << " tensors, " << gb_text(checkpoint.data_bytes()) << " in "
             << checkpoint.files.size() << " file(s)\n";
 }
 

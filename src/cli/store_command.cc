@@ -121,11 +121,13 @@ void add_store_command(CLI::App& app) {
       ->transform(size_range(4096, std::uint64_t{1} << 50))
       ->type_name("SIZE");
   s->add_option("--numa-node", serve->options.numa_node, "put entries' memory on this node")
-      ->check(CLI::Range(0, 4095));
+      ->transform(integer_range(0, 4095))
+      ->type_name("0..4095");
   s->add_option("--threads", serve->options.threads, "reader threads per file read")
       ->transform(integer_range(1, kMaxThreads))
+      ->type_name("1..1024")
       ->capture_default_str();
-  s->add_option("--socket-mode", serve->mode, "the socket's permissions (octal)")->capture_default_str();
+  s->add_option("--socket-mode", serve->mode, "the socket's permissions (octal)")->type_name("MODE")->capture_default_str();
   s->add_option("--allow-uid", serve->options.allowed_uids,
                 "also serve this uid (besides the daemon's own and root); repeatable")
       ->type_name("UID");
@@ -163,7 +165,7 @@ void add_store_command(CLI::App& app) {
       ->take_all()
       ->expected(1)
       ->allow_extra_args(false);  // the PATHs after it are not patterns
-  w->add_option("PATH", warm->paths, "checkpoints: files, indexes, folders");
+  w->add_option("PATH", warm->paths, "checkpoints: files, indexes, folders")->type_name("");
   w->callback([warm] {
     if (!warm->dtype.empty()) warm->conversion.to = parse_conversion_dtype(warm->dtype);  // checked by CLI11
     if (!warm->conversion.keep.empty() && !warm->conversion.to) throw UsageError("--keep needs --dtype");
@@ -185,7 +187,7 @@ void add_store_command(CLI::App& app) {
   auto evict = std::make_shared<EvictArgs>();
   CLI::App* e = store->add_subcommand("evict", "drop entries no client holds: those of PATHs, or all");
   add_socket_option(*e, &evict->socket);
-  e->add_option("PATH", evict->paths, "checkpoints whose entries to drop");
+  e->add_option("PATH", evict->paths, "checkpoints whose entries to drop")->type_name("");
   e->callback([evict] {
     const std::uint64_t n = store_evict(evict->socket, evict->paths);
     std::fprintf(stderr, "pinload store: %llu entr%s dropped\n", static_cast<unsigned long long>(n), n == 1 ? "y" : "ies");

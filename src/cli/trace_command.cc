@@ -152,8 +152,8 @@ void add_trace_command(CLI::App& app) {
   auto args = std::make_shared<TraceArgs>();
   CLI::App* command = app.add_subcommand(
       "trace", "Run a command, record its reads as a template (docs/trace.md)");
-  command->add_option("--template", args->out, "the template to write")->required();
-  command->add_option("--root", args->roots, "a folder whose files are traced (repeatable; default: .)");
+  command->add_option("--template", args->out, "the template to write")->type_name("TEMPLATE")->required();
+  command->add_option("--root", args->roots, "a folder whose files are traced (repeatable; default: .)")->type_name("DIR");
   // Everything from the first positional on is the command, untouched; main() keeps what follows
   // the first "--" aside (command_after_separator), since CLI11 would parse it as positionals.
   command->prefix_command(true);

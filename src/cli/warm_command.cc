@@ -146,16 +146,22 @@ void add_warm_command(CLI::App& app) {
   auto args = std::make_shared<WarmArgs>();
   CLI::App* command = app.add_subcommand(
       "warm", "Replay a template or files into the page cache (docs/trace.md)");
-  command->add_option("--template", args->template_file, "a template from pinload trace, pinload agent or pinload's loads");
+  command->add_option("--template", args->template_file, "a template from pinload trace, pinload agent or pinload's loads")
+      ->type_name("TEMPLATE");
   command->add_option("--budget", args->options.budget, "bytes warmed ahead of the consumer (needs --follow or --cgroup)")
-      ->transform(size_range(1, 1ull << 50));
+      ->transform(size_range(1, 1ull << 50))
+      ->type_name("SIZE");
   auto* follow = command->add_option("--follow", args->options.follow_pid, "the consumer: this process and its children")
-                     ->check(CLI::Range(1, 1 << 30));
+                     ->transform(integer_range(1, 1 << 30))
+                     ->type_name("PID");
   command->add_option("--cgroup", args->options.follow_cgroup, "the consumer: the processes of this cgroup folder")
+      ->type_name("DIR")
       ->excludes(follow);
-  command->add_option("--threads", args->options.threads, "concurrent reads (default 8)")
-      ->check(integer_range(1, kMaxThreads));  // as load --threads
-  command->add_option("paths", args->paths, "local files or folders (recursively), warmed whole in order");
+  command->add_option("--threads", args->options.threads, "concurrent reads")
+      ->transform(integer_range(1, kMaxThreads))  // as load --threads
+      ->type_name("1..1024")
+      ->capture_default_str();
+  command->add_option("PATH", args->paths, "local files or folders (recursively), warmed whole in order")->type_name("");
   command->callback([args] {
     const int status = run_warm(*args);
     if (status != 0) throw CLI::RuntimeError(status);

@@ -144,11 +144,11 @@ def test_inspect_text_output(tmp_path, run_pinload):
                       metadata={"format": "pt"})
     _, n = stfiles.read_header(path)
     out = assert_ok(run_pinload("inspect", path)).stdout
-    assert f"{path}: 2 tensors, 26 data bytes, header {n} bytes" in out
+    assert f"{path}: 2 tensors, 0.000 GB of data, header {n} bytes" in out
     assert f"  w\tF32\t[2,3]\t24 B\t[{8 + n}, {8 + n + 24})" in out
     assert f"  s\tBF16\t[]\t2 B\t[{8 + n + 24}, {8 + n + 26})" in out
     assert "  metadata format = pt" in out
-    assert out.rstrip().endswith("total: 2 tensors, 26 bytes in 1 file(s)")
+    assert out.rstrip().endswith("total: 2 tensors, 0.000 GB in 1 file(s)")
 
 
 # ---------------------------------------------------------------------------
