@@ -62,8 +62,9 @@ REMOTE_PREFIXES = ("s3://", "http://", "https://")
 def missing_file(e: NotFoundError, path: str) -> NotFoundError:
     """The reference's error for a file that does not exist: 'No such file or directory: <path>'.
     A remote path keeps pinload's message, which has the server's reason (NoSuchKey, NoSuchBucket,
-    HTTP 404/410): the reference cannot open those at all."""
-    if path.startswith(REMOTE_PREFIXES):
+    HTTP 404/410): the reference cannot open those at all; so does a path that exists (a folder
+    that holds no .safetensors file), which the reference's message would deny."""
+    if path.startswith(REMOTE_PREFIXES) or os.path.lexists(path):
         return e
     if getattr(e, "tensor", None) is None and getattr(e, "file", None) == path:
         return error(NotFoundError, "no such file or folder", file=path, text=f"No such file or directory: {path}")
