@@ -93,6 +93,44 @@ ElementConversion TensorConversion::conversion(std::uint64_t first, std::uint64_
   return c;
 }
 
+namespace {
+
+void check_dtype_options(const DTypeOptions& options) {
+  if (!is_convertible(DType::kF32, *options.to)) {
+    throw InvalidFileError("dtype must be BF16, F16 or F32, not " + std::string(dtype_name(*options.to)));
+  }
+  const DType keep_to = options.keep_to.value_or(DType::kF32);
+  if (!is_convertible(DType::kF32, keep_to)) {
+    throw InvalidFileError("keep dtype must be BF16, F16 or F32, not " + std::string(dtype_name(keep_to)));
+  }
+}
+
+}  // namespace
+
+// Note [A dtype that changes nothing]: the hooks pass the model's dtype to
+// every load (Note [dtype through the conversion] in hooks.py), and it mostly
+// equals the stored one. Such a load must stay a plain load, so that it can
+// be handed out from a mapping or the store with no byte copied: it converts
+// only where plan_conversions would convert something. That is an FP8 tensor
+// (dequantised, its scale dropped) or a floating tensor whose target differs
+// from its stored dtype; anything else leaves every tensor as stored.
+bool conversion_changes_anything(const Checkpoint& checkpoint, const DTypeOptions& options) {
+  if (!options.to) return false;
+  check_dtype_options(options);
+  for (const CheckpointFile& cf : checkpoint.files) {
+    for (const TensorInfo& t : cf.header.tensors) {
+      if (is_fp8(t.dtype)) return true;
+      if (!is_float_dtype(t.dtype)) continue;
+      const bool kept = std::any_of(options.keep.begin(), options.keep.end(), [&](const std::string& p) {
+        return keep_pattern_matches(p, cf.name_prefix + t.name);
+      });
+      const std::optional<DType> target = kept ? options.keep_to : options.to;
+      if (target && *target != t.dtype) return true;
+    }
+  }
+  return false;
+}
+
 ConversionPlan plan_conversions(Env* env, const Checkpoint& checkpoint, const DTypeOptions& options,
                                 bool may_stage) {
   ConversionPlan plan;
@@ -101,13 +139,8 @@ ConversionPlan plan_conversions(Env* env, const Checkpoint& checkpoint, const DT
   plan.out_bytes.assign(n, 0);
   plan.role.resize(n);
   if (!options.to) return plan;
-  if (!is_convertible(DType::kF32, *options.to)) {
-    throw InvalidFileError("dtype must be BF16, F16 or F32, not " + std::string(dtype_name(*options.to)));
-  }
+  check_dtype_options(options);
   const DType keep_to = options.keep_to.value_or(DType::kF32);
-  if (!is_convertible(DType::kF32, keep_to)) {
-    throw InvalidFileError("keep dtype must be BF16, F16 or F32, not " + std::string(dtype_name(keep_to)));
-  }
   std::unordered_map<std::string, Where> by_name;
   std::set<std::string> declared;
   for (std::size_t f = 0; f < n; ++f) {

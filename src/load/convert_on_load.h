@@ -77,6 +77,12 @@ inline constexpr std::int64_t kDroppedTensor = -2;
 // load whose conversions are most of its bytes is staged, its kept tensors
 // planned as copies (Note [Staged conversion]). Throws InvalidFileError
 // naming the tensor for a bad or missing scale.
+// Whether `options` converts any tensor of `checkpoint`: an FP8 tensor, or a
+// floating tensor whose target differs from its stored dtype (Note [A dtype
+// that changes nothing] in convert_on_load.cc). Reads headers only; throws
+// as plan_conversions does for a dtype it cannot convert to.
+bool conversion_changes_anything(const Checkpoint& checkpoint, const DTypeOptions& options);
+
 ConversionPlan plan_conversions(Env* env, const Checkpoint& checkpoint, const DTypeOptions& options,
                                 bool may_stage = false);
 

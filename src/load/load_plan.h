@@ -39,7 +39,7 @@ struct LoadFacts {
   // The load and its request.
   bool to_device = false;         // options.target.device is set
   bool device_streaming = false;  // DeviceMode::kStreaming
-  bool converting = false;        // options.dtype.active()
+  bool converting = false;        // conversion_changes_anything(checkpoint, options.dtype)
   bool verifying = false;         // options.verify.active()
   bool verify_whole_files = false;  // some file's whole sha256 is checked (verify.h)
   bool adopting = false;          // request.adopt: a prefetch's reads are taken over

@@ -550,7 +550,7 @@ StateDict Loader::run(const Checkpoint& checkpoint, const LoadRequest& request, 
   detail::LoadFacts facts;
   facts.to_device = device != nullptr;
   facts.device_streaming = options_.target.mode == DeviceMode::kStreaming;
-  facts.converting = options_.dtype.active();
+  facts.converting = detail::conversion_changes_anything(checkpoint, options_.dtype);
   facts.verifying = options_.verify.active();
   facts.adopting = request.adopt != nullptr;
   facts.recording = request.record != nullptr;
