@@ -89,7 +89,11 @@ struct Transfer {
                  (probe && content_range->last > last)) {
         refused = "Content-Range is bytes " + std::to_string(content_range->first) + "-" +
                   std::to_string(content_range->last) + ", not the range asked";
-      } else if (total && content_range->total && *content_range->total != *total) {
+      } else if (total && !content_range->total) {
+        // The size read with the header (or that a store's client names) is checked on every range.
+        refused = "Content-Range \"" + printable(content_range_text) + "\" does not give the object's size (" +
+                  std::to_string(*total) + " bytes expected)";
+      } else if (total && *content_range->total != *total) {
         refused = "object is now " + std::to_string(*content_range->total) + " bytes, was " + std::to_string(*total);
       } else {
         accepted = true;

@@ -13,21 +13,23 @@
 //
 // Note [Remote faults]
 // Every response is checked: a 206 whose Content-Range is not the range asked
-// (or whose total is not the object's size, or which does not parse: the
-// message says what is wrong with it), a body longer or shorter than it, or a
-// 200 to a ranged request (a server that ignores Range) is an IoError at once,
-// as are 4xx (404/410: NotFoundError; 412: the object changed since its header
-// was read), TLS failures and an ETag or Last-Modified other than the one the
-// header was read at. 500/502/503/504/429, connection failures, resets and
-// stalls (under 1 KiB/s for low_speed_time_s) are retried `retries` times
-// with exponential backoff; a reset mid-body asks again for the missing tail
-// only (the bytes that arrived are kept), and a range that made progress
-// starts its count of failures again, except for stalls: every stall of a
-// range counts, so a server that stalls each range after a few bytes fails
-// the range after retries + 1 stalls, not after the cap of 4 * (retries + 1)
-// attempts (the bound on a load's time to failure in docs/remote.md). Errors
-// name the URL (without credentials or query) and the byte range; no message
-// or log line holds a credential.
+// (or whose total is not the object's size, or '*' where that size is known, or
+// which does not parse: the message says what is wrong with it), a body longer
+// or shorter than it, or a 200 to a ranged request (a server that ignores
+// Range) is an IoError at once, as are 4xx (404/410: NotFoundError; 412: the
+// object changed since its header was read), TLS failures and an ETag or
+// Last-Modified other than the one the header was read at. 500/502/503/504/429,
+// connection failures, resets and stalls (under 1 KiB/s for low_speed_time_s)
+// are retried `retries` times with exponential backoff; a reset mid-body asks
+// again for the missing tail only (the bytes that arrived are kept), and a
+// range that made progress starts its count of failures again, except for
+// stalls: every stall of a range counts, so a server that stalls each range
+// after a few bytes fails the range after retries + 1 stalls, not after the cap
+// of 4 * (retries + 1) attempts (the bound on a load's time to failure in
+// docs/remote.md). Errors name the URL (without credentials or query) and the
+// byte range, quote a server's bytes escaped (Note [Printable text]); no
+// message or log line holds a credential. An expected ETag with a control byte
+// is refused before it is sent in If-Match.
 //
 // Note [Remote consistency]
 // A load reads one version of each object. How depends on the validator the

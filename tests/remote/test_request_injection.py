@@ -1,9 +1,10 @@
 """An ETag is sent back to its server in If-Match; the node store's daemon sends the one its client
 gives (`get_remote`'s version). One holding CR LF ended the If-Match line and added headers of the
 client's choosing to the daemon's request. An ETag with a control byte is now refused before any
-request is made."""
+request is made. And the size a client names is checked against the object on every range."""
 
 import json
+import re
 import socket
 
 import numpy as np
@@ -37,6 +38,35 @@ def test_a_clients_etag_cannot_add_headers_to_the_daemons_request(tmp_path, pinl
             assert reply["ok"] is False, reply
         assert daemon.alive()
         assert not any("x-injected" in headers for headers in seen), seen
+    finally:
+        daemon.stop()
+        server.stop()
+
+
+def test_the_size_a_client_names_is_checked_against_the_object(tmp_path, pinload_bin):
+    """The daemon fetches the size its client names; a server whose Content-Range gives no total
+    ('bytes a-b/*') cannot confirm it, so the fetch fails rather than storing a cut-short object."""
+    path = tmp_path / "m.safetensors"
+    save_file({"w": np.arange(4000, dtype=np.float32)}, str(path))
+    data = path.read_bytes()
+
+    def answer(request):
+        status, headers, body = ranged_answer(data, request, ETAG)
+        return http_answer(status, [(n, re.sub(rb"/\d+$", b"/*", v) if n == b"Content-Range" else v)
+                                    for n, v in headers], body)
+
+    server = RawServer(answer)
+    daemon = StoreDaemon(pinload_bin, tmp_path, "--budget", "64M", *remote_allow_args(pinload_bin, server.url + "/"),
+                         env=base_env()).start()
+    try:
+        for size in (len(data) // 2, len(data) - 1):
+            with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+                s.connect(daemon.socket)
+                s.sendall(json.dumps({"op": "get_remote", "url": f"{server.url}/m.safetensors",
+                                      "version": ETAG.decode(), "size": size}).encode())
+                reply = json.loads(s.recv(1 << 20))
+            assert reply["ok"] is False and reply["error"]["code"] == "io", reply
+        assert daemon.alive()
     finally:
         daemon.stop()
         server.stop()
