@@ -86,10 +86,12 @@ def _handle_class(patch: SafetensorsPatch):
             patch.count("files")
 
         def _fallback(self) -> Any:
-            if self._reference is None:
-                original, args, kwargs = self._original_call
-                self._reference = original(*args, **kwargs)
-            return self._reference
+            with self._lock:
+                self._check_open()
+                if self._reference is None:
+                    original, args, kwargs = self._original_call
+                    self._reference = original(*args, **kwargs)
+                return self._reference
 
         def get_tensor(self, name: str) -> Any:
             try:
@@ -147,7 +149,6 @@ def _routed_safe_open(original: Any, patch: SafetensorsPatch, options: Dict[str,
             return original(*args, **kwargs)
 
     safe_open.__doc__ = original.__doc__
-    safe_open.__module__ = getattr(original, "__module__", None) or "safetensors"
     return safe_open
 
 

@@ -252,3 +252,28 @@ def test_webui_sitecustomize(ckpt):
     # the handle read only the header: one file loaded, by load_file
     assert result["counts"] == {"safetensors.torch.load_file": 1, "safetensors.safe_open": 1, "files": 1}
     assert result["by_name_is_pinloads"]  # imported by name after the patch
+
+
+def test_a_tensor_pinload_cannot_give_comes_from_the_reference(ckpt, patch, monkeypatch):
+    """Where pinload's handle fails a tensor (simulated: every pinload dtype loads today), the
+    handle opens the reference once and takes that tensor from it; the others stay pinload's."""
+    refused = "denoiser.sigmas"
+    real = pinload.torch.safe_open.get_tensor
+
+    def get_tensor(self, name):
+        if name == refused:
+            raise pinload._core.InvalidFileError(f"{self._path}: tensor '{name}': simulated")
+        return real(self, name)
+
+    monkeypatch.setattr(pinload.torch.safe_open, "get_tensor", get_tensor)
+    with REFERENCE["safe_open"](str(ckpt), framework="pt") as ref:
+        want = {k: ref.get_tensor(k) for k in ref.offset_keys()}
+    with safetensors.safe_open(str(ckpt), framework="pt") as f:
+        got = f.get_tensors()
+        with pytest.raises(Exception, match="does not contain tensor"):
+            f.get_tensor("no.such.tensor")  # the reference's wording, not a fallback
+    assert list(got) == list(want)
+    for k in want:
+        assert_same(got[k], want[k], k)
+    assert patch.fallbacks == {"safetensors.safe_open.get_tensor": 1}
+    assert patch.counts() == {"safetensors.safe_open": 1, "files": 1}
