@@ -311,8 +311,8 @@ class _Guard(asyncio.Protocol):
         self.handler.connection_made(transport)
 
     def evict(self) -> None:
-        if self.transport is not None:
-            self.transport.close()
+        if self.transport is not None:  # abort: close() would wait to flush an answer nobody reads
+            self.transport.abort()
 
     def data_received(self, data: bytes) -> None:
         if self.handler is not None:
