@@ -124,6 +124,24 @@ def test_a_failing_batch_is_encoded_apart(models, alone):
     assert len(encoder.calls) <= 1 + 2 * 4  # halves, not one call per prompt
 
 
+def test_max_length_below_the_special_tokens_is_a_400(models):
+    """CLIP adds BOS and EOS: with max_length 1 the tokenizer cannot truncate, and a batch of prompts
+    of different lengths fails (old code: 500 encoder_failed for every request in it). Now the
+    request is refused with 400 max_length_out_of_range before it is queued; 2 is taken."""
+    from pinload.encoder.server import RequestError, build_parser, parse_request
+
+    clip = Encoder.load(str(models["clip"]))
+    args = build_parser().parse_args(["--model", "unused"])
+    with pytest.raises(Exception):  # what the old server queued: the encoder raises
+        clip.encode(["a cat", "a photo of a dog on a red chair"], EncodeSpec(max_length=1))
+    with pytest.raises(RequestError) as e:
+        parse_request({"prompts": ["a cat"], "max_length": 1}, clip, args)
+    assert e.value.status == 400 and e.value.kind == "max_length_out_of_range" and "2.." in str(e.value)
+    prompts, spec = parse_request({"prompts": ["a cat", "a photo of a dog on a red chair"], "max_length": 2},
+                                  clip, args)
+    assert [r["embeddings"].shape[0] for r in clip.encode(prompts, spec)] == [2, 2]
+
+
 def test_pathological_json_is_a_typed_400(servers):
     """100k-deep nesting: a JSON 400 invalid_json (old code: a text/plain 500 from RecursionError);
     an unknown charset parameter does not turn a valid body into a 500."""

@@ -355,6 +355,23 @@ class State:
         self.connections: Optional[ConnectionLimit] = None
 
 
+_MIN_LENGTHS: Dict[str, int] = {}
+
+
+def min_max_length(encoder: Encoder) -> int:
+    """The least max_length the encoder can take: the tokenizer's special tokens (CLIP's BOS and EOS:
+    2), which truncation keeps; below it every prompt fails in the tokenizer."""
+    n = _MIN_LENGTHS.get(encoder.identity)
+    if n is None:
+        try:
+            with encoder._tokenizer_lock:
+                n = max(1, int(encoder.tokenizer.num_special_tokens_to_add(pair=False)))
+        except Exception:  # noqa: BLE001 - a tokenizer without the method: the encoder decides
+            n = 1
+        _MIN_LENGTHS[encoder.identity] = n
+    return n
+
+
 def parse_request(body: Any, encoder: Encoder, args: argparse.Namespace) -> Tuple[List[str], EncodeSpec]:
     """The prompts and spec of a /v1/encode body, or RequestError naming what is wrong."""
     if not isinstance(body, dict):
@@ -390,8 +407,10 @@ def parse_request(body: Any, encoder: Encoder, args: argparse.Namespace) -> Tupl
     if not isinstance(max_length, int) or isinstance(max_length, bool):
         raise RequestError(400, "invalid_type", f"'max_length' must be an integer, not {type(max_length).__name__}",
                            field="max_length")
-    if not 1 <= max_length <= limit:
-        raise RequestError(400, "max_length_out_of_range", f"max_length {max_length} is not in 1..{limit}",
+    low = min_max_length(encoder)
+    if not low <= max_length <= limit:
+        raise RequestError(400, "max_length_out_of_range", f"max_length {max_length} is not in {low}..{limit}"
+                           + (f" (the tokenizer adds {low} special tokens)" if low > 1 else ""),
                            field="max_length", limit=limit)
     options = body.get("options", {})
     if not isinstance(options, dict):
@@ -584,9 +603,11 @@ def _load(state: State, loop: asyncio.AbstractEventLoop, stop: asyncio.Event) ->
             torch.set_num_threads(args.threads)
         encoder = Encoder.load(args.model, component=args.component, tokenizer=args.tokenizer, dtype=args.dtype,
                                device=args.device)
-        if args.default_max_length and not 1 <= args.default_max_length <= encoder.model_max_length:
-            raise ValueError(f"--default-max-length {args.default_max_length} is not in 1..{encoder.model_max_length}")
-        encoder.encode(["warm up"], EncodeSpec(max_length=min(8, encoder.model_max_length)))
+        low = min_max_length(encoder)
+        if args.default_max_length and not low <= args.default_max_length <= encoder.model_max_length:
+            raise ValueError(f"--default-max-length {args.default_max_length} is not in "
+                             f"{low}..{encoder.model_max_length}")
+        encoder.encode(["warm up"], EncodeSpec(max_length=min(max(8, low), encoder.model_max_length)))
     except Exception as e:
         state.failed = f"{type(e).__name__}: {e}"
         log.error("loading the encoder failed: %s", state.failed)
