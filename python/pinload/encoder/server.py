@@ -399,7 +399,7 @@ def parse_request(body: Any, encoder: Encoder, args: argparse.Namespace) -> Tupl
                                f"{args.max_prompt_chars}", field="prompts", index=i, limit=args.max_prompt_chars)
         try:
             p.encode("utf-8")
-        except UnicodeEncodeError as ex:  # a lone surrogate ("\\ud800" in JSON): Note [A failing batch]
+        except UnicodeEncodeError as ex:  # a lone surrogate ("\ud800" in JSON): Note [A failing batch]
             raise RequestError(400, "invalid_prompt", f"prompts[{i}] is not valid Unicode: {ex.reason} "
                                f"{p[ex.start]!r} at character {ex.start}", field="prompts", index=i) from None
     limit = encoder.model_max_length
