@@ -16,6 +16,7 @@
 // second arrival an error instead.
 #include <unistd.h>
 
+#include <CLI/CLI.hpp>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -24,8 +25,6 @@
 #include <string>
 #include <system_error>
 #include <vector>
-
-#include <CLI/CLI.hpp>
 
 #include "base/log.h"
 
@@ -101,9 +100,10 @@ int run_encoder_command(int argc, char** argv) {
   }
   ::setenv(kHandoff, "1", 1);
   const std::string python = interpreter();
-  std::vector<char*> args{const_cast<char*>(python.c_str()), const_cast<char*>("-m"),
-                          const_cast<char*>("pinload"), const_cast<char*>("encoder")};
-  for (int i = 0; i < argc; ++i) args.push_back(argv[i]);
+  std::vector<std::string> words{python, "-m", "pinload", "encoder"};
+  words.insert(words.end(), argv, argv + argc);
+  std::vector<char*> args;
+  for (std::string& word : words) args.push_back(word.data());
   args.push_back(nullptr);
   log::logger().debug("encoder: exec {} -m pinload encoder (PYTHONPATH={})", python, paths);
   std::fflush(stdout);
