@@ -379,7 +379,11 @@ ObjectInfo RemoteClient::get_range(const std::string& path, std::uint64_t offset
     const ErrorContext where{shown, {}, t.first, end};
     if (!t.refused.empty()) throw IoError(t.refused, where);
     if (t.accepted) {
-      if (expect != nullptr && !expect->etag.empty() && !t.etag.empty() && t.etag != expect->etag) {
+      if (expect != nullptr && !expect->etag.empty() && t.etag.empty()) {
+        // Nothing confirms the version asked: a store's daemon would take any bytes for it.
+        throw IoError("the server sent no ETag, so the version " + printable(expect->etag) + " cannot be checked", where);
+      }
+      if (expect != nullptr && !expect->etag.empty() && t.etag != expect->etag) {
         throw IoError("object changed while loading (ETag " + printable(t.etag) + ", was " + printable(expect->etag) + ")", where);
       }
       // Note [Remote consistency]: the second of a coarse validator.

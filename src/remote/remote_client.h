@@ -35,7 +35,7 @@
 // A load reads one version of each object. How depends on the validator the
 // server sends (classify_validator in remote_url.h):
 // - a strong ETag: every chunk is asked with If-Match, and an answer with
-//   another ETag is an error;
+//   another ETag, or with none (which confirms nothing), is an error;
 // - a coarse one (nginx's ETag is "<hex mtime in seconds>-<hex size>"; a weak
 //   W/ ETag; Last-Modified alone): If-Match (not for W/, which never matches)
 //   and the ETag and Last-Modified of every answer compared with the header's.
