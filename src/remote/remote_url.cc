@@ -140,10 +140,6 @@ std::string ascii_lower(std::string s) {
 // An http(s) URL parsed as libcurl fetches it, or nullopt (`problem` says why).
 std::unique_ptr<CurlUrl> parse_http(std::string_view url, std::string* problem) {
   auto u = std::make_unique<CurlUrl>();
-  if (!has_authority(url)) {
-    *problem = "URL has no host";
-    return nullptr;
-  }
   if (const CURLUcode rc = u->set(CURLUPART_URL, std::string(url), CURLU_URLENCODE); rc != CURLUE_OK) {
     *problem = std::string("libcurl cannot parse the URL: ") + curl_url_strerror(rc);
     return nullptr;
@@ -200,6 +196,8 @@ std::string canonical_url(std::string_view url) {
   if (!url.starts_with("http://") && !url.starts_with("https://")) {
     return refuse("only http, https and s3 URLs are read (gs:// and Azure: see docs/remote.md)");
   }
+  // libcurl reads 'http:///h/m' as host h; the URL names none.
+  if (!has_authority(url)) return refuse("URL has no host");
   std::string problem;
   std::unique_ptr<CurlUrl> u = parse_http(url, &problem);
   if (!u) return refuse(problem);

@@ -6,7 +6,9 @@
 
 #include <cctype>
 #include <clocale>
+#include <iterator>
 #include <map>
+#include <random>
 
 #include "base/printable.h"
 #include "pinload/error.h"
@@ -132,6 +134,50 @@ TEST(RemoteUrl, CanonicalUrlIsLibcurls) {
   EXPECT_EQ(parse_location("http://H:80/m")->url, "http://h/m");
   EXPECT_THROW(parse_location("http://127.0.0.1:1#@127.0.0.1:2/m"), InvalidArgumentError);
   EXPECT_THROW(parse_location("s3://b@h/m"), InvalidArgumentError);
+}
+
+// libcurl's own parse of `url`: the port it connects to ("" for the scheme's default).
+std::string curl_port(const std::string& url) {
+  CURLU* u = curl_url();
+  char* port = nullptr;
+  std::string out;
+  if (curl_url_set(u, CURLUPART_URL, url.c_str(), CURLU_URLENCODE) == CURLUE_OK &&
+      curl_url_get(u, CURLUPART_PORT, &port, CURLU_NO_DEFAULT_PORT) == CURLUE_OK) {
+    out = port;
+    curl_free(port);
+  }
+  curl_url_cleanup(u);
+  return out;
+}
+
+// Seeded random URLs made of the pieces that confuse URL parsers: for every one that libcurl
+// parses, display_url names libcurl's host and port, and canonical_url (where it accepts the URL)
+// is fetched from that host and port too.
+TEST(RemoteUrl, RandomUrlsDisplayAndFetchLibcurlsHost) {
+  const char* pieces[] = {"a", "b.example", "127.0.0.1", ":1", ":2", ":80", "@", "#", "?", "/", "\\", "%40", "%23",
+                          ":", "[::1]", "u:p", ".", "..", "%2e", " ", "\t", "x", "&", "=", ";"};
+  std::mt19937 rng(46);
+  int parsed = 0, accepted = 0;
+  for (int i = 0; i < 20000; ++i) {
+    std::string url = rng() % 2 ? "http://" : "https://";
+    for (int n = 1 + static_cast<int>(rng() % 8); n > 0; --n) url += pieces[rng() % std::size(pieces)];
+    const std::string host = curl_host(url);
+    if (host.empty()) continue;
+    ++parsed;
+    const std::string port = curl_port(url);
+    const std::string authority = url.substr(0, url.find(':')) + "://" + host + (port.empty() ? "" : ":" + port) + "/";
+    EXPECT_TRUE(display_url(url).starts_with(authority)) << url << " displays as " << display_url(url);
+    try {
+      const std::string canonical = canonical_url(url);
+      ++accepted;
+      EXPECT_EQ(curl_host(canonical), host) << url;
+      EXPECT_EQ(curl_port(canonical), port) << url;
+      EXPECT_EQ(display_url(canonical), display_url(url)) << url;
+    } catch (const InvalidArgumentError&) {
+    }
+  }
+  EXPECT_GT(parsed, 1000);
+  EXPECT_GT(accepted, 100);
 }
 
 TEST(RemoteUrl, CanonicalHostIsIdna) {
