@@ -30,6 +30,12 @@ struct FileStat {
   std::uint64_t inode = 0;
   std::uint64_t device = 0;
   std::int64_t mtime_ns = 0;
+  // The inode's change time (set by the kernel on every write, truncation,
+  // chmod or link; a user cannot set it back) and its generation
+  // (FS_IOC_GETVERSION: ext4, XFS, btrfs; a new inode that reuses a deleted
+  // one's number gets another). 0 where the stat does not say.
+  std::int64_t ctime_ns = 0;
+  std::uint64_t generation = 0;
   // Direct-I/O alignment from statx(STATX_DIOALIGN); 0 when the kernel or the
   // filesystem does not say.
   std::uint32_t dio_mem_align = 0;

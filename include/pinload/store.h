@@ -8,9 +8,14 @@
 // (`pinload store serve`, serve_store below) with a Unix socket:
 //  - A client opens the file itself and passes the descriptor over the socket
 //    (SCM_RIGHTS), so it never obtains bytes it could not read on its own.
-//  - The daemon keys the file by its identity (device, inode, size, mtime:
-//    file_identity.h) and a SHA-256 of its header, so a changed file is a new
-//    entry while the old one stays valid for whoever maps it.
+//  - The daemon keys the file by what makes its bytes: its identity (device,
+//    inode, size, mtime, ctime and generation: file_identity.h), a SHA-256 of
+//    its header, and for files under 64 KiB a SHA-256 of all their bytes. So a
+//    changed file (a rewrite with its mtime set back included) or a new file
+//    on a deleted one's inode is a new entry, while the old one stays valid
+//    for whoever maps it. It reads only through the client's descriptor (a
+//    regular file open for reading, not O_PATH), direct where the client
+//    opened it O_DIRECT; it never reopens the file.
 //  - On a miss it reads the whole file (direct I/O where the file allows it,
 //    `threads` readers) into a memfd, in huge pages where the kernel gives
 //    them to shared memory, and seals it (F_SEAL_WRITE, SHRINK, GROW): no
@@ -61,16 +66,26 @@
 //
 // Note [Remote store entries]
 // A remote object (s3://, http(s)://) whose ETag is a strong one is an entry
-// too, keyed by its URL (without the query) and that ETag:
+// too, keyed by its canonical URL (remote::canonical_url: what libcurl
+// fetches, query included), its size and that ETag:
 //  - The client reads the header itself, with its own credentials, which
 //    fixes the ETag (Note [Remote consistency]); only then does it ask the
 //    store, naming the URL, the ETag and the size. A client that cannot read
 //    the object never learns its ETag and never asks.
-//  - On a miss the daemon fetches the object with its own remote client: the
-//    credentials of its own environment (AWS_*), or those a presigned URL's
-//    query carries. Every range is asked If-Match the client's ETag, so the
-//    entry is the version whose header the client parsed, or the fill fails
-//    and the client reads the object itself (an error under `required`).
+//  - The daemon fetches only what it may fetch for any client: an object
+//    under one of the operator's --remote-allow prefixes (with the
+//    credentials of its own environment, AWS_*), or a presigned URL (with
+//    the credentials its query carries). For any other object it answers
+//    "read_yourself", and the client reads the object itself, even under
+//    `required`: no confused deputy fetches for a client what only the
+//    daemon can reach.
+//  - The server's first answer must name the object by the strong ETag the
+//    client asked for, at the size it asked for; with no strong ETag it is
+//    "read_yourself" too (nothing would pin the version), another ETag or
+//    size fails the fill. Every later range is asked If-Match that ETag, so
+//    the entry is the version whose header the client parsed, or the fill
+//    fails and the client reads the object itself (an error under
+//    `required`).
 //  - Objects without a strong ETag (nginx's coarse ones, weak ones, none)
 //    are read by the client as before: nothing would pin the version.
 // docs/store.md says what this means for whose credentials a node trusts.
@@ -148,6 +163,14 @@ struct StoreServerOptions {
   // Peers served besides the daemon's own uid and root (SO_PEERCRED).
   std::vector<std::uint32_t> allowed_uids;
   bool allow_any_uid = false;      // every peer the socket's permissions let in
+  // Connections served at once, in all and per uid; a peer over either gets a
+  // "busy" UnavailableError and is closed. Refused peers count toward neither.
+  std::size_t max_connections = 1024;
+  std::size_t max_connections_per_uid = 256;
+  // URL prefixes (canonical: remote::canonical_url) under which the daemon
+  // fetches remote objects with its own credentials for any client
+  // (Note [Remote store entries]); other objects only by presigned URLs.
+  std::vector<std::string> remote_allow;
   Env* env = nullptr;              // null: the POSIX env (tests inject faults here)
   const std::atomic<bool>* stop = nullptr;  // serve_store returns once it is true
   // Called once the socket listens (tests, --ready-file).
@@ -184,6 +207,7 @@ struct StoreStatus {
   std::uint64_t evictions = 0;
   std::uint64_t clients = 0;        // connections open now
   std::uint64_t refused = 0;        // peers refused by SO_PEERCRED
+  std::uint64_t busy = 0;           // peers turned away over the connection limits
   std::uint64_t errors = 0;         // malformed or failed requests
   int numa_node = -1;
   std::string shmem_huge_pages;  // transparent_hugepage/shmem_enabled's choice (docs/store.md)

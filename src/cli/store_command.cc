@@ -84,24 +84,24 @@ void print_status(const StoreStatus& s, bool as_json) {
                               {"huge_page_bytes", s.huge_page_bytes}, {"hits", s.hits},
                               {"misses", s.misses}, {"reads", s.reads},
                               {"bytes_read", s.bytes_read}, {"evictions", s.evictions},
-                              {"clients", s.clients}, {"refused", s.refused},
+                              {"clients", s.clients}, {"refused", s.refused}, {"busy", s.busy},
                               {"errors", s.errors}, {"numa_node", s.numa_node},
                               {"shmem_huge_pages", s.shmem_huge_pages},
                               {"entries", entries}};
     std::printf("%s\n", j.dump(2).c_str());
     return;
   }
-  std::printf("bytes %llu of %llu budget (%llu in huge pages; shmem_enabled %s), %zu entries\n",
-              static_cast<unsigned long long>(s.bytes), static_cast<unsigned long long>(s.budget_bytes),
-              static_cast<unsigned long long>(s.huge_page_bytes), s.shmem_huge_pages.c_str(), s.entries.size());
-  std::printf("hits %llu, misses %llu, files read %llu (%llu bytes), evictions %llu\n",
+  // In GB, as `load` prints sizes (--json has the exact bytes).
+  std::printf("%.3f GB of %.3f GB budget (%.3f GB in huge pages; shmem_enabled %s), %zu entries\n", s.bytes / 1e9,
+              s.budget_bytes / 1e9, s.huge_page_bytes / 1e9, s.shmem_huge_pages.c_str(), s.entries.size());
+  std::printf("hits %llu, misses %llu, files read %llu (%.3f GB), evictions %llu\n",
               static_cast<unsigned long long>(s.hits), static_cast<unsigned long long>(s.misses),
-              static_cast<unsigned long long>(s.reads), static_cast<unsigned long long>(s.bytes_read),
-              static_cast<unsigned long long>(s.evictions));
-  std::printf("clients %llu, refused %llu, failed requests %llu\n", static_cast<unsigned long long>(s.clients),
-              static_cast<unsigned long long>(s.refused), static_cast<unsigned long long>(s.errors));
+              static_cast<unsigned long long>(s.reads), s.bytes_read / 1e9, static_cast<unsigned long long>(s.evictions));
+  std::printf("clients %llu, refused %llu, busy %llu, failed requests %llu\n", static_cast<unsigned long long>(s.clients),
+              static_cast<unsigned long long>(s.refused), static_cast<unsigned long long>(s.busy),
+              static_cast<unsigned long long>(s.errors));
   for (const auto& e : s.entries) {
-    std::printf("%14llu  %3llu held  %5llu hits  %s%s\n", static_cast<unsigned long long>(e.bytes),
+    std::printf("%9.3f GB  %3llu held  %5llu hits  %s%s\n", e.bytes / 1e9,
                 static_cast<unsigned long long>(e.holders), static_cast<unsigned long long>(e.hits),
                 printable(e.path).c_str(), e.dtype.empty() ? "" : (" (as " + printable(e.dtype) + ")").c_str());
   }
@@ -132,6 +132,19 @@ void add_store_command(CLI::App& app) {
                 "also serve this uid (besides the daemon's own and root); repeatable")
       ->type_name("UID");
   s->add_flag("--allow-any-uid", serve->options.allow_any_uid, "serve every peer the socket's permissions let in");
+  s->add_option("--remote-allow", serve->options.remote_allow,
+                "fetch remote objects under this URL prefix (s3://bucket/models/, https://host/path/) with the "
+                "daemon's own credentials for every client; repeatable (others: presigned URLs only)")
+      ->type_name("PREFIX");
+  s->add_option("--max-connections", serve->options.max_connections, "connections served at once")
+      ->transform(integer_range(1, 1 << 20))
+      ->type_name("1..1048576")
+      ->capture_default_str();
+  s->add_option("--max-connections-per-uid", serve->options.max_connections_per_uid,
+                "connections of one uid served at once")
+      ->transform(integer_range(1, 1 << 20))
+      ->type_name("1..1048576")
+      ->capture_default_str();
   s->add_option("--ready-file", serve->ready_file, "write the daemon's pid here once it listens")->type_name("PATH");
   s->callback([serve] { run_serve(*serve); });
 

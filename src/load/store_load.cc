@@ -101,8 +101,12 @@ std::optional<std::vector<MappedFile>> map_from_store(const LoadOptions& options
     StoreConnection::Served served;
     try {
       if (remote) {
-        // The client read the header with its own credentials, at this ETag.
-        served = connection->get_remote(cf.path, cf.version, cf.stat.size, /*hold=*/true);
+        // The client read the header with its own credentials, at this ETag. nullopt: the
+        // daemon may not fetch it, or cannot pin its version; read here, required or not.
+        std::optional<StoreConnection::Served> fetched =
+            connection->get_remote(cf.path, cf.version, cf.stat.size, /*hold=*/true);
+        if (!fetched) continue;
+        served = std::move(*fetched);
       } else {
         served = get_local(*connection, env, cf);
       }

@@ -1,7 +1,9 @@
 #include <dirent.h>
 #include <fcntl.h>
+#include <linux/fs.h>
 #include <linux/mempolicy.h>
 #include <sched.h>
+#include <sys/ioctl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/statfs.h>
@@ -20,6 +22,13 @@
 
 namespace pinload {
 namespace {
+
+// The inode's generation (FS_IOC_GETVERSION), 0 where the filesystem keeps
+// none (ENOTTY, EOPNOTSUPP) or the descriptor cannot be asked (O_PATH).
+std::uint64_t generation_of(int fd) {
+  int generation = 0;
+  return ::ioctl(fd, FS_IOC_GETVERSION, &generation) == 0 ? static_cast<std::uint32_t>(generation) : 0;
+}
 
 // Far above any real machine's node or CPU ids; bounds the masks built here.
 constexpr int kMaxNumaNode = 4095;
@@ -104,6 +113,8 @@ class PosixEnv final : public Env {
       out->inode = sx.stx_ino;
       out->device = (static_cast<std::uint64_t>(sx.stx_dev_major) << 32) | sx.stx_dev_minor;
       out->mtime_ns = static_cast<std::int64_t>(sx.stx_mtime.tv_sec) * 1'000'000'000 + sx.stx_mtime.tv_nsec;
+      out->ctime_ns = static_cast<std::int64_t>(sx.stx_ctime.tv_sec) * 1'000'000'000 + sx.stx_ctime.tv_nsec;
+      out->generation = out->type == FileType::kRegular ? generation_of(fd) : 0;
 #ifdef STATX_DIOALIGN
       if (sx.stx_mask & STATX_DIOALIGN) {
         out->dio_mem_align = sx.stx_dio_mem_align;
@@ -121,6 +132,8 @@ class PosixEnv final : public Env {
     out->inode = st.st_ino;
     out->device = st.st_dev;
     out->mtime_ns = static_cast<std::int64_t>(st.st_mtim.tv_sec) * 1'000'000'000 + st.st_mtim.tv_nsec;
+    out->ctime_ns = static_cast<std::int64_t>(st.st_ctim.tv_sec) * 1'000'000'000 + st.st_ctim.tv_nsec;
+    out->generation = out->type == FileType::kRegular ? generation_of(fd) : 0;
     return 0;
   }
 

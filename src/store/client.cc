@@ -1,5 +1,6 @@
 #include "store/client.h"
 
+#include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/time.h>
@@ -9,9 +10,12 @@
 #include <cstring>
 #include <filesystem>
 
+#include "base/log.h"
 #include "pinload/checkpoint.h"
 #include "pinload/error.h"
 #include "pinload/store.h"
+#include "remote/remote_url.h"
+#include "source/sources.h"
 #include "store/socket_path.h"
 #include "store/wire.h"
 
@@ -30,16 +34,25 @@ std::shared_ptr<StoreConnection> StoreConnection::connect(const std::string& soc
 
 nlohmann::json StoreConnection::request(const nlohmann::json& request, std::span<const int> fds,
                                         std::vector<ScopedFd>* received) {
+  nlohmann::json reply = exchange(request, fds, received);
+  throw_if_error(reply, socket_);
+  return reply;
+}
+
+nlohmann::json StoreConnection::exchange(const nlohmann::json& request, std::span<const int> fds,
+                                         std::vector<ScopedFd>* received) {
   std::lock_guard lock(mu_);
   std::optional<WireMessage> reply;
   try {
-    if (send_message(fd_.get(), request, fds)) reply = receive_message(fd_.get());
+    // A daemon that turns the peer away (not allowed, busy) answers and closes at once, maybe
+    // before the request arrives: its answer is read even where the send found the peer gone.
+    (void)send_message(fd_.get(), request, fds);
+    reply = receive_message(fd_.get());
   } catch (const IoError& e) {
     throw UnavailableError(std::string("the store connection failed: ") + e.message(), ErrorContext{socket_});
   }
   if (!reply) throw UnavailableError("the store closed the connection (the daemon stopped?)", ErrorContext{socket_});
   if (!reply->malformed.empty()) throw UnavailableError("the store sent " + reply->malformed, ErrorContext{socket_});
-  throw_if_error(reply->body, socket_);
   if (received != nullptr) *received = std::move(reply->fds);
   return std::move(reply->body);
 }
@@ -67,8 +80,9 @@ StoreConnection::Served served_from(const nlohmann::json& reply, std::vector<Sco
     out.hit = reply.at("hit").get<bool>();
     if (has_identity) {
       const auto& id = reply.at("identity");
-      out.identity = FileIdentity{id.at("device").get<std::uint64_t>(), id.at("inode").get<std::uint64_t>(),
-                                  id.at("size").get<std::uint64_t>(), id.at("mtime_ns").get<std::int64_t>()};
+      out.identity = FileIdentity{id.at("device").get<std::uint64_t>(),   id.at("inode").get<std::uint64_t>(),
+                                  id.at("size").get<std::uint64_t>(),     id.at("mtime_ns").get<std::int64_t>(),
+                                  id.at("ctime_ns").get<std::int64_t>(),  id.at("generation").get<std::uint64_t>()};
     }
   } catch (const nlohmann::json::exception& e) {
     throw UnavailableError(std::string("the store's reply lacks a field: ") + e.what(), ErrorContext{socket});
@@ -82,20 +96,62 @@ StoreConnection::Served served_from(const nlohmann::json& reply, std::vector<Sco
 
 }  // namespace
 
+namespace {
+
+// Files from this size up that are mostly not in the page cache are passed to the daemon opened
+// O_DIRECT, so that a miss fills at the disk's speed (Note [The node store]).
+constexpr std::uint64_t kDirectFromBytes = 4u << 20;
+
+// A second descriptor of the open file `fd`, O_DIRECT, for the daemon's fill where it would read
+// the file from the disk:
+// large, mostly not cached, not on a network filesystem, and the filesystem takes O_DIRECT.
+// Invalid otherwise (the daemon reads `fd` buffered). The client reopens its own descriptor: it
+// can read the file, and the daemon never opens anything.
+ScopedFd direct_descriptor(int fd, const std::string& path) {
+  Env* env = default_env();
+  FileStat st;
+  if (env->stat(fd, &st) != 0 || st.type != FileType::kRegular || st.size < kDirectFromBytes) return {};
+  if (on_network_filesystem(env, fd, path)) return {};
+  const double resident = env->resident_fraction(fd, st.size, kResidencySamples);
+  if (resident < 0 || resident >= 0.5) return {};
+  const int direct = ::open(("/proc/self/fd/" + std::to_string(fd)).c_str(), O_RDONLY | O_DIRECT | O_CLOEXEC);
+  if (direct < 0) return {};
+  ScopedFd out(env, direct);
+  FileStat again;  // the same file, not whatever the link names now
+  if (env->stat(direct, &again) != 0 || again.inode != st.inode || again.device != st.device) return {};
+  return out;
+}
+
+}  // namespace
+
 StoreConnection::Served StoreConnection::get(int fd, const std::string& path, bool hold, const StoreVariant& variant) {
   std::vector<ScopedFd> fds;
-  const int send[1] = {fd};
+  // A converting fill reads through the planner's buffered reads: the plain descriptor.
+  const ScopedFd direct = variant.active() ? ScopedFd() : direct_descriptor(fd, path);
+  const int both[2] = {fd, direct.get()};
+  const std::span<const int> send(both, direct.get() >= 0 ? 2 : 1);
   nlohmann::json message = {{"op", "get"}, {"path", path}, {"hold", hold}};
   if (variant.active()) message["dtype"] = variant.to_json();
   const nlohmann::json reply = request(message, send, &fds);
   return served_from(reply, fds, /*has_identity=*/true, socket_);
 }
 
-StoreConnection::Served StoreConnection::get_remote(const std::string& url, const std::string& version,
-                                                    std::uint64_t size, bool hold) {
+std::optional<StoreConnection::Served> StoreConnection::get_remote(const std::string& url, const std::string& version,
+                                                                   std::uint64_t size, bool hold) {
   std::vector<ScopedFd> fds;
   const nlohmann::json reply =
-      request({{"op", "get_remote"}, {"url", url}, {"version", version}, {"size", size}, {"hold", hold}}, {}, &fds);
+      exchange({{"op", "get_remote"}, {"url", url}, {"version", version}, {"size", size}, {"hold", hold}}, {}, &fds);
+  // Note [Remote store entries]: not the store's to fetch (no --remote-allow prefix, no presigned
+  // URL) or to pin (no strong ETag): the client reads it.
+  if (reply.is_object() && reply.value("read_yourself", false) == true) {
+    std::string why = "refused";
+    if (const auto e = reply.find("error"); e != reply.end() && e->is_object()) {
+      if (const auto m = e->find("message"); m != e->end() && m->is_string()) why = m->get<std::string>();
+    }
+    log::info("{}: {}; reading it without the store", remote::display_url(url), why);
+    return std::nullopt;
+  }
+  throw_if_error(reply, socket_);
   Served out = served_from(reply, fds, /*has_identity=*/false, socket_);
   if (out.bytes != size) {
     throw UnavailableError("the store's entry for an object of " + std::to_string(size) + " bytes has " +
@@ -166,6 +222,7 @@ StoreStatus store_status(const std::string& socket) {
     s.evictions = j.at("evictions");
     s.clients = j.at("clients");
     s.refused = j.at("refused");
+    s.busy = j.value("busy", std::uint64_t{0});
     s.errors = j.at("errors");
     s.numa_node = j.at("numa_node");
     s.shmem_huge_pages = j.at("shmem_huge_pages");

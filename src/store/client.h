@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <span>
 #include <string>
 
@@ -42,8 +43,10 @@ class StoreConnection {
   // active (Note [Converted store entries]: `bytes` is the image's size).
   Served get(int fd, const std::string& path, bool hold, const StoreVariant& variant = {});
   // The entry for version `version` (a strong ETag) of the remote object `url`, of `size`
-  // bytes, which the daemon fetches on a miss (Note [Remote store entries]).
-  Served get_remote(const std::string& url, const std::string& version, std::uint64_t size, bool hold);
+  // bytes, which the daemon fetches on a miss (Note [Remote store entries]); nullopt where the
+  // daemon answers that the client reads it itself (the daemon may not fetch it, or cannot pin
+  // its version), whatever StoreOptions::required says.
+  std::optional<Served> get_remote(const std::string& url, const std::string& version, std::uint64_t size, bool hold);
 
   const std::string& socket() const noexcept { return socket_; }
 
@@ -52,6 +55,8 @@ class StoreConnection {
   ~StoreConnection();
 
  private:
+  // `request` without throwing the error a reply carries.
+  nlohmann::json exchange(const nlohmann::json& request, std::span<const int> fds, std::vector<ScopedFd>* received);
   StoreConnection(ScopedFd fd, std::string socket) : fd_(std::move(fd)), socket_(std::move(socket)) {}
   std::mutex mu_;
   ScopedFd fd_;

@@ -8,8 +8,10 @@
 
 namespace pinload::detail {
 
-bool send_message(int socket, const nlohmann::json& body, std::span<const int> fds) {
-  const std::string text = body.dump();
+bool send_message(int socket, const nlohmann::json& body, std::span<const int> fds, int flags) {
+  // Any message can be sent: a string that is not UTF-8 (bytes a file or a server put in an error
+  // that nothing escaped) is written with U+FFFD in their place instead of throwing.
+  const std::string text = body.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
   if (text.size() > kStoreMessageBytes) {
     throw InvalidArgumentError("store message of " + std::to_string(text.size()) + " bytes is over the " +
                                std::to_string(kStoreMessageBytes) + "-byte limit");
@@ -30,9 +32,10 @@ bool send_message(int socket, const nlohmann::json& body, std::span<const int> f
     std::memcpy(CMSG_DATA(c), fds.data(), sizeof(int) * fds.size());
   }
   for (;;) {
-    if (::sendmsg(socket, &msg, MSG_NOSIGNAL) >= 0) return true;
+    if (::sendmsg(socket, &msg, MSG_NOSIGNAL | flags) >= 0) return true;
     if (errno == EINTR) continue;
     if (errno == EPIPE || errno == ECONNRESET || errno == ENOTCONN) return false;
+    if ((flags & MSG_DONTWAIT) != 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return false;
     throw IoError(std::string("sending a store message failed: ") + std::strerror(errno));
   }
 }
@@ -132,8 +135,12 @@ std::string StoreVariant::describe() const {
 }
 
 nlohmann::json error_reply(const Error& error) {
-  nlohmann::json e = {{"code", error_code_name(error.code())}, {"message", error.message()}};
-  if (!error.context().file.empty()) e["file"] = error.context().file;
+  // Bounded, so that the reply fits one record whatever a file or server put in the message.
+  constexpr std::size_t kMaxMessage = 8u << 10;
+  std::string message = error.message();
+  if (message.size() > kMaxMessage) message = message.substr(0, kMaxMessage) + "...";
+  nlohmann::json e = {{"code", error_code_name(error.code())}, {"message", std::move(message)}};
+  if (!error.context().file.empty()) e["file"] = error.context().file.substr(0, kMaxMessage);
   return {{"ok", false}, {"error", std::move(e)}};
 }
 

@@ -28,10 +28,12 @@ struct WireMessage {
   std::string malformed;      // why the record is not a message; body is null then
 };
 
-// Sends one message. False where the peer is gone (EPIPE, ECONNRESET);
+// Sends one message; strings that are not UTF-8 go with U+FFFD in place of
+// their bad bytes, so every reply can be sent. False where the peer is gone
+// (EPIPE, ECONNRESET), or with MSG_DONTWAIT in `flags` where it would block;
 // throws IoError for any other failure and InvalidArgumentError for a body
 // over kStoreMessageBytes.
-bool send_message(int socket, const nlohmann::json& body, std::span<const int> fds = {});
+bool send_message(int socket, const nlohmann::json& body, std::span<const int> fds = {}, int flags = 0);
 
 // Receives one message; nullopt once the peer has closed (or reset) the
 // connection. A record that is not a message (truncated, too many

@@ -38,8 +38,10 @@ def model(tmp_path, weed):
 
 @pytest.fixture
 def remote_daemon(tmp_path, pinload_bin, weed):
-    # The daemon's own credentials: it fetches with them (docs/store.md, the trust model).
-    d = Daemon(pinload_bin, tmp_path, "--budget", "1G", env={**CLIENT_ENV, **weed.env()}).start()
+    # The daemon's own credentials: it fetches with them what the operator allowed for every client
+    # (docs/store.md, the trust model).
+    d = Daemon(pinload_bin, tmp_path, "--budget", "1G", "--remote-allow", f"s3://{BUCKET}/",
+               env={**CLIENT_ENV, **weed.env()}).start()
     yield d
     d.stop()
 
@@ -106,7 +108,8 @@ def test_a_daemon_that_cannot_fetch_leaves_the_client_to_load_it(pinload_bin, we
     # No credentials in the daemon's environment: its fetch is refused, the client warns and
     # reads the object itself; with --store-required the refusal is the load's error.
     env = {k: v for k, v in CLIENT_ENV.items() if not k.startswith("AWS_")}
-    d = Daemon(pinload_bin, tmp_path, "--budget", "1G", env={**env, "AWS_ENDPOINT_URL": weed.endpoint}).start()
+    d = Daemon(pinload_bin, tmp_path, "--budget", "1G", "--remote-allow", f"s3://{BUCKET}/",
+               env={**env, "AWS_ENDPOINT_URL": weed.endpoint}).start()
     try:
         url = f"s3://{BUCKET}/m.safetensors"
         got, r = remote_digests(pinload_bin, weed, d.socket, url)
@@ -114,6 +117,24 @@ def test_a_daemon_that_cannot_fetch_leaves_the_client_to_load_it(pinload_bin, we
         assert "without the store" in r.stderr
         _, r = remote_digests(pinload_bin, weed, d.socket, url, "--store-required")
         assert r.returncode != 0 and "m.safetensors" in r.stderr
+        assert status(pinload_bin, d.socket)["entries"] == []
+    finally:
+        d.stop()
+
+
+def test_a_daemon_fetches_with_its_credentials_only_under_an_allowed_prefix(pinload_bin, weed, model, tmp_path):
+    """No confused deputy: a daemon whose credentials can read the bucket, started without
+    --remote-allow, fetches nothing for a client; the client reads the object itself, even under
+    --store-required (a refusal is not a failure), and a raw request is told to read it itself."""
+    d = Daemon(pinload_bin, tmp_path, "--budget", "1G", env={**CLIENT_ENV, **weed.env()}).start()
+    try:
+        url = f"s3://{BUCKET}/m.safetensors"
+        got, r = remote_digests(pinload_bin, weed, d.socket, url, "--store-required")
+        assert r.returncode == 0 and got == digests(model), r.stderr
+        assert "0 from the store" in r.stderr, r.stderr
+        etag = weed.client().head_object(Bucket=BUCKET, Key="m.safetensors")["ETag"]
+        reply = raw_request(d.socket, {"op": "get_remote", "url": url, "version": etag, "size": model.stat().st_size})
+        assert reply["ok"] is False and reply["read_yourself"] is True, reply
         assert status(pinload_bin, d.socket)["entries"] == []
     finally:
         d.stop()

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <fcntl.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -241,6 +242,37 @@ TEST(StoreTest, AnUnreachableStoreLoadsLocallyUnlessRequired) {
   }
 }
 
+// The store's local key (Note [The store's security boundary] in src/store/server.cc): a file
+// rewritten in place with its mtime set back keeps device, inode, size and mtime, but not its
+// ctime, which Env::stat reads and FileIdentity compares; identities that do not know a ctime or
+// generation (0) compare without it.
+TEST(StoreTest, AnIdentityHasTheChangeTimeThatARestoredMtimeKeeps) {
+  TempDir dir;
+  const std::string path = dir.file("f.bin");
+  testing::write_file(path, std::vector<std::uint8_t>(4096, 1));
+  const FileStat before = stat_or_throw(default_env(), ScopedFd(default_env(), ::open(path.c_str(), O_RDONLY)).get(), path);
+  EXPECT_NE(before.ctime_ns, 0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  {
+    ScopedFd fd(default_env(), ::open(path.c_str(), O_WRONLY));
+    ASSERT_EQ(::pwrite(fd.get(), std::vector<char>(4096, 2).data(), 4096, 0), 4096);
+    const timespec times[2] = {{0, UTIME_OMIT}, {before.mtime_ns / 1'000'000'000, before.mtime_ns % 1'000'000'000}};
+    ASSERT_EQ(::futimens(fd.get(), times), 0);
+  }
+  const FileStat after = stat_or_throw(default_env(), ScopedFd(default_env(), ::open(path.c_str(), O_RDONLY)).get(), path);
+  EXPECT_EQ(after.mtime_ns, before.mtime_ns);
+  EXPECT_EQ(after.inode, before.inode);
+  EXPECT_NE(after.ctime_ns, before.ctime_ns);
+  EXPECT_FALSE(FileIdentity::of(after) == FileIdentity::of(before));
+  EXPECT_NE(FileIdentity::of(after).describe().find("ctime"), std::string::npos);
+  FileIdentity unknown = FileIdentity::of(before);
+  unknown.ctime_ns = 0, unknown.generation = 0;  // as an I/O template records it
+  EXPECT_TRUE(unknown == FileIdentity::of(after));
+  FileIdentity other_generation = FileIdentity::of(before);
+  other_generation.generation = before.generation + 1;
+  EXPECT_FALSE(other_generation == FileIdentity::of(before));
+}
+
 TEST(StoreTest, AFileReplacedAfterItsHeaderWasReadIsAnError) {
   TempDir dir;
   Daemon daemon(dir);
@@ -332,6 +364,7 @@ TEST(StoreTest, MalformedRequestsGetErrorsAndTheDaemonGoesOn) {
   const int before = testing::open_fd_count();
   {
     ScopedFd file(default_env(), ::open(m.path.c_str(), O_RDONLY));
+    ScopedFd o_path(default_env(), ::open(m.path.c_str(), O_PATH));
     ScopedFd pipe_read, pipe_write;
     int p[2];
     ASSERT_EQ(::pipe(p), 0);
@@ -350,7 +383,10 @@ TEST(StoreTest, MalformedRequestsGetErrorsAndTheDaemonGoesOn) {
         {R"({"op": "explode"})", {}},
         {R"({"op": "get"})", {}},
         {R"({"op": "get", "path": 5, "hold": "yes"})", {pipe_read.get()}},
-        {R"({"op": "get"})", {file.get(), file.get()}},
+        {R"({"op": "get"})", {file.get(), file.get(), file.get()}},
+        {R"({"op": "get"})", {file.get(), pipe_read.get()}},  // a second descriptor of another file
+        {R"({"op": "get"})", {o_path.get()}},                 // opens nothing for reading
+        {R"({"op": "get"})", {file.get(), o_path.get()}},
         {R"({"op": "get"})", {pipe_write.get()}},
         {R"({"op": "evict"})", {file.get(), file.get()}},
         {std::string(70000, '{'), {}},
