@@ -354,8 +354,7 @@ ObjectInfo RemoteClient::get_range(const std::string& path, std::uint64_t offset
   if (expect != nullptr && std::any_of(expect->etag.begin(), expect->etag.end(), [](char c) {
         return static_cast<unsigned char>(c) < 0x20 || c == 0x7f;
       })) {
-    throw InvalidArgumentError("ETag " + printable(expect->etag) + " holds a control byte",
-                               ErrorContext{shown, {}, offset, end});
+    throw IoError("invalid ETag " + printable(expect->etag) + " (a control byte)", ErrorContext{shown, {}, offset, end});
   }
   // W/ never matches If-Match (RFC 9110 compares strongly): such answers are compared below.
   if (expect != nullptr && !expect->etag.starts_with("W/")) req.if_match = expect->etag;
