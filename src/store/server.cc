@@ -190,14 +190,18 @@ bool under_prefix(const std::string& url, const std::vector<std::string>& prefix
   return false;
 }
 
-// Whether `url` (canonical) carries its own credentials: a presigned S3 query
-// (SigV4's X-Amz-Signature, SigV2's Signature with AWSAccessKeyId).
+// Whether `url` (canonical) carries its own credentials: an http(s) URL with a presigned S3
+// query (SigV4's X-Amz-Signature, X-Amz-Credential and X-Amz-Date; SigV2's Signature,
+// AWSAccessKeyId and Expires). Never an s3:// path: the daemon signs those with its own
+// credentials, so a query there proves nothing.
 bool presigned(const std::string& url) {
+  if (!url.starts_with("http://") && !url.starts_with("https://")) return false;
   const auto q = url.find('?');
   if (q == std::string::npos) return false;
   const std::string query = "&" + url.substr(q + 1);
-  return query.find("&X-Amz-Signature=") != std::string::npos ||
-         (query.find("&Signature=") != std::string::npos && query.find("&AWSAccessKeyId=") != std::string::npos);
+  const auto has = [&](const char* name) { return query.find(std::string("&") + name + "=") != std::string::npos; };
+  return (has("X-Amz-Signature") && has("X-Amz-Credential") && has("X-Amz-Date")) ||
+         (has("Signature") && has("AWSAccessKeyId") && has("Expires"));
 }
 
 class Store {

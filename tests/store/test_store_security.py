@@ -464,3 +464,25 @@ def check_direct_fill(tmp_path, pinload_bin, daemon):
     assert got == expected and "1 from the store" in r.stderr, r.stderr
     log = daemon.log.read_text()
     assert f"store: read {model} (" in log and ", direct," in log, log
+
+
+def test_a_presigned_url_is_fetched_for_its_holders_only(tmp_path, pinload_bin, object_model):
+    data = object_model.read_bytes()
+    server = ObjectServer(data)  # ignores the query, as a presigned URL's server checks it
+    url, etag = f"{server.url}/o.safetensors", server.etag.decode()
+    signed = url + "?X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Credential=k&X-Amz-Date=20260101T000000Z&X-Amz-Signature="
+    d = Daemon(pinload_bin, tmp_path, "--budget", "256M").start()  # no --remote-allow
+    try:
+        reply = request(d.socket, {"op": "get_remote", "url": signed + "aa", "version": etag, "size": len(data)})
+        assert reply["ok"] is True and reply["hit"] is False, reply
+        # Its entry is keyed with its query: the object's plain URL is not served from it, and
+        # another signature is an entry of its own.
+        reply = request(d.socket, {"op": "get_remote", "url": url, "version": etag, "size": len(data)})
+        assert reply["ok"] is False and reply.get("read_yourself") is True, reply
+        reply = request(d.socket, {"op": "get_remote", "url": signed + "bb", "version": etag, "size": len(data)})
+        assert reply["ok"] is True and reply["hit"] is False, reply
+        reply = request(d.socket, {"op": "get_remote", "url": signed + "aa", "version": etag, "size": len(data)})
+        assert reply["ok"] is True and reply["hit"] is True, reply
+    finally:
+        d.stop()
+        server.stop()
