@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Quick start: set up, build, generate the default checkpoints (scaled-down FLUX and SDXL
-# pipelines with real tensor names and shapes, random bytes) once, then show what pinload is
-# for (scripts/demo.py): cold loads beside safetensors' on the same files, warm loads, and a
-# switch back to a model through pinload.ModelCache. Under a minute after the build.
+# Quick start: install and build only what the demo runs (scripts/setup.sh --demo: the library,
+# the `pinload` program and the Python module; no tests, benches or vLLM), generate the default
+# checkpoints once (scaled-down FLUX and SDXL pipelines with real tensor names and shapes and
+# weight-like values), then show what pinload is for (scripts/demo.py): cold loads beside
+# safetensors' on the same files, warm loads, and a switch back to a model through
+# pinload.ModelCache. Idempotent: a second run installs nothing and rebuilds only what changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup.sh
+scripts/setup.sh --demo
 MODELS=${PINLOAD_MODELS:-$HOME/.cache/pinload/models}
 python3 scripts/gen_checkpoints.py --scale small --out "$MODELS" >/dev/null
 echo "== pinload inspect $MODELS/flux-dev-small (summary)"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Sets up .venv/ for the vLLM plugin tests (tests/serving/test_vllm_plugin.py):
+# Sets up .venv/ for the vLLM plugin tests (tests/serving/test_vllm_plugin.py; scripts/test.sh runs it):
 # vllm 0.33 with --no-deps, plus only the small packages its model-loader
 # modules import, in a venv over the system site-packages. vLLM pins a CUDA
 # torch 2.14 and transformers<5.21; installing its dependencies would replace

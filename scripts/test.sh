@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
-# Every test: check the layers of src/ (scripts/check-layers.py, before
-# anything is built), set up and build, run the whole suite (unit, Python, install
-# consumer), the conversion test cross-built for aarch64 under qemu
+# scripts/test.sh --quick: the layer check, set-up and build of build/, then the unit and Python
+# suites (ctest -L 'unit|python', the vLLM plugin's left out): no vLLM set-up, wheel, qemu or
+# sanitizer builds. What a change is checked with before the full run.
+#
+# scripts/test.sh: every test, what CI runs (.ci/run): check the layers of src/
+# (scripts/check-layers.py, before anything is built), set up and build, set up vLLM's venv
+# (scripts/setup-vllm.sh; PINLOAD_SKIP_VLLM=1 leaves it out), run the whole suite (unit, Python,
+# install consumer), the conversion test cross-built for aarch64 under qemu
 # (scripts/test-aarch64.sh), then the ASan+UBSan build with a short fuzz
 # run, then the TSan build of the unit suites. The wheel is built as `pip wheel .` on a
 # pseudo-terminal, repaired with auditwheel and smoke-tested in a fresh venv (scripts/test-wheel.sh:
@@ -9,6 +14,12 @@
 # takes about 30 s). PINLOAD_TEST_WHEEL=0 leaves it out.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+QUICK=0
+case ${1:-} in
+  "") ;;
+  --quick) QUICK=1 ;;
+  *) echo "usage: scripts/test.sh [--quick]" >&2; exit 2 ;;
+esac
 # The layer check needs only Python 3 and takes a second: first, or after the
 # set-up where a fresh machine has no Python yet.
 echo "== layers (scripts/check-layers.py)"
@@ -17,6 +28,17 @@ if command -v python3 >/dev/null; then python3 scripts/check-layers.py; layers_c
 scripts/setup.sh
 if [[ $layers_checked == 0 ]]; then python3 scripts/check-layers.py; fi
 JOBS=${JOBS:-$(nproc)}
+
+if [[ $QUICK == 1 ]]; then
+  echo "== unit and Python tests (build/)"
+  (cd build && ctest --output-on-failure -j "$JOBS" -L 'unit|python' -E '^python_vllm_tests$')
+  echo "== quick tests passed (scripts/test.sh with no flag runs every test)"
+  exit 0
+fi
+
+# The vLLM plugin's tests run in a venv of their own (vllm --no-deps over this torch). It never
+# fails the set-up: the tests skip with the reason instead.
+[[ ${PINLOAD_SKIP_VLLM:-0} == 1 ]] || scripts/setup-vllm.sh
 
 echo "== tests (build/)"
 (cd build && ctest --output-on-failure -j "$JOBS")
