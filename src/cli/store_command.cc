@@ -133,8 +133,7 @@ void add_store_command(CLI::App& app) {
       ->type_name("UID");
   s->add_flag("--allow-any-uid", serve->options.allow_any_uid, "serve every peer the socket's permissions let in");
   s->add_option("--remote-allow", serve->options.remote_allow,
-                "fetch remote objects under this URL prefix (s3://bucket/models/, https://host/path/) with the "
-                "daemon's own credentials for every client; repeatable (others: presigned URLs only)")
+                "fetch objects under this URL prefix for every client; repeatable")
       ->type_name("PREFIX");
   s->add_option("--max-connections", serve->options.max_connections, "connections served at once")
       ->transform(integer_range(1, 1 << 20))
