@@ -55,11 +55,16 @@ class ModelCache:
         ("cpu", "sim", "cuda", "cuda:N", an int or a torch.device): from the cache on a hit, else
         loaded (and cached when it fits the budget)."""
         names = as_paths(paths)
-        spec, move_to = resolve_device(device)
-        sd = self._core.get([os.fsencode(p) for p in names], spec)
+        sd, move_to = self._state_dict(names, device)
         file = describe(names)
         return dict(yield_entries(collections.deque(sd.export_all()), check_dtypes(sd, file), sd.torch_device,
                                    move_to, file))
+
+    def _state_dict(self, names, device: Device = "cpu"):
+        """The cached state dict of ``names`` (as ``as_paths`` gives them) and the torch device to
+        move its tensors to (pinload.hooks' safe_open serves a file from it)."""
+        spec, move_to = resolve_device(device)
+        return self._core.get([os.fsencode(p) for p in names], spec), move_to
 
     def contains(self, paths: Union[PathLike, Iterable[PathLike]]) -> bool:
         """Whether ``get(paths)`` would be served from the cache now (stats the files, reads nothing)."""

@@ -171,10 +171,12 @@ def _bind(original: Callable, args: tuple, kwargs: dict) -> Optional[inspect.Bou
     return bound
 
 
-def _routed_load_state_dict(original: Callable, patch: Patch, options: Dict[str, Any], counter: str) -> Callable:
+def _routed_load_state_dict(original: Callable, patch: Patch, options: Dict[str, Any], counter: str,
+                            cache: Any = None) -> Callable:
     """Wraps a library's ``load_state_dict(checkpoint_file, map_location=...)`` (diffusers' and
-    transformers' have that shape) so that a safetensors file goes through pinload; anything
-    else (a .bin file, a dict, a device pinload does not serve) goes to the original."""
+    transformers' have that shape) so that a safetensors file goes through pinload (through
+    ``cache``, a ModelCache, where given: Note [Hooks over a model cache]); anything else (a .bin
+    file, a dict, a device pinload does not serve) goes to the original."""
 
     @functools.wraps(original)
     def load_state_dict(*args, **kwargs):
@@ -184,17 +186,30 @@ def _routed_load_state_dict(original: Callable, patch: Patch, options: Dict[str,
             checkpoint = a.get("checkpoint_file")
             device = a.get("map_location", "cpu")
             if _is_safetensors_file(checkpoint) and _pinload_device(device):
-                from .torch import load_file
-
-                result = load_file(checkpoint, device=device, **_with_model_dtype(options))
                 patch.count("diffusers.from_single_file" if _SINGLE_FILE.get() else counter)
                 patch.count("files")
-                return result
+                if cache is not None:
+                    patch.count("cache.get")
+                    return cache.get(checkpoint, device=device)
+                from .torch import load_file
+
+                return load_file(checkpoint, device=device, **_with_model_dtype(options))
         return original(*args, **kwargs)
 
     load_state_dict._pinload_original = original  # type: ignore[attr-defined]
     return load_state_dict
 
+
+# Note [Hooks over a model cache]
+# A worker that switches between pipelines builds them again and again with from_pretrained.
+# patch_diffusers(cache=c) and patch_transformers(cache=c) serve every model file that
+# from_pretrained reads from the ModelCache c: the first build loads it (one parallel load, kept
+# within the cache's budget), and every later build of a model with that file reads nothing and
+# copies nothing on the host (the tensors are the cached ones). The model's dtype is not passed
+# to the load: the cache keeps the file as stored, and from_pretrained's own cast converts where
+# the model's dtype differs (with no copy where it does not). As with ModelCache.get, the tensors
+# alias the cache: a model that writes its weights in place (fuse_lora) writes the cached copy,
+# so unfuse before switching away, or evict the entry.
 
 # ---- diffusers ----
 
@@ -333,14 +348,16 @@ def _route_module_reads(patch: Patch, options: Dict[str, Any]) -> None:
             patch._replace(module, "safe_open", _routed_safe_open(current, patch, options, counter))
 
 
-def patch_diffusers(*, transformers: bool = True, **options: Any) -> Patch:
+def patch_diffusers(*, transformers: bool = True, cache: Any = None, **options: Any) -> Patch:
     """Routes diffusers' safetensors loading (``ModelMixin.from_pretrained``, and so each model
     component of ``DiffusionPipeline.from_pretrained``; ``from_single_file``; the LoRA,
     textual-inversion, attention-processor and IP-adapter loaders) through pinload; with ``transformers``
     (the default, when it is installed) also ``patch_transformers``, for a pipeline's text
     encoders. ``options`` are pinload load options (threads, block_size, direct, progress, ...).
     A model's ``torch_dtype`` and ``_keep_in_fp32_modules`` are honoured inside the load (Note
-    [dtype through the conversion]); ``dtype=`` sets one for every load instead.
+    [dtype through the conversion]); ``dtype=`` sets one for every load instead. ``cache``, a
+    ``pinload.ModelCache``: every model file is served from it, so that building a pipeline again in
+    a long-lived worker reads nothing (Note [Hooks over a model cache]).
 
     Returns a Patch: use it as a context manager, or call ``.undo()``.
     """
@@ -352,7 +369,7 @@ def patch_diffusers(*, transformers: bool = True, **options: Any) -> Patch:
     _import_all(_DIFFUSERS_MODULES)
     patch = Patch("diffusers")
     original = mlu.load_state_dict
-    replacement = _routed_load_state_dict(original, patch, options, "diffusers.load_state_dict")
+    replacement = _routed_load_state_dict(original, patch, options, "diffusers.load_state_dict", cache)
     try:
         _replace_everywhere(patch, "diffusers", "load_state_dict", original, replacement)
         import diffusers.models.modeling_utils as modeling_utils
@@ -373,7 +390,7 @@ def patch_diffusers(*, transformers: bool = True, **options: Any) -> Patch:
             except ImportError:
                 pass
             else:
-                patch._children.append(patch_transformers(**options))
+                patch._children.append(patch_transformers(cache=cache, **options))
     except BaseException:
         patch.undo()
         raise
@@ -384,10 +401,16 @@ def patch_diffusers(*, transformers: bool = True, **options: Any) -> Patch:
 
 
 def _routed_safe_open(original: Callable, patch: Patch, options: Dict[str, Any],
-                      counter: str = "transformers.safe_open") -> Callable:
+                      counter: str = "transformers.safe_open", cache: Any = None) -> Callable:
     from .torch import safe_open
 
     class _CountingSafeOpen(safe_open):
+        def _load(self):
+            if cache is None:
+                return super()._load()
+            patch.count("cache.get")
+            return cache._state_dict([self._path], self._device)
+
         def _loaded(self):
             patch.count("files")
 
@@ -419,7 +442,8 @@ def _reads_whole_files(mu: Any, load_config: Any, files: List[Any]) -> bool:
     return on_mount is not None and all(on_mount(f) for f in files)
 
 
-def _routed_load_pretrained_model(mu: Any, original: Callable, patch: Patch, options: Dict[str, Any]) -> Callable:
+def _routed_load_pretrained_model(mu: Any, original: Callable, patch: Patch, options: Dict[str, Any],
+                                  cache: Any = None) -> Callable:
     """transformers' ``_load_pretrained_model(model, state_dict, checkpoint_files, load_config, ...)``
     whose disable_mmap branch (every file read whole, its bytes parsed) is served by one pinload load
     per file, handed in as ``state_dict``: transformers takes that dict where it would take the
@@ -437,7 +461,7 @@ def _routed_load_pretrained_model(mu: Any, original: Callable, patch: Patch, opt
 
                 state_dict: Dict[str, Any] = {}
                 for f in files:
-                    state_dict.update(load_file(f, **options))
+                    state_dict.update(cache.get(f) if cache is not None else load_file(f, **options))
                     patch.count("files")
                 patch.count("transformers.disable_mmap")
                 a["state_dict"] = state_dict
@@ -447,9 +471,11 @@ def _routed_load_pretrained_model(mu: Any, original: Callable, patch: Patch, opt
     return _load_pretrained_model
 
 
-def patch_transformers(**options: Any) -> Patch:
+def patch_transformers(*, cache: Any = None, **options: Any) -> Patch:
     """Routes transformers' safetensors loading (``PreTrainedModel.from_pretrained``) through
-    pinload. ``options`` are pinload load options. Returns a Patch (context manager, ``.undo()``).
+    pinload. ``options`` are pinload load options; ``cache``, a ``pinload.ModelCache``, serves every
+    file from the cache instead (Note [Hooks over a model cache]). Returns a Patch (context manager,
+    ``.undo()``).
     """
     from ._options import request
 
@@ -462,18 +488,19 @@ def patch_transformers(**options: Any) -> Patch:
     try:
         original_open = mu.safe_open
         _replace_everywhere(patch, "transformers", "safe_open", original_open,
-                            _routed_safe_open(original_open, patch, options))
+                            _routed_safe_open(original_open, patch, options, cache=cache))
         if original_open is not safetensors.safe_open:  # someone patched it before us: the real one too
             _replace_everywhere(patch, "transformers", "safe_open", safetensors.safe_open,
-                                _routed_safe_open(safetensors.safe_open, patch, options))
+                                _routed_safe_open(safetensors.safe_open, patch, options, cache=cache))
         original_load = mu.load_state_dict
         _replace_everywhere(patch, "transformers", "load_state_dict", original_load,
-                            _routed_load_state_dict(original_load, patch, options, "transformers.load_state_dict"))
+                            _routed_load_state_dict(original_load, patch, options, "transformers.load_state_dict",
+                                                    cache))
         model_cls = mu.PreTrainedModel
         stored = model_cls.__dict__.get("_load_pretrained_model")
         if isinstance(stored, staticmethod):
             patch._replace(model_cls, "_load_pretrained_model",
-                           staticmethod(_routed_load_pretrained_model(mu, stored.__func__, patch, options)))
+                           staticmethod(_routed_load_pretrained_model(mu, stored.__func__, patch, options, cache)))
     except BaseException:
         patch.undo()
         raise

@@ -366,7 +366,7 @@ class safe_open:
         with self._lock:
             self._check_open()
             if self._sd is None:
-                sd, move_to = _tt.load_paths([self._path], self._device, self._request, self._cached_read, self._held)
+                sd, move_to = self._load()
                 # Names and shapes (a dtype= load converts the dtypes).
                 if self._held is None and ({n: list(s) for n, _, s in sd.infos()} !=
                                            {n: list(s) for n, (_, s) in self._info.items()}):
@@ -375,6 +375,10 @@ class safe_open:
                 self._sd, self._move_to = sd, move_to
                 self._loaded()
             return self._sd
+
+    def _load(self) -> Tuple["_core.StateDict", Optional[torch.device]]:
+        """Loads the file (a hook for subclasses: pinload.hooks serves it from a ModelCache)."""
+        return _tt.load_paths([self._path], self._device, self._request, self._cached_read, self._held)
 
     def _loaded(self) -> None:
         """Called once, under the handle's lock, after the file has been loaded (a hook for
