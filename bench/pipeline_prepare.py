@@ -1,0 +1,157 @@
+#!/usr/bin/env python3
+"""Writes what bench/pipeline_bench.py's workloads read beside the generated pipelines, once
+(kept when present):
+
+    pipeline_prepare.py single-file|lora|lm|flashpack PATHS_JSON LM_GB
+
+single-file  the SDXL pipeline as one original-layout checkpoint (tests/python/ldm_layout.py)
+lora         a rank-32 LoRA over the SDXL UNet's attention, in diffusers' format (peft's names),
+             weights N(0, 0.02)
+lm           a Llama of about LM_GB GB in bfloat16 (N(0, 0.02) weights, norms 1), with config.json
+flashpack    FlashPack copies of the SDXL and FLUX pipelines' diffusers components
+             (save_pretrained(use_flashpack=True)), where flashpack is installed
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import warnings
+
+warnings.simplefilter("ignore")
+import torch  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+what, paths, lm_gb = sys.argv[1], json.loads(sys.argv[2]), float(sys.argv[3])
+
+
+def realistic_(name: str, t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    if "norm" in name and name.endswith("weight"):
+        return t.fill_(1.0)
+    if name.endswith("bias"):
+        return t.zero_()
+    return t.normal_(0.0, 0.02, generator=gen)
+
+
+def single_file() -> None:
+    out = paths["single_file"]
+    if os.path.exists(out):
+        return
+    import diffusers
+    import ldm_layout  # tests/python
+
+    root = paths["sdxl"]
+    single = {}
+    for component in ("unet", "vae", "text_encoder", "text_encoder_2"):
+        sub = os.path.join(root, component)
+        (weights,) = [os.path.join(sub, n) for n in os.listdir(sub) if n.endswith(".fp16.safetensors")]
+        sd = load_file(weights)
+        if component == "unet":
+            single.update(ldm_layout.unet(sd, diffusers.UNet2DConditionModel.load_config(sub)))
+        elif component == "vae":
+            single.update(ldm_layout.vae(sd, diffusers.AutoencoderKL.load_config(sub)))
+        elif component == "text_encoder":
+            single.update(ldm_layout.clip_l(sd))
+        else:
+            single.update(ldm_layout.clip_g(sd))
+    save_file(single, out + ".tmp")
+    os.replace(out + ".tmp", out)
+
+
+def lora() -> None:
+    folder = paths["lora"]
+    if os.path.exists(os.path.join(folder, "pytorch_lora_weights.safetensors")):
+        return
+    import diffusers
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+
+    unet_dir = os.path.join(paths["sdxl"], "unet")
+    config = diffusers.UNet2DConditionModel.load_config(unet_dir)
+    with torch.device("meta"):
+        unet = diffusers.UNet2DConditionModel.from_config(config)
+    unet.add_adapter(LoraConfig(r=32, lora_alpha=32, target_modules=["to_q", "to_k", "to_v", "to_out.0"]))
+    gen = torch.Generator().manual_seed(1)
+    state = {}
+    for name, p in get_peft_model_state_dict(unet).items():
+        state[name] = realistic_(name, torch.empty(p.shape, dtype=torch.float16), gen)
+    diffusers.StableDiffusionXLPipeline.save_lora_weights(folder, unet_lora_layers=state, safe_serialization=True)
+
+
+def lm() -> None:
+    folder = paths["lm"]
+    if os.path.exists(os.path.join(folder, "config.json")):
+        return
+    import transformers
+
+    # TinyLlama-1.1B's shape (2.2 GB in bfloat16), layers scaled to the size asked for.
+    layers = max(1, round(22 * lm_gb / 2.2))
+    config = transformers.LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
+                                      num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=4,
+                                      max_position_embeddings=2048, torch_dtype="bfloat16")
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    gen = torch.Generator().manual_seed(2)
+    os.makedirs(folder, exist_ok=True)
+    shard, shards, size, index = {}, [], 0, {}
+    limit = 1 << 30
+    names = list(model.state_dict().items())
+    for name, p in names:
+        shard[name] = realistic_(name, torch.empty(p.shape, dtype=torch.bfloat16), gen)
+        size += shard[name].numel() * 2
+        if size >= limit:
+            shards.append(shard)
+            shard, size = {}, 0
+    if shard:
+        shards.append(shard)
+    total = 0
+    for i, sd in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(sd, os.path.join(folder, name), metadata={"format": "pt"})
+        for k, v in sd.items():
+            index[k] = name
+            total += v.numel() * 2
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": index}, f)
+    config.save_pretrained(folder)
+
+
+def flashpack() -> None:
+    try:
+        import flashpack  # noqa: F401
+    except ImportError:
+        return
+    import diffusers
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+    import switch_pipelines as sp
+
+    for key in ("sdxl", "flux"):
+        src = paths[key]
+        dst = src + "-flashpack"
+        if os.path.exists(os.path.join(dst, "model_index.json")):
+            continue
+        with open(os.path.join(src, "model_index.json")) as f:
+            index = json.load(f)
+        for component, entry in index.items():
+            sub = os.path.join(src, component)
+            if not isinstance(entry, list) or not os.path.isdir(sub):
+                continue
+            out = os.path.join(dst, component)
+            if entry[0] == "diffusers" and os.path.exists(os.path.join(sub, "config.json")):
+                cls = getattr(diffusers, entry[1])
+                variant = "fp16" if any(n.endswith(".fp16.safetensors") for n in os.listdir(sub)) else None
+                dtype = torch.float16 if variant else torch.bfloat16
+                fixes = sp.CONFIG_FIXES.get((index["_class_name"], component), {})
+                model = cls.from_pretrained(sub, variant=variant, torch_dtype=dtype, **fixes)
+                model.save_pretrained(out, variant=variant, use_flashpack=True)
+                del model
+            else:
+                os.makedirs(os.path.dirname(out), exist_ok=True)
+                if not os.path.exists(out):
+                    os.symlink(sub, out)
+        with open(os.path.join(dst, "model_index.json"), "w") as f:
+            json.dump(index, f)
+
+
+{"single-file": single_file, "lora": lora, "lm": lm, "flashpack": flashpack}[what]()
