@@ -79,7 +79,7 @@ std::string interpreter() {
 void add_encoder_command(CLI::App& app) {
   // Listed here for --help; main() hands its arguments to run_encoder_command before CLI11 parses.
   app.add_subcommand("encoder",
-                     "Serve a T5 or CLIP text encoder over HTTP (python -m pinload encoder; docs/encoder.md)");
+                     "Serve a T5 or CLIP text encoder over HTTP (docs/encoder.md)");
 }
 
 int run_encoder_command(int argc, char** argv) {

@@ -556,7 +556,8 @@ def test_readme_synopsis_is_complete(run_pinload):
     assert {"inspect", "load", "convert", "trace", "warm", "agent"} <= set(commands)
     for command in commands:
         assert re.search(rf"^pinload {command} ", block, re.M), command
-        text = assert_ok(run_pinload(command, "--help")).stdout.split("Options:", 1)[1]
+        # CLI11's "Options:", or argparse's "options:" (encoder hands its arguments to Python)
+        text = re.split(r"^[Oo]ptions:", assert_ok(run_pinload(command, "--help")).stdout, maxsplit=1, flags=re.M)[1]
         # each option's spellings: "-v,--verbose" is there as either
         options = [m.split(",") for m in re.findall(r"^  ((?:-\w,)?--[a-z][a-z0-9-]*)", text, re.M) if m != "-h,--help"]
         line = "\n".join(re.findall(rf"^pinload {command} .*(?:\n {{13}}.*)*", block, re.M))
