@@ -378,7 +378,11 @@ json Store::get(const detail::WireMessage& message, const Peer& peer, std::vecto
   if (variant.active()) {
     if (!planner_) throw InvalidArgumentError("this store keeps no converted entries", ErrorContext{path});
     key += " as " + variant.describe() + " prefix " + nlohmann::json(variant.name_prefix).dump();
-    const std::unique_ptr<detail::ConvertedImage> image = planner_(env_, fd, path, variant, options_.threads);
+    std::unique_ptr<detail::ConvertedImage> image;
+    {
+      const Reservation planning(*this, header_bytes, path);  // the planner parses the header again
+      image = planner_(env_, fd, path, variant, options_.threads);
+    }
     reply = serve(key, path, variant.describe(), identity, image->bytes(), hold, peer,
                   [&](Entry& e) { fill_image(e, fd, *image); }, held, fds_out);
   } else {
