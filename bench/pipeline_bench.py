@@ -26,7 +26,8 @@ Cases, each system in turn, the order rotated every round:
   cold           `sync; echo 3 > /proc/sys/vm/drop_caches` (root) and the store emptied, then a worker
   restart        the next fresh worker right after it (the page cache, and the store, as it left them)
 Every worker touches one byte of every 4 KiB page of every parameter; its clock starts after the
-imports. Limits measured in the same run on the workload's files: fio's direct read and a fresh
+imports. --device cuda moves each built model to the GPU (.to), --device-map builds it there
+(from_pretrained(device_map=)); scripts/gpu-check.sh runs both on the SDXL pipeline. Limits measured in the same run on the workload's files: fio's direct read and a fresh
 pool's first touch (pinload-bench --phases fio,pool). Ratios are against the best stock option
 (stock, parallel, flashpack) of the same round; medians over the rounds.
 Output: --out JSON (default bench/results/pipeline.<scale>.json) and a markdown table on stdout.
@@ -119,8 +120,9 @@ def drop_caches() -> str:
         return f"not dropped ({e.strerror})"
 
 
-def run_worker(workload: str, system: str, paths: dict, env: dict, timeout: int) -> dict:
-    spec = {"workload": workload, "system": system, "paths": paths}
+def run_worker(workload: str, system: str, paths: dict, env: dict, timeout: int, device: str | None = None,
+               device_map: bool = False) -> dict:
+    spec = {"workload": workload, "system": system, "paths": paths, "device": device, "device_map": device_map}
     run_env = dict(env)
     if system == "parallel":
         run_env["HF_ENABLE_PARALLEL_LOADING"] = "yes"
@@ -213,6 +215,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cases", default="cold,restart")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--lm-gb", type=float, default=2.2, help="the causal LM's size in GB (bfloat16)")
+    ap.add_argument("--device", default=None, help="cuda or cuda:N: the built models are moved there (.to)")
+    ap.add_argument("--device-map", action="store_true", help="with --device: built there (device_map=) instead")
     ap.add_argument("--dir", default=None, help="where the models are (default $PINLOAD_MODELS)")
     ap.add_argument("--build", default="build")
     ap.add_argument("--timeout", type=int, default=1800)
@@ -236,7 +240,8 @@ def main(argv=None) -> int:
     limits = {}
     for w in workloads:
         files = files_of(w, paths)
-        bench_bin = os.path.join(build, "pinload-bench")
+        bench_bin = next((p for p in (os.path.join(build, "bench", "pinload-bench"), os.path.join(build, "pinload-bench"))
+                          if os.path.exists(p)), os.path.join(build, "bench", "pinload-bench"))
         if not os.path.exists(bench_bin):
             limits[w] = {"error": f"{bench_bin} not built (cmake --build build --target pinload_bench)"}
         elif files and root_can_drop():
@@ -256,7 +261,7 @@ def main(argv=None) -> int:
                     run_env = dict(env, PINLOAD_STORE=daemon.socket) if s == "pinload+store" else env
                     if w == "switch":
                         drop_caches()
-                        r = run_worker(w, s, paths, run_env, a.timeout)
+                        r = run_worker(w, s, paths, run_env, a.timeout, a.device, a.device_map)
                         r.update(case="switch back", round=rnd)
                         runs.append(r)
                         log(f"round {rnd} {w:13s} {s:13s} switch back: {r.get('seconds', r.get('error'))}")
@@ -267,7 +272,7 @@ def main(argv=None) -> int:
                             if daemon is not None:
                                 daemon.evict()
                             how = drop_caches()
-                        r = run_worker(w, s, paths, run_env, a.timeout)
+                        r = run_worker(w, s, paths, run_env, a.timeout, a.device, a.device_map)
                         r.update(case=case, round=rnd, cache=how if case == "cold" else "as the cold worker left it")
                         runs.append(r)
                         shown = f"{r['seconds']:.2f} s" if "seconds" in r else f"error: {r.get('error', '')[-300:]}"
@@ -282,7 +287,7 @@ def main(argv=None) -> int:
         "machine": {"cpu": fb.cpu_name() if hasattr(fb, "cpu_name") else platform.processor(), "cores": os.cpu_count(),
                     "kernel": platform.release()},
         "versions": versions(env),
-        "limits": limits, "runs": runs, "summary": table,
+        "device": a.device, "device_map": a.device_map, "limits": limits, "runs": runs, "summary": table,
         "skipped": {f"{w}/{s}": why for (w, s), why in skipped.items()},
         "minutes": (time.monotonic() - started) / 60,
     }

@@ -20,6 +20,9 @@ import warnings
 warnings.simplefilter("ignore")
 spec = json.loads(sys.argv[1])
 workload, system, paths = spec["workload"], spec["system"], spec["paths"]
+# "device": None (host) or "cuda[:N]": the built model is moved there with .to(device), or, with
+# "device_map", built there by from_pretrained(device_map=device).
+device, device_map = spec.get("device"), spec.get("device_map", False)
 
 import torch  # noqa: E402
 
@@ -50,17 +53,18 @@ VAE_FIXES = {"use_quant_conv": False, "use_post_quant_conv": False, "layers_per_
 
 
 def touch(modules) -> tuple[int, int]:
-    """One byte of every 4 KiB page of every parameter and buffer: (bytes, checksum)."""
-    total, checksum, seen = 0, 0, set()
+    """One byte of every 4 KiB page of every parameter and buffer: (bytes, checksum). On a GPU
+    the sums run there and are read back once (a synchronisation)."""
+    total, seen, sums = 0, set(), []
     for m in modules:
         for t in list(m.parameters()) + list(m.buffers()):
-            if t.device.type != "cpu" or t.numel() == 0 or t.data_ptr() in seen:
+            if t.device.type == "meta" or t.numel() == 0 or (t.device, t.data_ptr()) in seen:
                 continue
-            seen.add(t.data_ptr())
+            seen.add((t.device, t.data_ptr()))
             flat = t.detach().reshape(-1).view(torch.uint8)
-            checksum += int(flat[::4096].sum())
+            sums.append(flat[::4096].sum())
             total += flat.numel()
-    return total, checksum
+    return total, int(sum(int(x) for x in sums))
 
 
 def modules_of(obj) -> list:
@@ -80,10 +84,22 @@ def folder(key: str) -> str:
     return paths[key + "_flashpack"] if FLASH and paths.get(key + "_flashpack") else paths[key]
 
 
+PLACE = {"device_map": device} if device and device_map else {}
+
+
+def placed(built):
+    """The built model on `device` (moved with .to where from_pretrained did not place it)."""
+    if not device or device_map:
+        return built
+    if isinstance(built, list):
+        return [m.to(device) for m in built]
+    return built.to(device)
+
+
 def build():
     if workload == "sdxl":
         return diffusers.StableDiffusionXLPipeline.from_pretrained(folder("sdxl"), variant="fp16",
-                                                                   torch_dtype=torch.float16, **FLASH)
+                                                                   torch_dtype=torch.float16, **FLASH, **PLACE)
     if workload == "flux-encoders":
         root = folder("flux")
         return [transformers.CLIPTextModel.from_pretrained(os.path.join(root, "text_encoder"), dtype=torch.bfloat16),
@@ -148,7 +164,7 @@ elif workload == "switch":
     out.update(steps=steps, seconds=steps[-1]["seconds"], bytes=steps[-1]["bytes"])
 else:
     t0 = time.perf_counter()
-    built = build()
+    built = placed(build())
     t1 = time.perf_counter()
     nbytes, checksum = touch(modules_of(built))
     t2 = time.perf_counter()

@@ -12,7 +12,7 @@
 # (scripts/fetch-gpu-deps.sh fills it on the dev machine; carry it along), it
 # goes on CMAKE_PREFIX_PATH and LD_LIBRARY_PATH. Missing packages are named.
 #
-# OUTDIR receives at most 8 files:
+# OUTDIR receives at most 10 files:
 #   results.json           the summary: steps, dependencies, test counts,
 #                          measurements (CudaMeasure), the torch reference and
 #                          pinload-bench's device ratios and targets
@@ -31,6 +31,8 @@
 #                          results.json's fp8_device; and bench/fresh_bench.py --device cuda:0,
 #                          a fresh process's device load beside the peers': results.json's
 #                          fresh_device)
+#   pipeline_to.json, pipeline_device_map.json  bench/pipeline_bench.py's small SDXL pipeline on
+#                          cuda:0, stock diffusers and pinload's hooks, .to("cuda") and device_map="cuda"
 #   run_all.quick.json     bench/run_all.py --quick on cuda:0 (pinload and the peers on the
 #                          small checkpoints), when at least 90 s of the budget are left
 #
@@ -341,6 +343,21 @@ if (($(remaining) > 240)) && ls "$BUILD"/python/pinload/_core*.so >/dev/null 2>&
     --dir "$MODELS/fresh-bench-0.05" --out "$FRESH_JSON"
 else
   log "fresh_device: skipped ($(remaining)s left or no Python module)"
+fi
+
+# ---- pipelines end to end on cuda:0 (issue 47): bench/pipeline_bench.py's scaled-down SDXL pipeline built
+# by stock diffusers and through pinload's hooks, cold and restart, moved with .to("cuda") and built
+# with device_map="cuda"; its JSON comes back as $OUT/pipeline_cuda.json and pipeline_device_map.json
+if (($(remaining) > 240)) && ls "$BUILD"/python/pinload/_core*.so >/dev/null 2>&1 && python3 -c 'import diffusers' 2>/dev/null; then
+  for placement in to device_map; do
+    flag=(); [[ $placement == device_map ]] && flag=(--device-map)
+    run_step "pipeline_$placement" 110 "$OUT/bench.log" env PYTHONPATH="$BUILD/python:$ROOT/python" \
+      LD_LIBRARY_PATH="$PY_LD_LIBRARY_PATH" PINLOAD_MODELS="$MODELS" \
+      python3 bench/pipeline_bench.py --scale small --rounds 1 --workloads sdxl --systems stock,pinload \
+      --device cuda "${flag[@]}" --build "$BUILD" --fio-runtime 3 --out "$OUT/pipeline_$placement.json" || true
+  done
+else
+  log "pipelines on cuda: skipped ($(remaining)s left, no Python module or no diffusers)"
 fi
 
 # ---- the vLLM plugin on cuda:0 (tests/serving/gpu_vllm_check.py): pinload's iterator against
