@@ -74,8 +74,10 @@
 //    the object never learns its ETag and never asks.
 //  - The daemon fetches only what it may fetch for any client: an object
 //    under one of the operator's --remote-allow prefixes (with the
-//    credentials of its own environment, AWS_*), or a presigned URL (with
-//    the credentials its query carries). For any other object it answers
+//    credentials of its own environment, AWS_*). A presigned URL is no
+//    licence: the daemon cannot check its signature, and a server that
+//    ignores queries would serve the daemon what its client cannot reach
+//    (the daemon's network is a privilege too). For any other object it answers
 //    "read_yourself", and the client reads the object itself, even under
 //    `required`: no confused deputy fetches for a client what only the
 //    daemon can reach.
@@ -169,7 +171,7 @@ struct StoreServerOptions {
   std::size_t max_connections_per_uid = 256;
   // URL prefixes (canonical: remote::canonical_url) under which the daemon
   // fetches remote objects with its own credentials for any client
-  // (Note [Remote store entries]); other objects only by presigned URLs.
+  // (Note [Remote store entries]); other objects are read by their clients.
   std::vector<std::string> remote_allow;
   Env* env = nullptr;              // null: the POSIX env (tests inject faults here)
   const std::atomic<bool>* stop = nullptr;  // serve_store returns once it is true

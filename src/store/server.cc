@@ -20,7 +20,7 @@
 //  - A remote entry's key is the canonical URL (remote::canonical_url: what
 //    libcurl fetches), the size and the strong ETag, each checked against
 //    the server's first answer. The daemon fetches only under an operator's
-//    --remote-allow prefix or for a presigned URL; otherwise, and where the
+//    --remote-allow prefix (a presigned query is no licence); otherwise, and where the
 //    server gives no strong ETag equal to the one asked, the reply says
 //    "read_yourself" and the client reads the object itself.
 //  - Connections are bounded per uid and in total ("busy"); header bytes in
@@ -188,20 +188,6 @@ bool under_prefix(const std::string& url, const std::vector<std::string>& prefix
     }
   }
   return false;
-}
-
-// Whether `url` (canonical) carries its own credentials: an http(s) URL with a presigned S3
-// query (SigV4's X-Amz-Signature, X-Amz-Credential and X-Amz-Date; SigV2's Signature,
-// AWSAccessKeyId and Expires). Never an s3:// path: the daemon signs those with its own
-// credentials, so a query there proves nothing.
-bool presigned(const std::string& url) {
-  if (!url.starts_with("http://") && !url.starts_with("https://")) return false;
-  const auto q = url.find('?');
-  if (q == std::string::npos) return false;
-  const std::string query = "&" + url.substr(q + 1);
-  const auto has = [&](const char* name) { return query.find(std::string("&") + name + "=") != std::string::npos; };
-  return (has("X-Amz-Signature") && has("X-Amz-Credential") && has("X-Amz-Date")) ||
-         (has("Signature") && has("AWSAccessKeyId") && has("Expires"));
 }
 
 class Store {
@@ -426,12 +412,12 @@ json Store::get_remote(const detail::WireMessage& message, const Peer& peer, std
     throw InvalidArgumentError("a remote entry needs the object's strong ETag, not " + printable_text(version, 256),
                                ErrorContext{shown});
   }
-  // No confused deputy: the daemon fetches with its own credentials only what the operator let
-  // every client read, and otherwise only with the credentials the request carries.
-  if (!under_prefix(url, options_.remote_allow) && !presigned(url)) {
+  // No confused deputy: the daemon fetches only what the operator let every client read. Its
+  // network position is a privilege too, so a URL's own credentials (a presigned query, which the
+  // daemon cannot verify: a server that ignores queries serves anyone) are no licence.
+  if (!under_prefix(url, options_.remote_allow)) {
     return read_yourself_reply(InvalidArgumentError(
-        "the store fetches objects only under its --remote-allow prefixes, or by presigned URLs: read by the client",
-        ErrorContext{shown}));
+        "the store fetches objects only under its --remote-allow prefixes: read by the client", ErrorContext{shown}));
   }
   // The canonical URL, query included (a presigned URL's entry is its own), its size and its ETag.
   const std::string key = "remote " + url + " size " + std::to_string(bytes) + " version " + version;

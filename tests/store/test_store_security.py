@@ -466,19 +466,27 @@ def check_direct_fill(tmp_path, pinload_bin, daemon):
     assert f"store: read {model} (" in log and ", direct," in log, log
 
 
-def test_a_presigned_url_is_fetched_for_its_holders_only(tmp_path, pinload_bin, object_model):
+def test_a_presigned_url_is_no_licence_to_fetch(tmp_path, pinload_bin, object_model):
+    """A query that looks presigned proves nothing the daemon can check: outside --remote-allow the
+    client reads it itself, and no reply tells it the object's ETag or size (defect 5's oracle)."""
     data = object_model.read_bytes()
-    server = ObjectServer(data)  # ignores the query, as a presigned URL's server checks it
+    server = ObjectServer(data)  # ignores the query, as a server that the client cannot reach might
     url, etag = f"{server.url}/o.safetensors", server.etag.decode()
     signed = url + "?X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Credential=k&X-Amz-Date=20260101T000000Z&X-Amz-Signature="
     d = Daemon(pinload_bin, tmp_path, "--budget", "256M").start()  # no --remote-allow
     try:
+        for version, size in ((etag, len(data)), ('"0123456789abcdef"', len(data)), (etag, 1)):
+            reply = request(d.socket, {"op": "get_remote", "url": signed + "aa", "version": version, "size": size})
+            assert reply["ok"] is False and reply.get("read_yourself") is True, reply
+            assert etag.strip('"') not in json.dumps(reply) and str(len(data)) not in json.dumps(reply), reply
+        assert server.requests == [], "the daemon fetched a URL outside its --remote-allow prefixes"
+    finally:
+        d.stop()
+    # Under an allowed prefix the same URL is fetched, and its entry is keyed with its query.
+    d = Daemon(pinload_bin, tmp_path, "--budget", "256M", "--remote-allow", server.url + "/").start()
+    try:
         reply = request(d.socket, {"op": "get_remote", "url": signed + "aa", "version": etag, "size": len(data)})
         assert reply["ok"] is True and reply["hit"] is False, reply
-        # Its entry is keyed with its query: the object's plain URL is not served from it, and
-        # another signature is an entry of its own.
-        reply = request(d.socket, {"op": "get_remote", "url": url, "version": etag, "size": len(data)})
-        assert reply["ok"] is False and reply.get("read_yourself") is True, reply
         reply = request(d.socket, {"op": "get_remote", "url": signed + "bb", "version": etag, "size": len(data)})
         assert reply["ok"] is True and reply["hit"] is False, reply
         reply = request(d.socket, {"op": "get_remote", "url": signed + "aa", "version": etag, "size": len(data)})
