@@ -13,8 +13,9 @@ architectures, values as it writes them):
   lora           pipe.load_lora_weights(file) into a built SDXL pipeline (the build not timed): a
                  rank-32 LoRA over the UNet's attention, written by peft
   lm             AutoModelForCausalLM.from_pretrained of a Llama of --lm-gb (2.2) GB in bfloat16
-  switch         one long-lived worker switching SDXL -> FLUX -> SDXL (their diffusers modules): the
-                 switch back, stock from_pretrained against pinload.ModelCache (examples/switch_pipelines.py)
+  switch         one long-lived worker switching SDXL -> FLUX (the small one) -> SDXL, each pipeline's
+                 diffusers modules built with from_pretrained: the switch back, stock against the hooks
+                 over a ModelCache (patch_diffusers(cache=...), Note [Hooks over a model cache])
 Systems:
   stock          diffusers / transformers alone
   parallel       the same with HF_ENABLE_PARALLEL_LOADING=yes (diffusers' threaded loading)
@@ -70,13 +71,17 @@ def generate(a) -> dict:
     """Writes what the workloads read (kept when present) and returns their paths."""
     root = models_root(a)
     suffix = "" if a.scale == "full" else "-small"
-    gen_args = ["--scale", a.scale, "--out", root]
-    paths = {"sdxl": os.path.join(root, "sdxl-base" + suffix), "flux": os.path.join(root, "flux-dev" + suffix)}
-    for only, key in (("sdxl", "sdxl"), ("flux", "flux")):
-        if not os.path.exists(os.path.join(paths[key], "model_index.json")):
-            log(f"pipeline_bench: generating {paths[key]}")
-            subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "gen_checkpoints.py"), *gen_args,
-                            "--only", only], check=True, stdout=subprocess.DEVNULL)
+    paths = {"sdxl": os.path.join(root, "sdxl-base" + suffix), "flux": os.path.join(root, "flux-dev" + suffix),
+             "flux_small": os.path.join(root, "flux-dev-small")}
+    # FLUX's text encoders and VAE (at full size, not its 24 GB transformer: flux-encoders reads none of it);
+    # the switch's second pipeline is the small FLUX, whatever the scale (its figure is the switch back).
+    jobs = [("sdxl", "sdxl", a.scale, "unet"), ("clip-l,t5-xxl,vae", "flux", a.scale, "text_encoder_2"),
+            ("flux", "flux_small", "small", "transformer")]
+    for only, key, scale, probe in jobs:
+        if not os.path.isdir(os.path.join(paths[key], probe)):
+            log(f"pipeline_bench: generating {paths[key]} ({only})")
+            subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "gen_checkpoints.py"), "--scale", scale,
+                            "--out", root, "--only", only], check=True, stdout=subprocess.DEVNULL)
     extra = os.path.join(root, f"pipeline-bench-{a.scale}")
     os.makedirs(extra, exist_ok=True)
     paths["single_file"] = os.path.join(extra, "sdxl-single.safetensors")

@@ -128,6 +128,8 @@ def flashpack() -> None:
 
     for key in ("sdxl", "flux"):
         src = paths[key]
+        if not os.path.exists(os.path.join(src, "model_index.json")):
+            continue
         dst = src + "-flashpack"
         if os.path.exists(os.path.join(dst, "model_index.json")):
             continue

@@ -155,7 +155,7 @@ elif workload == "switch":
         return modules
 
     steps = []
-    for key in ("sdxl", "flux", "sdxl"):
+    for key in ("sdxl", "flux_small", "sdxl"):
         t0 = time.perf_counter()
         got = switch(paths[key])
         nbytes, _ = touch(modules_of(got))

@@ -71,8 +71,8 @@ def choose_scale(requested: str, models: str) -> tuple[str, str]:
 
 def generate(models: str, scale: str) -> dict:
     suffix = "" if scale == "full" else "-small"
-    paths = {"sdxl": os.path.join(models, "sdxl-base" + suffix), "flux": os.path.join(models, "flux-dev-small")}
-    for only, key, gen_scale in (("sdxl", "sdxl", scale), ("flux", "flux", "small")):
+    paths = {"sdxl": os.path.join(models, "sdxl-base" + suffix), "flux_small": os.path.join(models, "flux-dev-small")}
+    for only, key, gen_scale in (("sdxl", "sdxl", scale), ("flux", "flux_small", "small")):
         if not os.path.exists(os.path.join(paths[key], "model_index.json")):
             print(f"demo: generating {paths[key]} (scripts/gen_checkpoints.py --scale {gen_scale} --only {only})",
                   flush=True)
