@@ -177,6 +177,33 @@ def test_connections_over_the_per_uid_bound_get_a_typed_busy_reply(open_folder, 
         d.stop()
 
 
+def test_connections_over_the_total_bound_get_a_typed_busy_reply(open_folder, pinload_bin, other_user):
+    model = write_model(open_folder / "m.safetensors", 1, 45)
+    model.chmod(0o644)
+    d = Daemon(pinload_bin, open_folder, "--budget", "256M", "--socket-mode", "0666", "--allow-uid",
+               str(other_user.pw_uid), "--max-connections", "4", "--max-connections-per-uid", "64").start()
+    flood = subprocess.Popen(as_user(other_user, [sys.executable, "-c", HOLD_CONNECTIONS, "4", d.socket]),
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert flood.stdout.readline().strip() == "4"
+        time.sleep(0.3)
+        # Every slot is taken: root's load too gets "busy" (not a reset), and reads the file itself.
+        r = subprocess.run([pinload_bin, "load", "--store", d.socket, "--store-required", "-q", str(model)],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 1 and "busy" in r.stderr, r.stderr
+        r = subprocess.run([pinload_bin, "load", "--store", d.socket, "-q", str(model)], capture_output=True,
+                           text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+    finally:
+        flood.stdin.close()
+        flood.wait(30)
+    try:
+        time.sleep(0.3)  # the flood's connections closed: slots are free again
+        alive_and_serving(pinload_bin, d, model)
+    finally:
+        d.stop()
+
+
 # ---- 5: no confused deputy; 9: the size is part of the key and checked ----
 
 @pytest.fixture
