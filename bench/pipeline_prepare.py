@@ -149,9 +149,15 @@ def flashpack() -> None:
                 model.save_pretrained(out, variant=variant, use_flashpack=True)
                 del model
             else:
-                os.makedirs(os.path.dirname(out), exist_ok=True)
-                if not os.path.exists(out):
-                    os.symlink(sub, out)
+                # The other components' files, linked under their names without the variant: a
+                # FlashPack copy is loaded without one (its files are model.flashpack).
+                if os.path.islink(out):
+                    os.unlink(out)
+                os.makedirs(out, exist_ok=True)
+                for name in os.listdir(sub):
+                    target = os.path.join(out, name.replace(".fp16.", "."))
+                    if not os.path.lexists(target):
+                        os.symlink(os.path.join(sub, name), target)
         with open(os.path.join(dst, "model_index.json"), "w") as f:
             json.dump(index, f)
 

@@ -98,7 +98,8 @@ def placed(built):
 
 def build():
     if workload == "sdxl":
-        return diffusers.StableDiffusionXLPipeline.from_pretrained(folder("sdxl"), variant="fp16",
+        # A FlashPack copy has no variant (bench/pipeline_prepare.py writes model.flashpack files).
+        return diffusers.StableDiffusionXLPipeline.from_pretrained(folder("sdxl"), variant=None if FLASH else "fp16",
                                                                    torch_dtype=torch.float16, **FLASH, **PLACE)
     if workload == "flux-encoders":
         root = folder("flux")
