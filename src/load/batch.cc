@@ -94,7 +94,12 @@ std::vector<BatchItem> load_batch(const Loader& loader, const std::vector<std::s
       tensors.at(index).push_back(renamed(t, std::string(name)));
     }
     all.reset();
-    for (std::size_t i : swept) items[i].state = StateDict(std::move(tensors[i]), checkpoints[i]->metadata());
+    for (std::size_t i : swept) {
+      items[i].state = StateDict(std::move(tensors[i]), checkpoints[i]->metadata());
+      std::vector<std::string> files;  // StateDict::at names them
+      for (const CheckpointFile& f : checkpoints[i]->files) files.push_back(f.path);
+      items[i].state.set_files(std::move(files));
+    }
     return items;
   }
   for (std::size_t i : swept) {

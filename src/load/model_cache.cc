@@ -67,7 +67,9 @@ StateDict host_only(const StateDict& sd) {
   tensors.reserve(sd.size());
   for (const Tensor& t : sd)
     tensors.emplace_back(t.name(), t.dtype(), t.shape(), t.block(), t.block_offset(), t.nbytes());
-  return StateDict(std::move(tensors), sd.metadata());
+  StateDict out(std::move(tensors), sd.metadata());
+  out.set_files(sd.files());  // StateDict::at names them
+  return out;
 }
 
 StateDict device_only(const StateDict& sd) {
@@ -76,7 +78,9 @@ StateDict device_only(const StateDict& sd) {
   for (const Tensor& t : sd) {
     tensors.emplace_back(t.name(), t.dtype(), t.shape(), t.device_buffer(), t.device_offset(), t.nbytes());
   }
-  return StateDict(std::move(tensors), sd.metadata());
+  StateDict out(std::move(tensors), sd.metadata());
+  out.set_files(sd.files());  // StateDict::at names them
+  return out;
 }
 
 }  // namespace
@@ -116,7 +120,9 @@ StateDict ModelCache::get_on(Device& device, const std::vector<std::string>& pat
   StateDict on_device;
   StateDict host = lookup_or_load(paths, &device, copy, &on_device);
   if (!on_device.empty() || host.empty()) return on_device;
-  return device_only(upload(host, device, copy));
+  StateDict out = device_only(upload(host, device, copy));
+  out.set_files(host.files());  // upload() keeps tensors and metadata only
+  return out;
 }
 
 bool ModelCache::unchanged(const Alias& alias) const {

@@ -322,7 +322,11 @@ StateDict ShardLoad::State::read_batch(std::uint32_t bi) {
     const ShardTensor& t = plan.tensors[ti];
     tensors.emplace_back(t.name, t.dtype, t.part_shape(), block, static_cast<std::size_t>(t.dest_offset), t.nbytes);
   }
-  return StateDict(std::move(tensors));
+  StateDict out(std::move(tensors));
+  std::vector<std::string> paths;  // StateDict::at names them
+  for (const CheckpointFile& f : checkpoint.files) paths.push_back(f.path);
+  out.set_files(std::move(paths));
+  return out;
 }
 
 void ShardLoad::State::run() {
@@ -424,9 +428,14 @@ StateDict load_shard(const std::vector<std::string>& paths, const ShardSpec& spe
                      std::shared_ptr<Pool> pool, Env* env) {
   ShardLoad load(paths, spec, options, std::move(pool), env);
   std::vector<Tensor> all;
-  for (StateDict sd = load.next(); !sd.empty(); sd = load.next())
+  std::vector<std::string> files;
+  for (StateDict sd = load.next(); !sd.empty(); sd = load.next()) {
     for (const Tensor& t : sd) all.push_back(t);
-  return StateDict(std::move(all));
+    files = sd.files();
+  }
+  StateDict out(std::move(all));
+  out.set_files(std::move(files));
+  return out;
 }
 
 }  // namespace pinload

@@ -86,6 +86,42 @@ TEST(BatchTest, EveryItemEqualsTheFileAndItsOwnLoad) {
   }
 }
 
+// The message of StateDict::at for a tensor `sd` does not hold ("" if it holds it).
+std::string missing_tensor_message(const StateDict& sd) {
+  try {
+    sd.at("no.such.tensor");
+  } catch (const NotFoundError& e) {
+    EXPECT_EQ(e.context().tensor, "no.such.tensor");
+    return e.what();
+  }
+  return {};
+}
+
+// A state dict of the sweep names its file for a missing tensor, as a load of
+// the path alone does (it named none); so does one loaded again on its own
+// after a failed sweep (Note [Batch errors]).
+TEST(BatchTest, AMissingTensorNamesTheItemsFile) {
+  Library lib(3);
+  const Loader loader(small_options());
+  const std::vector<BatchItem> items = load_batch(loader, lib.paths);
+  ASSERT_EQ(items.size(), 3u);
+  for (std::size_t i = 0; i < items.size(); ++i) {
+    ASSERT_TRUE(items[i].ok()) << lib.paths[i];
+    EXPECT_EQ(items[i].state.files(), std::vector<std::string>{lib.paths[i]});
+    EXPECT_EQ(missing_tensor_message(items[i].state), lib.paths[i] + ": tensor 'no.such.tensor': no such tensor in the file");
+  }
+  // A folder is one item of several files: each is named.
+  const std::string a = lib.dir.file("sub/a.safetensors"), b = lib.dir.file("sub/b.safetensors");
+  std::filesystem::create_directories(lib.dir.path() / "sub");
+  std::mt19937_64 rng(11);
+  testing::write_random_checkpoint(a, rng, 3, 2000, "a.");
+  testing::write_random_checkpoint(b, rng, 3, 2000, "b.");
+  const std::vector<BatchItem> folder = load_batch(loader, {(lib.dir.path() / "sub").string(), lib.paths[0]});
+  ASSERT_TRUE(folder[0].ok());
+  EXPECT_EQ(missing_tensor_message(folder[0].state),
+            "tensor 'no.such.tensor': no such tensor in the 2 files loaded (" + a + ", " + b + ")");
+}
+
 TEST(BatchTest, FoldersAndRepeatedPaths) {
   Library lib(3);
   const Loader loader(small_options());

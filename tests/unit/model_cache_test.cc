@@ -395,6 +395,35 @@ TEST(ModelCache, GetOnSimCopiesTheCachedModelWithoutReading) {
   EXPECT_EQ(pool->stats().in_use_bytes, 0u);
 }
 
+// A missing tensor names the model's file in every state dict the cache hands
+// out: a miss, a hit, and the device copies of get_on (a miss that loads to
+// the device, and a hit that uploads the host copy), which named none.
+TEST(ModelCache, AMissingTensorNamesTheFile) {
+  auto device = make_sim_device();
+  TempDir dir;
+  const auto ms = write_models(dir, 2);
+  FaultEnv env;
+  ModelCache cache(UINT64_MAX, loader_on(&env, Pool::create(device->make_pinned_backend())));
+  auto message_of = [](const StateDict& sd) -> std::string {
+    try {
+      sd.at("no.such.tensor");
+    } catch (const NotFoundError& e) {
+      EXPECT_EQ(e.context().tensor, "no.such.tensor");
+      return e.what();
+    }
+    ADD_FAILURE() << "no NotFoundError";
+    return {};
+  };
+  const std::string in_0 = ms[0].path + ": tensor 'no.such.tensor': no such tensor in the file";
+  const std::string in_1 = ms[1].path + ": tensor 'no.such.tensor': no such tensor in the file";
+  EXPECT_EQ(message_of(cache.get({ms[0].path})), in_0);                        // miss
+  EXPECT_EQ(message_of(cache.get({ms[0].path})), in_0);                        // hit
+  EXPECT_EQ(message_of(cache.get_on(*device, {ms[0].path}, {})), in_0);        // hit, uploaded
+  EXPECT_EQ(message_of(cache.get_on(*device, {ms[1].path}, {})), in_1);        // miss, loaded to the device
+  EXPECT_EQ(message_of(cache.get({ms[1].path})), in_1);                        // its host copy
+  EXPECT_EQ(cache.stats().misses, 2u);
+}
+
 // Several gets of one missing model at once: one load, shared.
 TEST(ModelCacheConcurrency, OneMissingModelIsReadOnce) {
   TempDir dir;

@@ -209,6 +209,7 @@ TEST(ShardShare, EveryReplicatedByteIsReadByOneRank) {
     max_rank = std::max(max_rank, plan.read_bytes);
     StateDict sd = load_shard(m.paths, ShardSpec{r, world, ShardMode::kShare, {}, 0}, ShardLoadOptions{2, 1 << 20, false, 0, 0});
     for (const Tensor& t : sd) EXPECT_EQ(bytes_of(t), m.bytes.at(t.name()));
+    EXPECT_EQ(sd.files(), m.paths);  // StateDict::at names them for a missing tensor
   }
   EXPECT_EQ(sum, m.total());
   // Owners by contiguous ranges: no rank reads much more than its quarter (plus a tensor).
