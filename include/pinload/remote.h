@@ -59,6 +59,12 @@ struct RemoteOptions {
 // Whether `path` names a remote object: "s3://", "http://" or "https://".
 bool is_remote_path(std::string_view path) noexcept;
 
+// Throws InvalidArgumentError naming `path` (without user information or
+// query) where it starts with a URL scheme that pinload does not read
+// ("gs://", "az://", ...: docs/remote.md), so that such a URL is not taken
+// for a local path. Any other path: nothing.
+void refuse_unread_scheme(std::string_view path);
+
 // connections, else PINLOAD_CONNECTIONS, else kDefaultConnections; at least 1.
 unsigned effective_connections(const RemoteOptions& options);
 

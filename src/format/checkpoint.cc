@@ -147,6 +147,7 @@ class Resolver {
 
  private:
   detail::Storage& storage_for(const std::string& path) {
+    refuse_unread_scheme(path);
     if (!is_remote_path(path)) return *local_;
     if (!remote_) remote_ = detail::remote_storage(options_.remote);
     return *remote_;
@@ -258,6 +259,7 @@ SourceFile source_file(const CheckpointFile& file) {
 
 CheckpointFile read_checkpoint_file(Env* env, const std::string& path) {
   if (is_remote_path(path)) return detail::read_remote_checkpoint_file(RemoteOptions{}, path);
+  refuse_unread_scheme(path);
   CheckpointFile file;
   file.path = path;
   detail::LocalFileSource source(env, path, nullptr, SourceOptions{});  // Note [Byte sources]

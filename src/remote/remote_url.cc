@@ -18,6 +18,13 @@ bool is_remote_path(std::string_view path) noexcept {
   return path.starts_with("s3://") || path.starts_with("http://") || path.starts_with("https://");
 }
 
+void refuse_unread_scheme(std::string_view path) {
+  if (is_remote_path(path) || remote::url_scheme(path).empty()) return;
+  throw InvalidArgumentError("a URL of a scheme pinload does not read: it reads s3://, http:// and https:// "
+                             "(gs:// and Azure: see docs/remote.md)",
+                             ErrorContext{remote::display_url(path)});
+}
+
 }  // namespace pinload
 
 namespace pinload::remote {
@@ -222,8 +229,34 @@ std::string canonical_url(std::string_view url) {
   return *out;
 }
 
+std::string_view url_scheme(std::string_view path) {
+  const std::size_t end = path.find("://");
+  if (end == std::string_view::npos || end == 0) return {};
+  const std::string_view scheme = path.substr(0, end);
+  const bool ok = std::isalpha(static_cast<unsigned char>(scheme[0])) &&
+                  std::all_of(scheme.begin(), scheme.end(), [](unsigned char c) {
+                    return std::isalnum(c) || c == '+' || c == '-' || c == '.';
+                  });
+  return ok ? scheme : std::string_view{};
+}
+
+namespace {
+
+// A URL never fetched, shown cut at its query or fragment, without user information.
+std::string shown_unfetched(std::string_view url) {
+  std::string out(url.substr(0, url.find_first_of("?#")));
+  const std::size_t host = out.find("://") + 3;
+  const std::size_t at = out.rfind('@', std::min(out.find('/', host), out.size()));
+  if (at != std::string::npos && at >= host) out.erase(host, at + 1 - host);
+  return out;
+}
+
+}  // namespace
+
 std::string display_url(std::string_view url) {
-  if (!url.starts_with("http://") && !url.starts_with("https://")) return std::string(url);
+  if (url.starts_with("s3://") || url_scheme(url).empty()) return std::string(url);
+  // Another scheme is never fetched (an Azure SAS token is a query).
+  if (!url.starts_with("http://") && !url.starts_with("https://")) return shown_unfetched(url);
   std::string problem;
   if (std::unique_ptr<CurlUrl> u = parse_http(url, &problem)) {
     std::string host = u->get(CURLUPART_HOST, CURLU_PUNYCODE).value_or(u->get(CURLUPART_HOST, 0).value_or(""));
@@ -232,12 +265,7 @@ std::string display_url(std::string_view url) {
     return *u->get(CURLUPART_SCHEME, 0) + "://" + host + (port ? ":" + *port : "") +
            u->get(CURLUPART_PATH, 0).value_or("/");
   }
-  // Never fetched: shown cut at its query or fragment, without user information.
-  std::string out(url.substr(0, url.find_first_of("?#")));
-  const std::size_t host = out.find("://") + 3;
-  const std::size_t at = out.rfind('@', std::min(out.find('/', host), out.size()));
-  if (at != std::string::npos && at >= host) out.erase(host, at + 1 - host);
-  return out;
+  return shown_unfetched(url);  // never fetched
 }
 
 std::string uri_encode(std::string_view s, bool keep_slash) {

@@ -50,12 +50,17 @@ std::optional<Location> parse_location(std::string_view path);
 // Throws InvalidArgumentError naming the URL (display_url).
 std::string canonical_url(std::string_view url);
 
+// The scheme of a path that starts with one (RFC 3986: a letter, then letters,
+// digits, '+', '-' and '.', before "://"), as written; empty where none.
+std::string_view url_scheme(std::string_view path);
+
 // What messages, logs and store keys show of `url`: the scheme, host, port
 // and path that libcurl parses (Note [Canonical URLs]), without user
 // information, query (presigned URLs carry signatures there) or fragment; so
 // a URL that libcurl fetches from host A never displays as host B. An s3://
-// path is shown as written. A URL that libcurl cannot parse (and so never
-// fetches) is cut at its first '?' or '#', without user information.
+// path, and a path with no scheme, is shown as written. A URL that libcurl
+// cannot parse, or of another scheme (both never fetched), is cut at its
+// first '?' or '#', without user information.
 std::string display_url(std::string_view url);
 
 // RFC 3986 percent-encoding of all but unreserved characters (and '/' when

@@ -38,6 +38,32 @@ TEST(RemoteUrl, DisplayDropsCredentialsAndQuery) {
   EXPECT_EQ(display_url("s3://b/k"), "s3://b/k");
 }
 
+// A path with a scheme pinload does not read is refused, not taken for a local
+// path; it is shown without user information or query (an Azure SAS token).
+TEST(RemoteUrl, OtherSchemesAreRefused) {
+  const std::pair<std::string, std::string> refused[] = {
+      {"gs://b/m.safetensors", "gs://b/m.safetensors"},
+      {"az://container/m?sv=2024&sig=SECRET", "az://container/m"},
+      {"abfs://u:SECRET@acct.dfs.core.windows.net/m", "abfs://acct.dfs.core.windows.net/m"},
+      {"GS://b/m", "GS://b/m"},
+      {"file:///tmp/m.safetensors", "file:///tmp/m.safetensors"},
+  };
+  for (const auto& [path, shown] : refused) {
+    try {
+      refuse_unread_scheme(path);
+      ADD_FAILURE() << path << " was not refused";
+    } catch (const InvalidArgumentError& e) {
+      EXPECT_EQ(e.context().file, shown);
+      EXPECT_NE(std::string(e.what()).find("s3://, http:// and https://"), std::string::npos) << e.what();
+      EXPECT_EQ(std::string(e.what()).find("SECRET"), std::string::npos) << e.what();
+    }
+  }
+  for (const std::string path : {"s3://b/k", "http://h/m", "https://h/m", "model.safetensors", "/tmp/a:b/m",
+                                 "dir/x://y", "://x", "1a://x"}) {
+    EXPECT_NO_THROW(refuse_unread_scheme(path)) << path;
+  }
+}
+
 // libcurl's own parse of `url`: the host it connects to.
 std::string curl_host(const std::string& url) {
   CURLU* u = curl_url();
