@@ -1,5 +1,6 @@
-"""``pinload.patch_safetensors()``: every ``safetensors.safe_open``, ``safetensors.torch.load_file``
-and ``safetensors.torch.load`` call of the process through pinload, for UIs and libraries that read
+"""``pinload.patch_safetensors()``: every ``safetensors.safe_open`` (and ``safetensors.torch.safe_open``),
+``safetensors.torch.load_file`` and ``safetensors.torch.load`` call of the process through pinload,
+for UIs and libraries that read
 checkpoints with safetensors themselves (ComfyUI's ``comfy.utils.load_torch_file``, A1111's
 ``read_state_dict``, Forge's ``backend.utils.load_torch_file``; docs/python.md, examples/comfyui/,
 examples/webui/).
@@ -12,7 +13,9 @@ examples/webui/).
 Note [Patching safetensors' module attributes]
 The replacements are set as attributes of the ``safetensors`` and ``safetensors.torch`` modules, so
 a call through the module (``safetensors.safe_open(...)``, ``safetensors.torch.load_file(...)``, as
-ComfyUI and the webuis make them) finds them, whenever it was imported. A name a module bound
+ComfyUI and the webuis make them) finds them, whenever it was imported. ``safetensors.torch``
+re-exports ``safe_open``: that name is routed too (and the original ``load_file``, where a call falls
+back to it, then opens its file through the routed ``safe_open``, which hands it on again). A name a module bound
 before the patch (``from safetensors import safe_open`` at its import) still holds the original: it
 cannot be told apart from an unrelated object without walking every module of the process, which
 this does not do. So the patch goes first, before the UI's modules are imported (ComfyUI's custom
@@ -202,7 +205,8 @@ def _routed_load(original: Callable, patch: SafetensorsPatch, options: Dict[str,
 
 
 def patch_safetensors(**options: Any) -> SafetensorsPatch:
-    """Routes ``safetensors.safe_open`` (frameworks "pt" and "np"), ``safetensors.torch.load_file``
+    """Routes ``safetensors.safe_open`` and its re-export ``safetensors.torch.safe_open`` (frameworks
+    "pt" and "np"), ``safetensors.torch.load_file``
     and ``safetensors.torch.load`` through pinload for the whole process, until ``undo()`` (or the
     end of a ``with`` block). ``options`` are pinload load options (threads, block_size, direct,
     dtype, ...), checked now. Call it before the modules that read checkpoints are imported (Note
@@ -217,7 +221,11 @@ def patch_safetensors(**options: Any) -> SafetensorsPatch:
 
     patch = SafetensorsPatch()
     try:
-        patch._replace(safetensors, "safe_open", _routed_safe_open(safetensors.safe_open, patch, options))
+        original = safetensors.safe_open
+        routed = _routed_safe_open(original, patch, options)
+        patch._replace(safetensors, "safe_open", routed)
+        if getattr(safetensors.torch, "safe_open", None) is original:  # its re-export (`from safetensors import safe_open`)
+            patch._replace(safetensors.torch, "safe_open", routed)
         patch._replace(safetensors.torch, "load_file", _routed_load_file(safetensors.torch.load_file, patch, options))
         patch._replace(safetensors.torch, "load", _routed_load(safetensors.torch.load, patch, options))
     except BaseException:

@@ -88,6 +88,7 @@ def patch():
         p.undo()
     assert safetensors.safe_open is REFERENCE["safe_open"] and safetensors.torch.load is REFERENCE["load"]
     assert safetensors.torch.load_file is REFERENCE["load_file"]
+    assert safetensors.torch.safe_open is REFERENCE["safe_open"]
 
 
 def test_safe_open_is_the_reference(ckpt, patch):
@@ -113,7 +114,8 @@ def test_safe_open_is_the_reference(ckpt, patch):
 
 
 def test_load_file_and_load_are_the_reference(ckpt, patch):
-    want = REFERENCE["load_file"](str(ckpt))
+    with REFERENCE["safe_open"](str(ckpt), framework="pt") as ref:  # what the reference load_file returns
+        want = ref.get_tensors()  # (that calls safetensors.torch.safe_open, which the patch routes)
     for got in (safetensors.torch.load_file(str(ckpt)), safetensors.torch.load_file(ckpt, device="cpu", backend="pread"),
                 safetensors.torch.load_file(str(ckpt), torch.device("cpu"))):
         assert list(got) == list(want)  # file order
@@ -126,34 +128,60 @@ def test_load_file_and_load_are_the_reference(ckpt, patch):
     assert patch.counts() == {"safetensors.torch.load_file": 3, "safetensors.torch.load": 1, "files": 4}
 
 
-def test_what_pinload_does_not_serve_goes_to_the_reference(ckpt, patch, tmp_path):
+def test_what_pinload_does_not_serve_goes_to_the_reference(ckpt, tmp_path):
     """A file pinload refuses gets the reference's own error, worded as the reference words it
     (ComfyUI matches that wording); a call pinload cannot take, the reference's handling. None of
-    these counts as pinload's."""
+    these counts as pinload's. The reference's errors are taken before the patch: the reference
+    load_file opens its file through safetensors.torch.safe_open, which the patch routes."""
     bad = tmp_path / "not_safetensors.safetensors"
     bad.write_bytes(b"\xff" * 64)
-    with pytest.raises(Exception) as want:
-        REFERENCE["safe_open"](str(bad), framework="pt")
-    with pytest.raises(type(want.value)) as got:
-        safetensors.safe_open(str(bad), framework="pt")
-    assert str(got.value) == str(want.value)
-    with pytest.raises(type(want.value)) as got:
-        comfy_utils_copy.load_torch_file(str(bad))
-    assert str(got.value) == str(want.value)
     missing = tmp_path / "missing.safetensors"
-    with pytest.raises(Exception) as want:
-        REFERENCE["load_file"](str(missing))
-    with pytest.raises(type(want.value)):
-        safetensors.torch.load_file(str(missing))
-    with pytest.raises(Exception) as want:
-        REFERENCE["load"](b"\x08\x00\x00\x00\x00\x00\x00\x00{}")
-    with pytest.raises(type(want.value)):
-        safetensors.torch.load(b"\x08\x00\x00\x00\x00\x00\x00\x00{}")
-    with pytest.raises(TypeError):
-        safetensors.safe_open(str(ckpt))  # no framework: the reference's own TypeError
+    empty_header = b"\x08\x00\x00\x00\x00\x00\x00\x00{}"
+    want = {}
+    for what, call in (("bad", lambda: REFERENCE["safe_open"](str(bad), framework="pt")),
+                       ("missing", lambda: REFERENCE["load_file"](str(missing))),
+                       ("empty", lambda: REFERENCE["load"](empty_header))):
+        with pytest.raises(Exception) as e:
+            call()
+        want[what] = e.value
+    with pinload.patch_safetensors() as patch:
+        with pytest.raises(type(want["bad"])) as got:
+            safetensors.safe_open(str(bad), framework="pt")
+        assert str(got.value) == str(want["bad"])
+        with pytest.raises(type(want["bad"])) as got:
+            comfy_utils_copy.load_torch_file(str(bad))
+        assert str(got.value) == str(want["bad"])
+        with pytest.raises(type(want["missing"])) as got:
+            safetensors.torch.load_file(str(missing))
+        assert str(got.value) == str(want["missing"])
+        with pytest.raises(type(want["empty"])):
+            safetensors.torch.load(empty_header)
+        with pytest.raises(TypeError):
+            safetensors.safe_open(str(ckpt))  # no framework: the reference's own TypeError
     assert patch.counts() == {}
-    assert patch.fallbacks == {"safetensors.safe_open": 3, "safetensors.torch.load_file": 1,
+    # 4 safe_open fallbacks: 3 calls above, and the reference load_file's own after load_file fell
+    # back (it opens through safetensors.torch.safe_open, routed, which hands the file on again)
+    assert patch.fallbacks == {"safetensors.safe_open": 4, "safetensors.torch.load_file": 1,
                                "safetensors.torch.load": 1}
+    assert safetensors.torch.safe_open is REFERENCE["safe_open"] and safetensors.safe_open is REFERENCE["safe_open"]
+
+
+def test_the_torch_modules_safe_open_is_routed(ckpt, patch):
+    """safetensors.torch re-exports safe_open (``from safetensors import safe_open``): a call through
+    that name, or a name imported from it after the patch, is pinload's too, with the reference's
+    tensors; undo (the fixture) restores it."""
+    assert safetensors.torch.safe_open is safetensors.safe_open
+    from safetensors.torch import safe_open as by_name
+
+    with REFERENCE["safe_open"](str(ckpt), framework="pt") as ref:
+        want = {k: ref.get_tensor(k) for k in ref.offset_keys()}
+    for opener in (safetensors.torch.safe_open, by_name):
+        with opener(str(ckpt), framework="pt", device="cpu") as f:
+            assert isinstance(f, pinload.torch.safe_open)
+            assert f.offset_keys() == list(want)
+            for k in want:
+                assert_same(f.get_tensor(k), want[k], k)
+    assert patch.counts() == {"safetensors.safe_open": 2, "files": 2} and patch.fallbacks == {}
 
 
 def test_undo_and_nesting(ckpt):
@@ -163,6 +191,7 @@ def test_undo_and_nesting(ckpt):
         assert safetensors.torch.load_file is not REFERENCE["load_file"]
         safetensors.torch.load_file(str(ckpt))
     assert safetensors.torch.load_file is REFERENCE["load_file"] and safetensors.safe_open is REFERENCE["safe_open"]
+    assert safetensors.torch.safe_open is REFERENCE["safe_open"]
     assert inner.counts()["safetensors.torch.load_file"] == 1 and outer.counts()["safetensors.torch.load_file"] == 1
     with pytest.raises(TypeError, match="threads"):
         pinload.patch_safetensors(thread=2)
