@@ -6,6 +6,12 @@ Every command line of a ```sh block in README.md or docs/*.md that names a defau
 programs, ~/.cache/pinload/models by the test's models and /tmp by the test's folder. Each must
 exit 0 with the output its command prints on success; `pinload convert` among them (it refused
 the random-bytes models: "element ... is infinite"), and the README's own block must be found.
+
+Every ```python block of README.md and of docs/python.md, cache.md, lora.md and fp8.md runs too, as
+written, in a fresh `python3` with this build's module (PYTHONPATH=build/python:python) and
+PINLOAD_MODELS set to the test's models (/tmp replaced by the test's folder), and must exit 0; a
+block that cannot run here (a GPU, a server, a UI) has a `<!-- not run: REASON -->` line right
+above its fence, and is skipped with that reason. So each block either runs or says why not.
 """
 
 import os
@@ -15,6 +21,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -125,3 +132,67 @@ def test_example_runs_on_the_default_models(doc, line, block, models, pinload_bi
         if " -o " in command:  # the file it writes is there and not empty
             written = Path(text.split(" -o ")[1].split()[0])
             assert written.is_file() and written.stat().st_size > 0, command
+
+
+# The pages whose Python blocks are run (the README's and the Python API's).
+PYTHON_DOCS = [REPO / "README.md", *(REPO / "docs" / f"{name}.md" for name in ("python", "cache", "lora", "fp8"))]
+NOT_RUN = re.compile(r"^<!-- not run: (\S.*?) -->$")
+
+
+def python_examples():
+    """(doc, line number, code, reason it is not run or None) for each ```python block."""
+    found = []
+    for doc in PYTHON_DOCS:
+        lines = doc.read_text().splitlines()
+        for i, line in enumerate(lines):
+            if line.strip() != "```python":
+                continue
+            end = next(j for j in range(i + 1, len(lines)) if lines[j].strip() == "```")
+            marker = NOT_RUN.match(lines[i - 1].strip()) if i > 0 else None
+            assert marker or "not run" not in lines[i - 1], f"{doc}:{i + 1}: write `<!-- not run: REASON -->`"
+            found.append((doc.relative_to(REPO), i + 1, "\n".join(lines[i + 1:end]) + "\n",
+                          marker.group(1) if marker else None))
+    return found
+
+
+PYTHON_EXAMPLES = python_examples()
+
+
+def test_the_python_pages_have_runnable_examples():
+    """The README's block and most of the API pages' run (a page cannot mark them all away)."""
+    run = [(str(doc), line) for doc, line, _, why in PYTHON_EXAMPLES if why is None]
+    assert any(doc == "README.md" for doc, _ in run), "README.md: its Python block is not run"
+    for doc in PYTHON_DOCS[1:]:
+        assert any(d == str(doc.relative_to(REPO)) for d, _ in run), f"{doc}: no Python block is run"
+    lora = [code for doc, _, code, why in PYTHON_EXAMPLES if str(doc) == "docs/lora.md" and why is None]
+    assert any("LoraFuser(" in code and "verify_base=False" not in code for code in lora), \
+        "docs/lora.md: no LoraFuser example with its default verify_base is run"
+
+
+@pytest.fixture(scope="module")
+def python_runs(models, pinload_bin):
+    """Every runnable Python block, run two at a time (each in its own process and folder):
+    (doc, line) -> CompletedProcess."""
+    build = Path(pinload_bin).parent
+    env = {**os.environ, "PINLOAD_MODELS": str(models / "models"), "HOME": str(models / "home"),
+           "PYTHONPATH": os.pathsep.join([str(build / "python"), str(REPO / "python")])}
+
+    def run(example):
+        doc, line, code, _ = example
+        work = models / "work" / f"py-{str(doc).replace('/', '_')}-{line}"
+        work.mkdir(parents=True)
+        return subprocess.run([sys.executable, "-c", code.replace("/tmp/", f"{work}/")], cwd=work, env=env,
+                              capture_output=True, text=True, timeout=300)
+
+    runnable = [e for e in PYTHON_EXAMPLES if e[3] is None]
+    with ThreadPoolExecutor(2) as pool:
+        done = list(pool.map(run, runnable))
+    return {(str(doc), line): d for (doc, line, _, _), d in zip(runnable, done)}
+
+
+@pytest.mark.parametrize("doc,line,code,not_run", PYTHON_EXAMPLES, ids=[f"{d}:{n}" for d, n, _, _ in PYTHON_EXAMPLES])
+def test_python_example_runs_on_the_default_models(doc, line, code, not_run, request):
+    if not_run is not None:
+        pytest.skip(f"{doc}:{line}: not run: {not_run}")
+    done = request.getfixturevalue("python_runs")[(str(doc), line)]
+    assert done.returncode == 0, f"{doc}:{line}: exited {done.returncode}:\n{(done.stdout + done.stderr)[-4000:]}"
