@@ -499,7 +499,11 @@ def make_app(state: State):
                           f"Content-Type {request.content_type!r}: send application/json")
         try:
             raw = await asyncio.wait_for(request.read(), state.args.body_timeout)
-        except ConnectionError:  # the client went (or was closed to make room): no one to answer
+        except (ConnectionError, RuntimeError) as ex:  # the client went (or was closed to make room)
+            # aiohttp's reader raises RuntimeError("Connection closed.") once the connection is gone;
+            # any other RuntimeError is a bug, logged with its traceback by the middleware.
+            if isinstance(ex, RuntimeError) and request.transport is not None and not request.transport.is_closing():
+                raise
             log.debug("a connection closed while sending its body")
             return _error(400, "connection_lost", "the connection closed while sending the body")
         except asyncio.TimeoutError:
