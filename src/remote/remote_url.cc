@@ -2,6 +2,8 @@
 
 #include <curl/curl.h>
 
+#include <langinfo.h>
+
 #include <algorithm>
 #include <memory>
 #include <cctype>
@@ -134,6 +136,18 @@ class CurlUrl {
   CURLU* h_;
 };
 
+// The host as libcurl fetches it, converted to IDNA (punycode). libcurl converts a non-ASCII
+// host with libidn2 from the locale's character set; under an ASCII one (the C locale) the
+// conversion fails, and libcurl 7.88 leaks the attempt's buffers, so such a host is refused
+// here before libcurl is asked (Note [Canonical URLs]). nullopt: no host, or none to fetch.
+std::optional<std::string> idna_host(const CurlUrl& u) {
+  const std::optional<std::string> raw = u.get(CURLUPART_HOST, 0);
+  if (!raw || std::all_of(raw->begin(), raw->end(), [](unsigned char c) { return c < 0x80; })) return raw;
+  const std::string_view codeset = nl_langinfo(CODESET);
+  if (codeset == "ANSI_X3.4-1968" || codeset == "ASCII" || codeset == "US-ASCII") return std::nullopt;
+  return u.get(CURLUPART_HOST, CURLU_PUNYCODE);
+}
+
 bool has_authority(std::string_view url) {
   const std::size_t host = url.find("://");
   return host != std::string_view::npos && host + 3 < url.size() && url[host + 3] != '/';
@@ -214,9 +228,11 @@ std::string canonical_url(std::string_view url) {
   if (u->get(CURLUPART_FRAGMENT, 0) || url.find('#') != std::string_view::npos) {
     return refuse("URL holds a fragment ('#'), which is never sent to the server; write '#' in a path as %23");
   }
-  CURLUcode rc = CURLUE_OK;
-  const std::optional<std::string> host = u->get(CURLUPART_HOST, CURLU_PUNYCODE, &rc);
-  if (!host) return refuse(std::string("libcurl cannot convert the host name to IDNA: ") + curl_url_strerror(rc));
+  const std::optional<std::string> host = idna_host(*u);
+  if (!host) {
+    return refuse("libcurl cannot convert the host name to IDNA (a non-ASCII host needs a UTF-8 locale, or write "
+                  "it as punycode)");
+  }
   // An IPv6 literal keeps its zone id's case (an interface name).
   if (u->set(CURLUPART_HOST, host->starts_with('[') ? *host : ascii_lower(*host), 0) != CURLUE_OK) {
     return refuse("libcurl refuses the host name");
@@ -259,7 +275,7 @@ std::string display_url(std::string_view url) {
   if (!url.starts_with("http://") && !url.starts_with("https://")) return shown_unfetched(url);
   std::string problem;
   if (std::unique_ptr<CurlUrl> u = parse_http(url, &problem)) {
-    std::string host = u->get(CURLUPART_HOST, CURLU_PUNYCODE).value_or(u->get(CURLUPART_HOST, 0).value_or(""));
+    std::string host = idna_host(*u).value_or(u->get(CURLUPART_HOST, 0).value_or(""));
     if (!host.starts_with('[')) host = ascii_lower(std::move(host));
     const std::optional<std::string> port = u->get(CURLUPART_PORT, CURLU_NO_DEFAULT_PORT);
     return *u->get(CURLUPART_SCHEME, 0) + "://" + host + (port ? ":" + *port : "") +
