@@ -5,9 +5,9 @@
     pipeline_prepare.py single-file|lora|lm|flashpack PATHS_JSON LM_GB
 
 single-file  the SDXL pipeline as one original-layout checkpoint (tests/python/ldm_layout.py)
-lora         a rank-32 LoRA over the SDXL UNet's attention, in diffusers' format (peft's names),
-             weights N(0, 0.02)
-lm           a Llama of about LM_GB GB in bfloat16 (N(0, 0.02) weights, norms 1), with config.json
+lora         a rank-32 LoRA over the SDXL UNet's attention, in diffusers' format (peft's names)
+lm           a Llama of about LM_GB GB in bfloat16, with config.json
+Both are filled as scripts/gen_checkpoints.py fills the default models (weight-like values).
 flashpack    FlashPack copies of the SDXL and FLUX pipelines' diffusers components
              (save_pretrained(use_flashpack=True)), where flashpack is installed
 """
@@ -25,12 +25,16 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 what, paths, lm_gb = sys.argv[1], json.loads(sys.argv[2]), float(sys.argv[3])
 
 
-def realistic_(name: str, t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    if "norm" in name and name.endswith("weight"):
-        return t.fill_(1.0)
-    if name.endswith("bias"):
-        return t.zero_()
-    return t.normal_(0.0, 0.02, generator=gen)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+import gen_checkpoints as gen  # noqa: E402  (the default models' weight-like values and file writer)
+
+
+def write_weights(path: str, shapes: dict, dtype: str, seed: int) -> int:
+    """`shapes` (name -> shape) written to `path` as scripts/gen_checkpoints.py writes the default
+    models (Note [Weight-like values] there); returns the file's data bytes."""
+    tensors = [gen.T(name, tuple(shape), dtype) for name, shape in shapes.items()]
+    gen.write_file(path, tensors, gen.WeightValues(seed), force=True)
+    return sum(t.nbytes for t in tensors)
 
 
 def single_file() -> None:
@@ -71,11 +75,9 @@ def lora() -> None:
     with torch.device("meta"):
         unet = diffusers.UNet2DConditionModel.from_config(config)
     unet.add_adapter(LoraConfig(r=32, lora_alpha=32, target_modules=["to_q", "to_k", "to_v", "to_out.0"]))
-    gen = torch.Generator().manual_seed(1)
-    state = {}
-    for name, p in get_peft_model_state_dict(unet).items():
-        state[name] = realistic_(name, torch.empty(p.shape, dtype=torch.float16), gen)
-    diffusers.StableDiffusionXLPipeline.save_lora_weights(folder, unet_lora_layers=state, safe_serialization=True)
+    shapes = {name: tuple(p.shape) for name, p in get_peft_model_state_dict(unet).items()}
+    os.makedirs(folder, exist_ok=True)
+    write_weights(os.path.join(folder, "pytorch_lora_weights.safetensors"), shapes, "F16", seed=1)
 
 
 def lm() -> None:
@@ -91,26 +93,15 @@ def lm() -> None:
                                       max_position_embeddings=2048, torch_dtype="bfloat16")
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(config)
-    gen = torch.Generator().manual_seed(2)
     os.makedirs(folder, exist_ok=True)
-    shard, shards, size, index = {}, [], 0, {}
-    limit = 1 << 30
-    names = list(model.state_dict().items())
-    for name, p in names:
-        shard[name] = realistic_(name, torch.empty(p.shape, dtype=torch.bfloat16), gen)
-        size += shard[name].numel() * 2
-        if size >= limit:
-            shards.append(shard)
-            shard, size = {}, 0
-    if shard:
-        shards.append(shard)
-    total = 0
-    for i, sd in enumerate(shards):
+    # Shards of at most 1 GiB, in the model's order, as the hub splits them (gen_checkpoints.greedy_shards).
+    tensors = [gen.T(name, tuple(p.shape), "BF16") for name, p in model.state_dict().items()]
+    shards = gen.greedy_shards(tensors, 1 << 30)
+    index, total = {}, 0
+    for i, shard in enumerate(shards):
         name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(sd, os.path.join(folder, name), metadata={"format": "pt"})
-        for k, v in sd.items():
-            index[k] = name
-            total += v.numel() * 2
+        total += write_weights(os.path.join(folder, name), {t.name: t.shape for t in shard}, "BF16", seed=2 + i)
+        index.update(dict.fromkeys((t.name for t in shard), name))
     with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": index}, f)
     config.save_pretrained(folder)

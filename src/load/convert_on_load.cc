@@ -95,6 +95,17 @@ ElementConversion TensorConversion::conversion(std::uint64_t first, std::uint64_
 
 namespace {
 
+// Whether `name` matches one of the options' keep patterns.
+bool kept_by(const DTypeOptions& options, const std::string& name) {
+  return std::any_of(options.keep.begin(), options.keep.end(),
+                     [&](const std::string& p) { return keep_pattern_matches(p, name); });
+}
+
+// The dtype a floating, non-FP8 tensor `name` is asked in: nullopt keeps it as stored.
+std::optional<DType> float_target(const DTypeOptions& options, const std::string& name) {
+  return kept_by(options, name) ? options.keep_to : options.to;
+}
+
 void check_dtype_options(const DTypeOptions& options) {
   if (!is_convertible(DType::kF32, *options.to)) {
     throw InvalidFileError("dtype must be BF16, F16 or F32, not " + std::string(dtype_name(*options.to)));
@@ -121,10 +132,7 @@ bool conversion_changes_anything(const Checkpoint& checkpoint, const DTypeOption
     for (const TensorInfo& t : cf.header.tensors) {
       if (is_fp8(t.dtype)) return true;
       if (!is_float_dtype(t.dtype)) continue;
-      const bool kept = std::any_of(options.keep.begin(), options.keep.end(), [&](const std::string& p) {
-        return keep_pattern_matches(p, cf.name_prefix + t.name);
-      });
-      const std::optional<DType> target = kept ? options.keep_to : options.to;
+      const std::optional<DType> target = float_target(options, cf.name_prefix + t.name);
       if (target && *target != t.dtype) return true;
     }
   }
@@ -149,10 +157,6 @@ ConversionPlan plan_conversions(Env* env, const Checkpoint& checkpoint, const DT
     for (std::size_t t = 0; t < cf.header.tensors.size(); ++t) by_name[cf.name_prefix + cf.header.tensors[t].name] = {f, t};
     declared_layers(cf, &declared);
   }
-  auto kept = [&](const std::string& name) {
-    return std::any_of(options.keep.begin(), options.keep.end(),
-                       [&](const std::string& p) { return keep_pattern_matches(p, name); });
-  };
   auto add = [&](TensorConversion tc) {
     const std::size_t f = tc.file;
     tc.out_offset = (plan.out_bytes[f] + kOutAlignment - 1) / kOutAlignment * kOutAlignment;
@@ -172,7 +176,7 @@ ConversionPlan plan_conversions(Env* env, const Checkpoint& checkpoint, const DT
       tc.file = f;
       tc.tensor = i;
       tc.from = t.dtype;
-      tc.to = kept(name) ? keep_to : *options.to;
+      tc.to = kept_by(options, name) ? keep_to : *options.to;
       tc.in_begin = cf.header.data_offset() + t.begin;
       tc.elements = t.numel();
       const bool is_weight = ends_with(name, ".weight");
@@ -229,7 +233,7 @@ ConversionPlan plan_conversions(Env* env, const Checkpoint& checkpoint, const DT
       const TensorInfo& t = cf.header.tensors[i];
       if (is_fp8(t.dtype) || !is_float_dtype(t.dtype) || plan.role[f][i] != kKeptTensor) continue;
       const std::string name = cf.name_prefix + t.name;
-      const std::optional<DType> target = kept(name) ? options.keep_to : options.to;
+      const std::optional<DType> target = float_target(options, name);
       if (!target || *target == t.dtype) continue;
       TensorConversion tc;
       tc.file = f;

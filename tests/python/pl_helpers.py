@@ -125,6 +125,20 @@ def write_sharded(folder: Path, tensors: dict, shards: int = 3, prefix: str = "m
     return index
 
 
+def mapped_ranges(path) -> list:
+    """The address ranges of this process's mappings of `path` (/proc/self/maps): where a tensor
+    handed out zero-copy lives."""
+    real = os.path.realpath(str(path))
+    out = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            parts = line.split(None, 5)
+            if len(parts) == 6 and parts[5].strip() == real:
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                out.append((lo, hi))
+    return out
+
+
 def in_use(device: str = "cpu") -> int:
     gc.collect()
     return pinload.pool_stats("sim" if device == "sim" else ("cuda:0" if device == "cuda" else "cpu"))["in_use"]

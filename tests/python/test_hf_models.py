@@ -11,7 +11,6 @@ byte for byte where they were loaded.
 
 import gc
 import json
-import os
 import logging
 import warnings
 
@@ -20,7 +19,7 @@ import torch
 
 import pinload
 from pinload import skip_init
-from pl_helpers import assert_same, in_use
+from pl_helpers import assert_same, in_use, mapped_ranges
 
 diffusers = pytest.importorskip("diffusers")
 transformers = pytest.importorskip("transformers")
@@ -125,14 +124,7 @@ def forward(name, model):
 
 def all_mapped_from(model, path) -> bool:
     """Whether every parameter's bytes lie in a mapping of `path` (/proc/self/maps)."""
-    real = os.path.realpath(str(path))
-    ranges = []
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            parts = line.split(None, 5)
-            if len(parts) == 6 and parts[5].strip() == real:
-                lo, hi = (int(x, 16) for x in parts[0].split("-"))
-                ranges.append((lo, hi))
+    ranges = mapped_ranges(path)
     return bool(ranges) and all(any(lo <= p.data_ptr() < hi for lo, hi in ranges) for p in model.parameters())
 
 

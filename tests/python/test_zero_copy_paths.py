@@ -30,16 +30,8 @@ import json, os, sys, warnings
 warnings.simplefilter("ignore")
 import torch, safetensors.torch as st
 
-def mapped_ranges(path):
-    real = os.path.realpath(path)
-    out = []
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            parts = line.split(None, 5)
-            if len(parts) == 6 and parts[5].strip() == real:
-                lo, hi = (int(x, 16) for x in parts[0].split("-"))
-                out.append((lo, hi))
-    return out
+sys.path.insert(0, sys.argv.pop())  # tests/python, for pl_helpers
+from pl_helpers import mapped_ranges
 
 def report(tensors, path):
     ranges = mapped_ranges(path)
@@ -56,7 +48,8 @@ def report(tensors, path):
 
 
 def run_fresh(code: str, *args: str) -> dict:
-    proc = subprocess.run([sys.executable, "-c", PRELUDE + textwrap.dedent(code), *args], capture_output=True,
+    here = os.path.dirname(os.path.abspath(__file__))
+    proc = subprocess.run([sys.executable, "-c", PRELUDE + textwrap.dedent(code), *args, here], capture_output=True,
                           text=True, timeout=300, env=dict(os.environ))
     assert proc.returncode == 0, f"rc={proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     line = next(x for x in proc.stdout.splitlines() if x.startswith("ROWS "))
