@@ -42,6 +42,7 @@
 #include <mutex>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "pinload/dtype.h"
 #include "pinload/env.h"
@@ -173,6 +174,38 @@ struct PinnedMemoryOptions {
 
 enum class DeviceKind { kSim, kCuda };
 
+// Note [Host copy counts]
+// What a device saw of the host memory it copied from, so that tests can
+// say by counts, not timing, whether a path copied with no staging copy:
+//  - a range given to register_host is recorded (registrations, and the
+//    live ranges in registered_ranges());
+//  - a copy from memory the device copies from directly (its pinned
+//    backend's slabs, or a live registration) is a direct copy;
+//  - a copy from any other (pageable) host memory is staged: CUDA copies
+//    such a range through a pinned bounce buffer of the driver's, a second
+//    pass over host memory;
+//  - a copy from a registered range that runs after its registration ended
+//    fails its stream (expired_copies), as a DMA from unpinned memory would.
+// "sim" counts all of them. CUDA counts registrations only (it cannot tell a
+// staged copy from a direct one without asking the driver per copy).
+struct HostCopyCounts {
+  std::uint64_t registrations = 0;           // register_host calls that registered
+  std::uint64_t registered_bytes = 0;        // their bytes, summed
+  std::uint64_t registrations_refused = 0;   // register_host calls that returned null
+  std::uint64_t live_registrations = 0;      // handles not gone yet
+  std::uint64_t direct_copies = 0;           // from pinned or registered memory
+  std::uint64_t direct_bytes = 0;
+  std::uint64_t staged_copies = 0;           // from pageable memory
+  std::uint64_t staged_bytes = 0;
+  std::uint64_t expired_copies = 0;          // failed: their registration went first
+};
+
+struct RegisteredRange {
+  const void* data = nullptr;
+  std::size_t bytes = 0;
+  bool operator==(const RegisteredRange&) const = default;
+};
+
 class Device {
  public:
   virtual ~Device();
@@ -238,6 +271,10 @@ class Device {
   // where the device cannot register the range: copies from it then run as
   // from pageable memory. Never throws.
   virtual std::shared_ptr<void> register_host(const void* data, std::size_t bytes) noexcept;
+  // Note [Host copy counts]: what this device counted since it was made.
+  virtual HostCopyCounts host_copy_counts() const;
+  // The ranges registered now (live handles), in registration order.
+  virtual std::vector<RegisteredRange> registered_ranges() const;
   // Queues on `stream` the element conversion `c` (dtype.h) of the
   // c.elements elements at src[src_offset] into dst[dst_offset] (CUDA: a
   // kernel; "sim": the host loops, on the stream's thread), after the work
@@ -287,6 +324,10 @@ struct SimDeviceOptions {
   // Called by register_host and when its handle goes (registered false),
   // with the range's size. Must not throw.
   std::function<void(std::size_t bytes, bool registered)> on_register;
+  // Asked by register_host before it registers: a reason (not empty) makes it
+  // refuse the range, as a driver refuses a file-backed mapping; the reason
+  // is logged. Must not throw.
+  std::function<std::string(const void* data, std::size_t bytes)> refuse_register;
   // Device memory limit for the default allocator (0: none); past it,
   // allocate() throws OutOfMemoryError.
   std::uint64_t memory_bytes = 0;

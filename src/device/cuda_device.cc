@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <exception>
+#include <mutex>
 #include <system_error>
 #include <thread>
 
@@ -359,18 +360,42 @@ class CudaDevice final : public Device {
         (void)rt().cudaGetLastError();
         log::debug("{}: cudaHostRegister of {} bytes failed ({}): copies from them run from pageable memory", name_,
                    bytes, cuda_message(rc));
+        std::lock_guard lock(registry_->mu);
+        registry_->counts.registrations_refused++;
         return nullptr;
       }
     }
-    const auto unregister = [ordinal](void* q) noexcept {
-      QuietDeviceGuard guard(ordinal);
-      (void)rt().cudaHostUnregister(q);
+    const auto unregister = [ordinal, registry = registry_](void* q) noexcept {
+      {
+        QuietDeviceGuard guard(ordinal);
+        (void)rt().cudaHostUnregister(q);
+      }
+      std::lock_guard lock(registry->mu);
+      registry->counts.live_registrations--;
+      std::erase_if(registry->live, [q](const RegisteredRange& r) { return r.data == q; });
     };
     try {
+      {
+        std::lock_guard lock(registry_->mu);
+        registry_->live.push_back({p, bytes});
+        registry_->counts.registrations++;
+        registry_->counts.registered_bytes += bytes;
+        registry_->counts.live_registrations++;
+      }
       return std::shared_ptr<void>(p, unregister);
-    } catch (...) {  // the control block's allocation: the deleter has run
+    } catch (...) {  // the control block's allocation (the deleter has run) or the list's
       return nullptr;
     }
+  }
+
+  // Note [Host copy counts]: registrations only.
+  HostCopyCounts host_copy_counts() const override {
+    std::lock_guard lock(registry_->mu);
+    return registry_->counts;
+  }
+  std::vector<RegisteredRange> registered_ranges() const override {
+    std::lock_guard lock(registry_->mu);
+    return registry_->live;
   }
   std::string pci_bus_id() const override { return pci_bus_id_; }
 
@@ -435,6 +460,13 @@ class CudaDevice final : public Device {
   std::string name_;
   std::string description_;
   std::string pci_bus_id_;
+  // register_host's counts and live ranges; handles may outlive the device.
+  struct Registry {
+    std::mutex mu;
+    HostCopyCounts counts;
+    std::vector<RegisteredRange> live;
+  };
+  std::shared_ptr<Registry> registry_ = std::make_shared<Registry>();
   std::shared_ptr<CudaAllocator> allocator_;
 };
 

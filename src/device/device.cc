@@ -48,6 +48,10 @@ Device::~Device() = default;
 
 std::shared_ptr<void> Device::register_host(const void*, std::size_t) noexcept { return nullptr; }
 
+HostCopyCounts Device::host_copy_counts() const { return {}; }
+
+std::vector<RegisteredRange> Device::registered_ranges() const { return {}; }
+
 int Device::numa_node(const NumaTopology& topology) const {
   const std::string bus_id = pci_bus_id();
   return bus_id.empty() ? -1 : topology.node_of_pci_device(bus_id);

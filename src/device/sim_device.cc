@@ -17,6 +17,7 @@
 #include <thread>
 #include <vector>
 
+#include "base/log.h"
 #include "format/dtype_convert.h"
 #include "pinload/device.h"
 #include "pinload/error.h"
@@ -28,10 +29,60 @@ namespace {
 constexpr std::size_t kSimAlignment = 4096;
 constexpr unsigned char kPoison = 0xA5;  // fresh sim device memory, so a missed copy shows
 
+// Note [Host copy counts] (device.h): what the stand-in saw of the host
+// memory it copied from. Shared by the device, its streams and its pinned
+// backends, any of which may outlive the others.
+struct SimHostState {
+  std::mutex mu;
+  HostCopyCounts counts;
+  std::map<const std::byte*, std::size_t> pinned;  // the pinned backends' live slabs, by start
+
+  // Whether [p, p + bytes) lies in one pinned slab.
+  bool pinned_locked(const std::byte* p, std::size_t bytes) const {
+    auto it = pinned.upper_bound(p);
+    if (it == pinned.begin()) return false;
+    --it;
+    return p + bytes <= it->first + it->second;
+  }
+};
+
+// The locked backend, with its slabs recorded as memory copies run from
+// directly (a CUDA pinned backend's).
+class SimPinnedBackend final : public HostMemoryBackend {
+ public:
+  SimPinnedBackend(std::unique_ptr<HostMemoryBackend> inner, std::shared_ptr<SimHostState> state)
+      : inner_(std::move(inner)), state_(std::move(state)) {}
+  HostRange reserve(std::size_t bytes) override {
+    HostRange r = inner_->reserve(bytes);
+    try {
+      std::lock_guard lock(state_->mu);
+      state_->pinned[static_cast<const std::byte*>(r.data)] = r.bytes;
+    } catch (...) {
+      inner_->release(r);
+      throw;
+    }
+    return r;
+  }
+  void release(const HostRange& range) noexcept override {
+    {
+      std::lock_guard lock(state_->mu);
+      state_->pinned.erase(static_cast<const std::byte*>(range.data));
+    }
+    inner_->release(range);
+  }
+  std::size_t alignment() const noexcept override { return inner_->alignment(); }
+  std::string_view name() const noexcept override { return inner_->name(); }
+
+ private:
+  std::unique_ptr<HostMemoryBackend> inner_;
+  std::shared_ptr<SimHostState> state_;
+};
+
 class SimStreamCore {
  public:
-  SimStreamCore(std::shared_ptr<const SimDeviceOptions> options, std::string device_name)
-      : options_(std::move(options)), device_name_(std::move(device_name)) {
+  SimStreamCore(std::shared_ptr<const SimDeviceOptions> options, std::string device_name,
+                std::shared_ptr<SimHostState> host)
+      : options_(std::move(options)), device_name_(std::move(device_name)), host_(std::move(host)) {
     thread_ = std::thread([this] { run(); });
   }
   ~SimStreamCore() { shut_down(); }
@@ -158,7 +209,7 @@ class SimStreamCore {
     }
   }
 
-  void copy(const Task& task) const {
+  void copy(const Task& task) {
     const SimDeviceOptions& o = *options_;
     if (o.before_copy) o.before_copy(task.bytes);
     auto delay = std::chrono::duration_cast<std::chrono::nanoseconds>(o.copy_delay);
@@ -168,6 +219,10 @@ class SimStreamCore {
     }
     if (delay.count() > 0) std::this_thread::sleep_for(delay);
     if (task.registered && task.registration.expired()) {
+      {
+        std::lock_guard lock(host_->mu);
+        host_->counts.expired_copies++;
+      }
       throw DeviceError("a copy from host memory whose register_host handle went before the copy ran");
     }
     std::memcpy(task.dst, task.src, task.bytes);
@@ -175,6 +230,7 @@ class SimStreamCore {
 
   const std::shared_ptr<const SimDeviceOptions> options_;
   const std::string device_name_;
+  const std::shared_ptr<SimHostState> host_;
   std::mutex mu_;
   std::condition_variable work_;  // queue_ grew, or stop_
   std::condition_variable done_;  // completed_ grew
@@ -302,7 +358,22 @@ class SimDevice final : public Device {
     LockedMemoryOptions locked;
     locked.huge_pages = options.huge_pages;
     locked.numa_node = options.numa_node;
-    return make_locked_memory_backend(options.env != nullptr ? options.env : default_env(), locked);
+    return std::make_unique<SimPinnedBackend>(
+        make_locked_memory_backend(options.env != nullptr ? options.env : default_env(), locked), host_);
+  }
+
+  HostCopyCounts host_copy_counts() const override {
+    std::lock_guard lock(host_->mu);
+    return host_->counts;
+  }
+
+  std::vector<RegisteredRange> registered_ranges() const override {
+    std::vector<RegisteredRange> out;
+    std::lock_guard lock(mu_);
+    for (const auto& w : registrations_) {
+      if (std::shared_ptr<const Registration> r = w.lock()) out.push_back({r->begin, r->bytes});
+    }
+    return out;
   }
 
   std::shared_ptr<DeviceAllocator> default_allocator() const override { return allocator_; }
@@ -310,13 +381,31 @@ class SimDevice final : public Device {
   std::shared_ptr<void> register_host(const void* data, std::size_t bytes) noexcept override {
     if (data == nullptr || bytes == 0) return nullptr;
     try {
+      if (options_->refuse_register) {
+        if (std::string why = options_->refuse_register(data, bytes); !why.empty()) {
+          log::debug("sim: register_host of {} bytes refused ({})", bytes, why);
+          std::lock_guard lock(host_->mu);
+          host_->counts.registrations_refused++;
+          return nullptr;
+        }
+      }
       auto owned = std::make_unique<Registration>(Registration{static_cast<const std::byte*>(data), bytes});
       if (options_->on_register) options_->on_register(bytes, true);
       // From here the deleter reports the end, also where making the handle fails.
-      std::shared_ptr<Registration> r(owned.release(), [options = options_](Registration* q) {
+      std::shared_ptr<Registration> r(owned.release(), [options = options_, host = host_](Registration* q) {
         if (options->on_register) options->on_register(q->bytes, false);
+        {
+          std::lock_guard lock(host->mu);
+          host->counts.live_registrations--;
+        }
         delete q;
       });
+      {
+        std::lock_guard lock(host_->mu);
+        host_->counts.registrations++;
+        host_->counts.registered_bytes += bytes;
+        host_->counts.live_registrations++;
+      }
       std::lock_guard lock(mu_);
       std::erase_if(registrations_, [](const std::weak_ptr<const Registration>& w) { return w.expired(); });
       registrations_.push_back(r);
@@ -327,7 +416,7 @@ class SimDevice final : public Device {
   }
 
   Stream create_stream() override {
-    auto core = std::make_shared<SimStreamCore>(options_, name_);
+    auto core = std::make_shared<SimStreamCore>(options_, name_, host_);
     {
       std::lock_guard lock(mu_);
       std::erase_if(streams_, [](const std::weak_ptr<SimStreamCore>& w) { return w.expired(); });
@@ -366,6 +455,16 @@ class SimDevice final : public Device {
         }
       }
     }
+    {
+      std::lock_guard lock(host_->mu);
+      if (registration || host_->pinned_locked(static_cast<const std::byte*>(src), bytes)) {
+        host_->counts.direct_copies++;
+        host_->counts.direct_bytes += bytes;
+      } else {
+        host_->counts.staged_copies++;
+        host_->counts.staged_bytes += bytes;
+      }
+    }
     static_cast<SimStream*>(stream.impl())->core->enqueue_copy(dst, src, bytes, std::move(registration));
   }
 
@@ -396,11 +495,12 @@ class SimDevice final : public Device {
   const std::string name_ = "sim";
   const std::shared_ptr<const SimDeviceOptions> options_;
   const std::shared_ptr<SimAllocator> allocator_;
+  const std::shared_ptr<SimHostState> host_ = std::make_shared<SimHostState>();
   struct Registration {
     const std::byte* begin;
     std::size_t bytes;
   };
-  std::mutex mu_;
+  mutable std::mutex mu_;
   std::vector<std::weak_ptr<SimStreamCore>> streams_;
   std::vector<std::weak_ptr<const Registration>> registrations_;  // register_host's live ranges
 };

@@ -457,6 +457,87 @@ TEST(SimDevice, ACopyOutlivingItsRegistrationFailsTheStream) {
   } catch (const DeviceError& e) {
     EXPECT_NE(std::string(e.what()).find("register_host"), std::string::npos) << e.what();
   }
+  EXPECT_EQ(d->host_copy_counts().expired_copies, 1u);
+  EXPECT_EQ(d->host_copy_counts().live_registrations, 0u);
+}
+
+// Note [Host copy counts]: a registered range is recorded while its handle
+// lives, with its bytes; a handle gone takes its range out of the record.
+TEST(SimDevice, RegistrationsAreRecordedWhileTheirHandlesLive) {
+  auto d = make_sim_device();
+  std::vector<std::byte> a(3 * 4096), b(5 * 4096);
+  EXPECT_TRUE(d->registered_ranges().empty());
+  std::shared_ptr<void> ra = d->register_host(a.data(), a.size());
+  std::shared_ptr<void> rb = d->register_host(b.data(), b.size());
+  ASSERT_NE(ra, nullptr);
+  ASSERT_NE(rb, nullptr);
+  EXPECT_EQ(d->registered_ranges(),
+            (std::vector<RegisteredRange>{{a.data(), a.size()}, {b.data(), b.size()}}));
+  HostCopyCounts c = d->host_copy_counts();
+  EXPECT_EQ(c.registrations, 2u);
+  EXPECT_EQ(c.registered_bytes, a.size() + b.size());
+  EXPECT_EQ(c.live_registrations, 2u);
+  ra.reset();
+  EXPECT_EQ(d->registered_ranges(), (std::vector<RegisteredRange>{{b.data(), b.size()}}));
+  c = d->host_copy_counts();
+  EXPECT_EQ(c.registrations, 2u);
+  EXPECT_EQ(c.live_registrations, 1u);
+}
+
+// A copy from pageable memory is staged (the driver's bounce buffer); one
+// from a registration or from the device's pinned backend is direct; one
+// that leaves its registration is staged again.
+TEST(SimDevice, CopiesAreCountedStagedUnlessPinnedOrRegistered) {
+  auto d = make_sim_device();
+  auto buffer = d->allocate(64 * KiB);
+  Stream stream = d->create_stream();
+  const auto pageable = make_pattern(64 * KiB, 5);
+  d->copy_to_device_async(*buffer, 0, pageable.data(), 1000, stream);
+  HostCopyCounts c = d->host_copy_counts();
+  EXPECT_EQ(c.staged_copies, 1u);
+  EXPECT_EQ(c.staged_bytes, 1000u);
+  EXPECT_EQ(c.direct_bytes, 0u);
+
+  std::shared_ptr<void> registration = d->register_host(pageable.data(), 32 * KiB);
+  d->copy_to_device_async(*buffer, 0, pageable.data() + 100, 2000, stream);
+  d->copy_to_device_async(*buffer, 0, pageable.data() + 31 * KiB, 2 * KiB, stream);  // leaves it
+  c = d->host_copy_counts();
+  EXPECT_EQ(c.direct_copies, 1u);
+  EXPECT_EQ(c.direct_bytes, 2000u);
+  EXPECT_EQ(c.staged_copies, 2u);
+  EXPECT_EQ(c.staged_bytes, 1000u + 2 * KiB);
+
+  auto pool = Pool::create(d->make_pinned_backend(PinnedMemoryOptions{.huge_pages = HugePages::kOff}),
+                           PoolOptions{.slab_bytes = 4 * MiB});
+  std::shared_ptr<Block> block = pool->allocate(64 * KiB);
+  d->copy_to_device_async(*buffer, 0, block->data(), 64 * KiB, stream);
+  stream.synchronize();
+  c = d->host_copy_counts();
+  EXPECT_EQ(c.direct_copies, 2u);
+  EXPECT_EQ(c.direct_bytes, 2000u + 64 * KiB);
+  EXPECT_EQ(c.staged_copies, 2u);
+  EXPECT_EQ(c.expired_copies, 0u);
+  registration.reset();
+}
+
+// SimDeviceOptions::refuse_register stands in for a driver that refuses a
+// range: null, counted, nothing recorded, and copies from it are staged.
+TEST(SimDevice, ARefusedRegistrationIsCountedAndItsCopiesStaged) {
+  SimDeviceOptions options;
+  options.refuse_register = [](const void*, std::size_t) { return std::string("file-backed (test)"); };
+  auto d = make_sim_device(options);
+  const auto source = make_pattern(8 * KiB, 7);
+  EXPECT_EQ(d->register_host(source.data(), source.size()), nullptr);
+  EXPECT_TRUE(d->registered_ranges().empty());
+  auto buffer = d->allocate(source.size());
+  Stream stream = d->create_stream();
+  d->copy_to_device_async(*buffer, 0, source.data(), source.size(), stream);
+  stream.synchronize();
+  const HostCopyCounts c = d->host_copy_counts();
+  EXPECT_EQ(c.registrations, 0u);
+  EXPECT_EQ(c.registrations_refused, 1u);
+  EXPECT_EQ(c.staged_bytes, source.size());
+  EXPECT_EQ(read_back(*d, *buffer, 0, source.size()), source);
 }
 
 TEST(SimDevice, FreshMemoryIsPoisonedSoAMissedCopyShows) {
