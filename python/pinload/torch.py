@@ -33,7 +33,6 @@ raises :class:`pinload.InvalidArgumentError`, a ``ValueError``, naming the optio
 from __future__ import annotations
 
 import os
-import threading
 from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -43,6 +42,7 @@ from . import _safetensors_compat as _compat
 from . import _torch_tensors as _tt
 from ._core import Error, InvalidArgumentError, InvalidFileError, IoError, NotFoundError
 from ._options import LoadKwargs, LoadOptions, request
+from ._safe_open_base import SafeOpen, check_host
 from ._safetensors_compat import deserialize, serialize, serialize_file
 from ._torch_tensors import DTYPES, SMALL_FILE_BYTES, Device, PathLike
 
@@ -85,9 +85,8 @@ def load(data: bytes, **options: Any) -> Dict[str, torch.Tensor]:
     The bytes go through pinload's reader and parser like a file's (written to a temporary file
     first, removed before this returns); the tensors do not alias ``data``.
     """
-    from .numpy import _load_bytes
-
-    return _load_bytes(data, load_file, **options)
+    with _compat.bytes_as_file(data) as path:
+        return load_file(path, **options)
 
 
 def load_model(model: "torch.nn.Module", filename: PathLike, strict: bool = True, device: Device = "cpu", *,
@@ -244,37 +243,7 @@ def iter_tensors(paths: Union[PathLike, Sequence[PathLike]], device: Device = "c
 # ---- safe_open ----
 
 
-class _Slice:
-    """What ``safe_open.get_slice`` returns: shape and dtype without a load; indexing loads the file
-    (once) and returns the indexed part as a contiguous tensor (torch's indexing, as the reference
-    does for "pt") or array (the reference's own rules for "np": an index past a dimension's end is
-    an error; see _safetensors_compat)."""
-
-    __slots__ = ("_file", "_name")
-
-    def __init__(self, file: "safe_open", name: str) -> None:
-        self._file = file
-        self._name = name
-
-    def get_shape(self) -> List[int]:
-        return self._file.get_shape(self._name)
-
-    def get_dtype(self) -> str:
-        return self._file.get_dtype(self._name)
-
-    def __getitem__(self, index) -> Any:
-        whole = self._file.get_tensor(self._name)
-        if self._file._numpy:
-            import numpy as np
-
-            return np.ascontiguousarray(whole[_compat.reference_index(index, self.get_shape())])
-        return whole[index].contiguous()  # torch's indexing, as the reference's "pt" slices
-
-    def __repr__(self) -> str:
-        return f"<pinload slice {self._name!r} {self.get_dtype()} {self.get_shape()}>"
-
-
-class safe_open:
+class safe_open(SafeOpen):
     """Opens a safetensors file: a drop-in for ``safetensors.safe_open(filename, framework="pt")``.
 
     The header is read and checked at once (a missing file raises NotFoundError, a bad one
@@ -295,155 +264,41 @@ class safe_open:
                  backend: Optional[str] = None, progress: bool = False,
                  prefetch: Optional["_core.Prefetch"] = None, options: Optional[LoadOptions] = None,
                  **load_options: "Unpack[LoadKwargs]") -> None:
-        self._path = _compat.filename_of(filename)
-        self._closed = True  # until the header is read
+        super().__init__(filename, framework, device, backend=backend, progress=progress, prefetch=prefetch,
+                         options=options, **load_options)
+
+    def _framework(self, framework: str, device: Any) -> bool:
         if framework in ("np", "numpy"):
-            self._numpy = True
-            if device not in ("cpu", None) and str(device) != "cpu":
-                raise _tt.error(InvalidFileError, f"numpy arrays live in host memory; device must be 'cpu', not {device!r}",
-                             file=self._path)
-        elif framework in ("pt", "torch", "pytorch"):
-            self._numpy = False
-        else:
-            raise _tt.error(InvalidFileError,
-                         f"framework {framework!r} is not supported: pinload returns torch tensors (framework='pt') "
-                         "or numpy arrays (framework='np')",
-                         file=self._path)
-        self._cached_read = _compat.cached_read_of(backend)
-        self._device = device
-        self._request = request(progress=progress, prefetch=prefetch, options=options, **load_options)
-        spec, _ = _tt.resolve_device(device)
+            check_host(device, self._path)
+            return True
+        if framework in ("pt", "torch", "pytorch"):
+            return False
+        raise _tt.error(InvalidFileError,
+                        f"framework {framework!r} is not supported: pinload returns torch tensors (framework='pt') "
+                        "or numpy arrays (framework='np')",
+                        file=self._path)
+
+    def _opening(self) -> None:
+        spec, _ = _tt.resolve_device(self._device)
         if spec != "cpu":
             _core.pool_stats(spec)  # opens the device now: an unusable one fails here, not at get_tensor
-        # Held open until close(): get_tensor reads the file whose header this is, even after the path
-        # is replaced (Note [Holding a file] in include/pinload/env.h), as the reference does. A
-        # remote object (s3://, http(s)://; docs/remote.md) cannot be held: its header is read now and
-        # the load checks that the object it reads still has that header.
-        self._held: Optional[_core.HeldFile] = None
-        try:
-            if self._path.startswith(_compat.REMOTE_PREFIXES):
-                header = _core.read_header(os.fsencode(self._path))
-            else:
-                self._held = _core.HeldFile(os.fsencode(self._path))
-                header = self._held.header()
-        except NotFoundError as e:
-            raise _compat.missing_file(e, self._path) from None
-        self._offset_order: List[str] = [t[0] for t in header["tensors"]]
-        self._info: Dict[str, Tuple[str, List[int]]] = {t[0]: (t[1], t[2]) for t in header["tensors"]}
-        self._metadata: Optional[Dict[str, str]] = header["metadata"]
-        self._lock = threading.Lock()
-        self._sd: Optional[_core.StateDict] = None
-        self._move_to: Optional[torch.device] = None
-        self._closed = False
-
-    # context manager
-    def __enter__(self) -> "safe_open":
-        self._check_open()
-        return self
-
-    def __exit__(self, *exc_info: Any) -> None:
-        self.close()
-
-    def close(self) -> None:
-        """Drops this handle's reference to the loaded file; tensors handed out stay valid."""
-        with self._lock:
-            self._closed = True
-            self._sd = None
-            self._held = None
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise _compat.closed(self._path)
-
-    def _info_of(self, name: str) -> Tuple[str, List[int]]:
-        self._check_open()
-        info = self._info.get(name)
-        if info is None:
-            raise _compat.missing_tensor(self._path, name)
-        return info
-
-    def _state_dict(self) -> "_core.StateDict":
-        with self._lock:
-            self._check_open()
-            if self._sd is None:
-                sd, move_to = self._load()
-                # Names and shapes (a dtype= load converts the dtypes).
-                if self._held is None and ({n: list(s) for n, _, s in sd.infos()} !=
-                                           {n: list(s) for n, (_, s) in self._info.items()}):
-                    raise _tt.error(IoError, "the object changed since safe_open read its header: reopen it",
-                                 file=self._path)
-                self._sd, self._move_to = sd, move_to
-                self._loaded()
-            return self._sd
 
     def _load(self) -> Tuple["_core.StateDict", Optional[torch.device]]:
         """Loads the file (a hook for subclasses: pinload.hooks serves it from a ModelCache)."""
         return _tt.load_paths([self._path], self._device, self._request, self._cached_read, self._held)
 
-    def _loaded(self) -> None:
-        """Called once, under the handle's lock, after the file has been loaded (a hook for
-        subclasses: pinload.hooks counts loads with it)."""
-
-    # safetensors' API
-    def keys(self) -> List[str]:
-        """Tensor names, sorted."""
-        self._check_open()
-        return sorted(self._info)
-
-    def offset_keys(self) -> List[str]:
-        """Tensor names in file order (by offset)."""
-        self._check_open()
-        return list(self._offset_order)
-
-    def metadata(self) -> Optional[Dict[str, str]]:
-        """The file's ``__metadata__``, or None when it has none."""
-        self._check_open()
-        return None if self._metadata is None else dict(self._metadata)
-
-    def _check_dtype(self, dtype: str, name: str) -> None:
+    def _check_tensor(self, dtype: str, shape: List[int], name: str) -> None:
         if self._numpy:
-            from .numpy import numpy_dtype
-
-            numpy_dtype(dtype, name, self._path)
+            super()._check_tensor(dtype, shape, name)
         else:
             _tt.torch_dtype(dtype, name, self._path)
-
-    def get_tensor(self, name: str) -> Any:
-        """The tensor (framework "pt") or array (framework "np") ``name``."""
-        dtype, shape = self._info_of(name)
-        self._check_dtype(dtype, name)
         _tt.torch_shape(dtype, shape, name, self._path)
-        sd = self._state_dict()
-        _, dtype, shape, export = sd.export(name)
+
+    def _tensor(self, sd: "_core.StateDict", name: str) -> Any:
         if self._numpy:
-            from .numpy import to_numpy
-
-            return to_numpy(dtype, shape, export, name, self._path)
+            return super()._tensor(sd, name)
+        _, dtype, shape, export = sd.export(name)
         return _tt.to_torch(dtype, shape, export, sd.torch_device, self._move_to, name, self._path)
-
-    def get_tensors(self) -> Dict[str, Any]:
-        """Every tensor, in file order."""
-        self._check_open()
-        for name in self._offset_order:
-            self._check_dtype(self._info[name][0], name)
-            _tt.torch_shape(self._info[name][0], self._info[name][1], name, self._path)
-        return {name: self.get_tensor(name) for name in self._offset_order}
-
-    def get_slice(self, name: str) -> _Slice:
-        self._info_of(name)
-        return _Slice(self, name)
-
-    # pinload extras
-    def get_shape(self, name: str) -> List[int]:
-        return list(self._info_of(name)[1])
-
-    def get_dtype(self, name: str) -> str:
-        """The safetensors dtype name ("BF16", "F8_E4M3", ...)."""
-        return self._info_of(name)[0]
-
-    def __repr__(self) -> str:
-        state = "closed" if self._closed else ("loaded" if self._sd is not None else "open")
-        return f"<pinload.safe_open {self._path!r} {len(self._info)} tensors, {state}>"
 
 
 # safe_open over an open file object (safetensors' _safe_open_handle): Note [Handles] in _file_handle.py.

@@ -1,10 +1,9 @@
-#include <openssl/evp.h>
-
 #include <charconv>
 #include <optional>
 #include <string>
 
 #include "base/printable.h"
+#include "base/sha256.h"
 #include "cli/command.h"
 #include "cli/load_option_args.h"
 #include "cli/size_arg.h"
@@ -146,20 +145,7 @@ std::string shape_text(const std::vector<std::uint64_t>& shape) {
   return out + "]";
 }
 
-std::string sha256_hex(std::span<const std::byte> bytes) {
-  unsigned char digest[EVP_MAX_MD_SIZE];
-  unsigned int length = 0;
-  if (EVP_Digest(bytes.data(), bytes.size(), digest, &length, EVP_sha256(), nullptr) != 1) {
-    throw std::runtime_error("SHA-256 failed in libcrypto");
-  }
-  static constexpr char kHex[] = "0123456789abcdef";
-  std::string out(2 * length, '0');
-  for (unsigned i = 0; i < length; ++i) {
-    out[2 * i] = kHex[digest[i] >> 4];
-    out[2 * i + 1] = kHex[digest[i] & 15];
-  }
-  return out;
-}
+std::string sha256_hex(std::span<const std::byte> bytes) { return detail::sha256_hex(bytes.data(), bytes.size()); }
 
 std::string printable(const std::string& text) { return printable_text(text); }
 

@@ -11,7 +11,7 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
-#include "load/sha256.h"
+#include "base/sha256.h"
 #include "load/verify.h"
 #include "os/read_full.h"
 #include "pinload/byte_source.h"
@@ -219,11 +219,7 @@ ManifestFile parse_file(const std::string& name, const json& j, std::uint64_t pi
 
 }  // namespace
 
-std::string sha256_hex(const void* bytes, std::size_t size) {
-  detail::Sha256 h;
-  h.update(bytes, size);
-  return h.final_hex();
-}
+std::string sha256_hex(const void* bytes, std::size_t size) { return detail::sha256_hex(bytes, size); }
 
 bool detail::file_named(std::string_view path, std::string_view name) noexcept {
   return !name.empty() && (path == name || (path.size() > name.size() && path.ends_with(name) &&

@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "load/sha256.h"
+#include "base/sha256.h"
 #include "pinload/checkpoint.h"
 #include "pinload/manifest.h"
 #include "pinload/pool.h"

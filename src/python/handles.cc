@@ -8,7 +8,9 @@
 #include <future>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -27,6 +29,7 @@
 #include "pinload/loader.h"
 #include "pinload/model_cache.h"
 #include "pinload/prefetch.h"
+#include "pinload/safetensors.h"
 #include "pinload/shard.h"
 #include "pinload/state_dict.h"
 #include "registry.h"
@@ -679,6 +682,16 @@ void register_handles(py::module_& m) {
         py::arg("window_bytes") = 0, py::arg("threads") = kDefaultThreads, py::arg("block_size") = kDefaultBlockSize,
         py::arg("direct") = "auto", py::arg("max_gap") = 0, py::arg("batch_bytes") = 0,
         "Plans and starts rank `rank`'s share of `paths` (bytes); rules are (regex, dim) pairs (dim -1: replicated).");
+  m.def(
+      "header_length",
+      [](const py::bytes& prefix, std::uint64_t file_size, const std::string& file) {
+        const std::string_view bytes(prefix);
+        return parse_header_prefix(std::as_bytes(std::span(bytes.data(), bytes.size())), file_size, file);
+      },
+      py::arg("prefix"), py::arg("file_size"), py::arg("file"),
+      "The JSON header's length N from a safetensors file's first 8 bytes (the C++ parser's "
+      "parse_header_prefix and its cap): InvalidFileError naming `file` where N is 0, above the cap or "
+      "past the end of a `file_size`-byte file.");
   m.def("read_header", &read_header, py::arg("path"),
         "Reads and validates one file's header: dict with path, tensors [(name, dtype, shape, begin, end)] in "
         "offset order, metadata (dict or None), data_offset, file_size.");

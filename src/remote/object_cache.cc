@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "base/log.h"
+#include "base/sha256.h"
 #include "os/read_full.h"
 #include "pinload/error.h"
 
@@ -84,16 +85,6 @@ int create_locked_part(const std::string& final_path, std::string* part) {
 
 using Digest = std::array<unsigned char, 32>;
 
-std::string hex(const Digest& d) {
-  static const char* digits = "0123456789abcdef";
-  std::string out;
-  for (unsigned char c : d) {
-    out += digits[c >> 4];
-    out += digits[c & 15];
-  }
-  return out;
-}
-
 // SHA-256 (OpenSSL) of each kPieceBytes piece of `fd`'s first `size` bytes,
 // hashed by up to 16 threads; empty on a read error (errno set).
 std::vector<std::string> hash_pieces(int fd, std::uint64_t size) {
@@ -123,7 +114,7 @@ std::vector<std::string> hash_pieces(int fd, std::uint64_t size) {
       }
       Digest d{};
       unsigned len = 0;
-      if (failed.load() == 0 && EVP_DigestFinal_ex(ctx, d.data(), &len) == 1) out[i] = hex(d);
+      if (failed.load() == 0 && EVP_DigestFinal_ex(ctx, d.data(), &len) == 1) out[i] = detail::hex_digest(d.data(), len);
     }
     if (ctx == nullptr) failed.store(ENOMEM);
     EVP_MD_CTX_free(ctx);

@@ -28,7 +28,6 @@
 //  - A uid sees in `status`, and may evict, only the entries it was served,
 //    unless it is root or the daemon's own.
 #include <fcntl.h>
-#include <openssl/evp.h>
 #include <poll.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
@@ -58,8 +57,10 @@
 #include "base/log.h"
 #include "base/parallel_for.h"
 #include "base/printable.h"
+#include "base/sha256.h"
 #include "pinload/memory_limit.h"
 #include "pinload/remote.h"
+#include "pinload/safetensors.h"
 #include "pinload/store.h"
 #include "os/read_full.h"
 #include "remote/remote_client.h"
@@ -75,22 +76,8 @@ using nlohmann::json;
 
 constexpr std::size_t kFillChunk = 8u << 20;
 constexpr std::size_t kHugePage = 2u << 20;
-constexpr std::uint64_t kMaxHeaderBytes = 100u << 20;  // safetensors' own cap
 // Files under this size are keyed by the SHA-256 of all their bytes too.
 constexpr std::uint64_t kSmallFile = 64u << 10;
-
-std::string sha256_hex(const void* bytes, std::size_t size) {
-  unsigned char digest[EVP_MAX_MD_SIZE];
-  unsigned int length = 0;
-  if (EVP_Digest(bytes, size, digest, &length, EVP_sha256(), nullptr) != 1) throw std::bad_alloc();
-  static const char* hex = "0123456789abcdef";
-  std::string out;
-  for (unsigned i = 0; i < length; ++i) {
-    out += hex[digest[i] >> 4];
-    out += hex[digest[i] & 15];
-  }
-  return out;
-}
 
 // Reads [offset, offset + bytes) fully (os/read_full.h); 0 or -errno
 // (-ENODATA: the file ended first).
@@ -323,17 +310,11 @@ json Store::get(const detail::WireMessage& message, const Peer& peer, std::vecto
     }
   }
   // The key: the file's identity and its header's digest; a small file's bytes' digest too.
-  std::uint64_t header_bytes = 0;
-  unsigned char prefix[8] = {};
-  if (st.size >= 8) {
-    if (read_fully(env_, fd, reinterpret_cast<std::byte*>(prefix), 8, 0) != 0) {
-      throw IoError("reading the header's length failed", ErrorContext{path, {}, 0, 8});
-    }
-    for (int i = 7; i >= 0; --i) header_bytes = header_bytes << 8 | prefix[i];
+  std::byte prefix[kHeaderPrefixSize] = {};
+  if (st.size >= kHeaderPrefixSize && read_fully(env_, fd, prefix, kHeaderPrefixSize, 0) != 0) {
+    throw IoError("reading the header's length failed", ErrorContext{path, {}, 0, kHeaderPrefixSize});
   }
-  if (header_bytes > kMaxHeaderBytes || header_bytes > st.size - std::min<std::uint64_t>(st.size, 8)) {
-    throw InvalidFileError("header length " + std::to_string(header_bytes) + " does not fit the file", ErrorContext{path, {}, 0, 8});
-  }
+  const std::uint64_t header_bytes = parse_header_prefix(prefix, st.size, path);  // the loader's own checks and cap
   const FileIdentity identity = FileIdentity::of(st);
   std::string key = "file " + std::to_string(identity.device) + ":" + std::to_string(identity.inode) + ":" +
                     std::to_string(identity.size) + ":" + std::to_string(identity.mtime_ns) + ":" +
@@ -351,8 +332,8 @@ json Store::get(const detail::WireMessage& message, const Peer& peer, std::vecto
     }
     const std::string_view header =
         small ? std::string_view(bytes).substr(std::min<std::uint64_t>(st.size, 8), header_bytes) : std::string_view(bytes);
-    key += " header " + sha256_hex(header.data(), header.size());
-    if (small) key += " bytes " + sha256_hex(bytes.data(), bytes.size());
+    key += " header " + detail::sha256_hex(header.data(), header.size());
+    if (small) key += " bytes " + detail::sha256_hex(bytes.data(), bytes.size());
   }
   // Note [Converted store entries]: a variant of its own, planned (header and scales) before the
   // budget makes room for it.

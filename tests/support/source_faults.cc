@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <sstream>
 
-#include "load/sha256.h"
+#include "base/sha256.h"
 #include "pinload/checkpoint.h"
 #include "test_files.h"
 

@@ -9,7 +9,7 @@
 
 #include "fault_env.h"
 #include "file_check.h"
-#include "load/sha256.h"
+#include "base/sha256.h"
 #include "source_faults.h"
 #include "test_files.h"
 

@@ -25,11 +25,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import struct
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from .. import _core
 
 __all__ = ["Encoder", "EncodeSpec", "encoder_identity", "tokenizer_identity", "resolve_model"]
 
@@ -87,13 +88,10 @@ def _safetensors_files(model: Path) -> List[Path]:
 
 
 def _header(path: Path) -> bytes:
+    """The JSON header's bytes; its length is checked by pinload's own parser (_core.header_length:
+    the same cap and messages as a load), an InvalidFileError (a ValueError) naming the file."""
     with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) != 8:
-            raise ValueError(f"{path}: too short for a safetensors header")
-        (n,) = struct.unpack("<Q", head)
-        if n > 100 * 1024 * 1024:
-            raise ValueError(f"{path}: header length {n} is not plausible")
+        n = _core.header_length(f.read(8), os.fstat(f.fileno()).st_size, str(path))
         data = f.read(n)
         if len(data) != n:
             raise ValueError(f"{path}: header truncated ({len(data)} of {n} bytes)")

@@ -1,5 +1,6 @@
-// Internal: incremental SHA-256 over OpenSSL's EVP interface (the manifest
-// and verified loads: manifest.h).
+// Internal: SHA-256 over OpenSSL's EVP interface and the one lowercase-hex
+// spelling of a digest (the manifest and verified loads: manifest.h; the
+// object cache's piece digests; the store's keys).
 #pragma once
 
 #include <openssl/evp.h>
@@ -10,6 +11,17 @@
 #include <string>
 
 namespace pinload::detail {
+
+// `size` bytes of a digest as lowercase hex.
+inline std::string hex_digest(const unsigned char* digest, std::size_t size) {
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string out(2 * size, '0');
+  for (std::size_t i = 0; i < size; ++i) {
+    out[2 * i] = kHex[digest[i] >> 4];
+    out[2 * i + 1] = kHex[digest[i] & 15];
+  }
+  return out;
+}
 
 class Sha256 {
  public:
@@ -28,14 +40,8 @@ class Sha256 {
     unsigned char digest[EVP_MAX_MD_SIZE];
     unsigned int length = 0;
     if (EVP_DigestFinal_ex(ctx_.get(), digest, &length) != 1) throw std::runtime_error("EVP_DigestFinal_ex failed");
-    static constexpr char kHex[] = "0123456789abcdef";
-    std::string out(2 * length, '0');
-    for (unsigned int i = 0; i < length; ++i) {
-      out[2 * i] = kHex[digest[i] >> 4];
-      out[2 * i + 1] = kHex[digest[i] & 15];
-    }
     reset();
-    return out;
+    return hex_digest(digest, length);
   }
 
  private:
@@ -44,5 +50,12 @@ class Sha256 {
   };
   std::unique_ptr<EVP_MD_CTX, Free> ctx_;
 };
+
+// The SHA-256 of `size` bytes in lowercase hex.
+inline std::string sha256_hex(const void* bytes, std::size_t size) {
+  Sha256 h;
+  h.update(bytes, size);
+  return h.final_hex();
+}
 
 }  // namespace pinload::detail
