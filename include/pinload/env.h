@@ -1,7 +1,7 @@
 // pinload/env.h: the one seam between pinload and the operating system.
 //
-// Everything the loader asks of the OS (files, folders, reads, stat, page-cache probes,
-// file mappings, anonymous memory and locking) goes through an Env. Calls mirror the system
+// Everything the loader asks of the OS (files, folders, reads, writes, stat, page-cache
+// probes, file mappings, anonymous memory and locking) goes through an Env. Calls mirror the system
 // calls they wrap and report failure as a negative errno, never by throwing,
 // so that the code above them owns retries (EINTR, short reads) and fallbacks
 // (O_DIRECT refused). Tests wrap an Env (EnvWrapper) to inject faults.
@@ -77,6 +77,27 @@ class Env {
   virtual int list_folder(const std::string& path, std::vector<FolderEntry>* out) {
     return default_env()->list_folder(path, out);
   }
+  // The write half: what the converter, the remote cache, templates and
+  // manifests write. An Env that does not say asks default_env().
+  //
+  // As open(2) with O_CLOEXEC | flags (O_WRONLY or O_RDWR, with O_CREAT,
+  // O_TRUNC, O_EXCL as the caller needs) and `mode`: a file descriptor, or
+  // -errno.
+  virtual int open_write(const std::string& path, int flags, unsigned mode) {
+    return default_env()->open_write(path, flags, mode);
+  }
+  // As pwrite(2): bytes written (fewer than asked is legal), or -errno
+  // (-EINTR included). Callers write through write_full (os/read_full.h).
+  virtual std::int64_t pwrite(int fd, const void* buffer, std::size_t bytes, std::uint64_t offset) {
+    return default_env()->pwrite(fd, buffer, bytes, offset);
+  }
+  // ftruncate(2), fsync(2) of an open file or folder: 0 or -errno.
+  virtual int truncate(int fd, std::uint64_t size) { return default_env()->truncate(fd, size); }
+  virtual int sync(int fd) { return default_env()->sync(fd); }
+  // rename(2) and unlink(2): 0 or -errno.
+  virtual int rename(const std::string& from, const std::string& to) { return default_env()->rename(from, to); }
+  virtual int remove(const std::string& path) { return default_env()->remove(path); }
+
   // posix_fadvise(2): 0 or -errno.
   virtual int fadvise(int fd, std::uint64_t offset, std::uint64_t length, int advice) = 0;
   // The f_type of fstatfs(2) for an open file (NFS_SUPER_MAGIC, FUSE's, ...):
@@ -182,6 +203,16 @@ class EnvWrapper : public Env {
   int list_folder(const std::string& path, std::vector<FolderEntry>* out) override {
     return target_->list_folder(path, out);
   }
+  int open_write(const std::string& path, int flags, unsigned mode) override {
+    return target_->open_write(path, flags, mode);
+  }
+  std::int64_t pwrite(int fd, const void* buffer, std::size_t bytes, std::uint64_t offset) override {
+    return target_->pwrite(fd, buffer, bytes, offset);
+  }
+  int truncate(int fd, std::uint64_t size) override { return target_->truncate(fd, size); }
+  int sync(int fd) override { return target_->sync(fd); }
+  int rename(const std::string& from, const std::string& to) override { return target_->rename(from, to); }
+  int remove(const std::string& path) override { return target_->remove(path); }
   int fadvise(int fd, std::uint64_t offset, std::uint64_t length, int advice) override {
     return target_->fadvise(fd, offset, length, advice);
   }
@@ -266,6 +297,20 @@ ScopedFd open_regular_or_throw(Env* env, const std::string& path, FileStat* st, 
 // IoError on failure and InvalidFileError if the file ends first.
 void pread_exact(Env* env, int fd, void* buffer, std::size_t bytes, std::uint64_t offset,
                  const std::string& path);
+
+// Writes exactly `bytes` at `offset` through write_full (os/read_full.h).
+// Throws IoError naming `path` and the bytes not written.
+void pwrite_exact(Env* env, int fd, const void* buffer, std::size_t bytes, std::uint64_t offset,
+                  const std::string& path);
+
+// Note [Atomic writes]
+// A file that readers open by name (a manifest, a template, an index of a
+// converted checkpoint) is never seen half-written: its bytes go to a
+// temporary beside it (path + ".tmp." + the pid), which is synced, then
+// renamed over `path`. On any failure (open, write, fsync, rename) the
+// temporary is removed and `path` is left as it was; the error is an
+// IoError (NotFoundError where the folder is missing) naming `path`.
+void write_file_atomically(Env* env, const std::string& path, const void* bytes, std::size_t size);
 
 // Note [Holding a file]
 // safe_open reads a file's header at open and its data at the first

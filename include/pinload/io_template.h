@@ -128,9 +128,10 @@ std::string default_template_dir();
 // ("" = default_template_dir()) / a hash of the absolute paths ".pltemplate".
 std::string template_path(const std::vector<std::string>& paths, const std::string& dir = "");
 
-// Writes `t` to `file` (creating its folder) through a temporary file and a
-// rename, so readers never see half a template. Throws IoError.
-void save_template(const IoTemplate& t, const std::string& file);
+// Writes `t` to `file` (creating its folder) through `env`'s
+// write_file_atomically (Note [Atomic writes] in env.h), so readers never see
+// half a template. Throws IoError naming `file`. `env` null: the POSIX env.
+void save_template(const IoTemplate& t, const std::string& file, Env* env = nullptr);
 // The template in `file`, or nothing when there is none (debug log), or when
 // it is corrupt, truncated, of another version, or any of its files changed
 // or vanished (a warning saying why). Never throws. `env` null: the POSIX env.

@@ -107,8 +107,9 @@ Manifest make_manifest(const std::vector<std::string>& paths, const ManifestOpti
 // version kManifestVersion with every field in range.
 std::string manifest_to_json(const Manifest& manifest);
 Manifest parse_manifest(std::string_view json, const std::string& source = "manifest");
-// Writes atomically (a temporary file renamed); reads through `env`.
-void save_manifest(const Manifest& manifest, const std::string& path);
+// Writes and reads through `env` (null: the POSIX env); writes atomically
+// (write_file_atomically: Note [Atomic writes] in env.h).
+void save_manifest(const Manifest& manifest, const std::string& path, Env* env = nullptr);
 Manifest load_manifest(const std::string& path, Env* env = nullptr);
 
 // What a load checks: LoadOptions::verify (Note [Verified loads]).

@@ -84,40 +84,30 @@ fs::path temp_for(const fs::path& target) {
   return dir / (prefix + std::to_string(::getpid()));
 }
 
+// An output file written through the Env's write half (the caller's
+// TempPath removes it if the conversion fails).
 class OutFile {
  public:
-  explicit OutFile(const fs::path& path) : path_(path.string()) {
-    fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (fd_ < 0) throw_os_error("cannot create", errno, ErrorContext{path_});
+  OutFile(Env* env, const fs::path& path) : env_(env), path_(path.string()) {
+    const int fd = env_->open_write(path_, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (fd < 0) throw_os_error("cannot create", -fd, ErrorContext{path_});
+    fd_ = ScopedFd(env_, fd);
   }
-  ~OutFile() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  OutFile(const OutFile&) = delete;
-  OutFile& operator=(const OutFile&) = delete;
 
   // Thread-safe: pwrite at an offset.
   void write(const void* data, std::size_t bytes, std::uint64_t offset) const {
-    const auto* p = static_cast<const std::byte*>(data);
-    std::size_t done = 0;
-    while (done < bytes) {
-      const ssize_t n = ::pwrite(fd_, p + done, bytes - done, static_cast<off_t>(offset + done));
-      if (n < 0 && errno == EINTR) continue;
-      if (n <= 0) throw_os_error("write failed", n < 0 ? errno : EIO, ErrorContext{path_, {}, offset + done});
-      done += static_cast<std::size_t>(n);
-    }
+    pwrite_exact(env_, fd_.get(), data, bytes, offset, path_);
   }
   void finish(std::uint64_t size) {
-    if (::ftruncate(fd_, static_cast<off_t>(size)) != 0) throw_os_error("ftruncate failed", errno, ErrorContext{path_});
-    if (::fsync(fd_) != 0) throw_os_error("fsync failed", errno, ErrorContext{path_});
-    const int fd = fd_;
-    fd_ = -1;
-    if (::close(fd) != 0) throw_os_error("close failed", errno, ErrorContext{path_});
+    if (const int rc = env_->truncate(fd_.get(), size); rc != 0) throw_os_error("ftruncate failed", -rc, ErrorContext{path_});
+    if (const int rc = env_->sync(fd_.get()); rc != 0) throw_os_error("fsync failed", -rc, ErrorContext{path_});
+    if (const int rc = env_->close(fd_.release()); rc != 0) throw_os_error("close failed", -rc, ErrorContext{path_});
   }
 
  private:
+  Env* env_;
   std::string path_;
-  int fd_ = -1;
+  ScopedFd fd_;
 };
 
 // One tensor of an output file.
@@ -234,7 +224,7 @@ void write_file(Env* env, const CheckpointFile& cf, const FilePlan& plan, const 
   // The input's bytes come through its source (Note [Byte sources]).
   const std::unique_ptr<ByteSource> in =
       open_byte_source(env, source_file(cf), SourceOptions{});
-  OutFile out(out_path);
+  OutFile out(env, out_path);
   out.write(plan.header.data(), plan.header.size(), 0);
   const std::uint64_t in_base = cf.header.data_offset();
   const std::uint64_t out_base = plan.header.size();
@@ -309,11 +299,13 @@ void write_file(Env* env, const CheckpointFile& cf, const FilePlan& plan, const 
   out.finish(plan.file_size);
 }
 
-void sync_dir(const fs::path& dir) {
-  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+// Best effort: a folder's entries reach the disk (a failure here loses no data
+// of a file already synced).
+void sync_dir(Env* env, const fs::path& dir) {
+  const int fd = env->open_read(dir.string(), O_DIRECTORY);
   if (fd >= 0) {
-    ::fsync(fd);
-    ::close(fd);
+    env->sync(fd);
+    env->close(fd);
   }
 }
 
@@ -351,7 +343,7 @@ void write_index(Env* env, const std::string& index_path, const fs::path& out_pa
   if (!index.contains("metadata") || !index["metadata"].is_object()) index["metadata"] = nlohmann::ordered_json::object();
   index["metadata"]["total_size"] = total;
   const std::string out_text = index.dump(2) + "\n";
-  OutFile out(out_path);
+  OutFile out(env, out_path);
   out.write(out_text.data(), out_text.size(), 0);
   out.finish(out_text.size());
 }
@@ -470,14 +462,15 @@ ConvertStats convert_checkpoint(const std::string& input, const std::string& out
       fs::copy_file(p, temp.path() / rel, fs::copy_options::overwrite_existing);
     }
     for (auto it = fs::recursive_directory_iterator(temp.path()); it != fs::recursive_directory_iterator(); ++it) {
-      if (it->is_directory()) sync_dir(it->path());
+      if (it->is_directory()) sync_dir(env, it->path());
     }
-    sync_dir(temp.path());
+    sync_dir(env, temp.path());
   }
-  fs::rename(temp.path(), out_path, ec);
-  if (ec) throw IoError("cannot rename " + temp.path().string() + " to the output: " + ec.message(), ErrorContext{output});
+  if (const int rc = env->rename(temp.path().string(), out_path.string()); rc != 0) {
+    throw_os_error("cannot rename " + temp.path().string() + " to the output", -rc, ErrorContext{output});
+  }
   temp.commit();
-  sync_dir(out_path.parent_path().empty() ? fs::path(".") : out_path.parent_path());
+  sync_dir(env, out_path.parent_path().empty() ? fs::path(".") : out_path.parent_path());
   return stats;
 }
 

@@ -3,9 +3,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <system_error>
-#include <unistd.h>
 
 #include "base/log.h"
 #include "pinload/checkpoint.h"
@@ -257,28 +255,14 @@ std::string template_path(const std::vector<std::string>& paths, const std::stri
   return (std::filesystem::path(dir.empty() ? default_template_dir() : dir) / name).string();
 }
 
-void save_template(const IoTemplate& t, const std::string& file) {
+void save_template(const IoTemplate& t, const std::string& file, Env* env) {
+  if (env == nullptr) env = default_env();
   const std::vector<std::uint8_t> bytes = serialize_template(t);
   const std::filesystem::path path(file);
   std::error_code ec;
   if (path.has_parent_path()) std::filesystem::create_directories(path.parent_path(), ec);
   if (ec) throw IoError("cannot create the template folder: " + ec.message(), ErrorContext{file});
-  const std::string tmp = file + ".tmp." + std::to_string(::getpid());
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    out.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
-    out.flush();
-    if (!out) {
-      std::filesystem::remove(tmp, ec);
-      throw IoError("cannot write the template", ErrorContext{tmp});
-    }
-  }
-  std::filesystem::rename(tmp, path, ec);
-  if (ec) {
-    std::error_code ignored;
-    std::filesystem::remove(tmp, ignored);
-    throw IoError("cannot rename the template into place: " + ec.message(), ErrorContext{file});
-  }
+  write_file_atomically(env, file, bytes.data(), bytes.size());
 }
 
 std::optional<IoTemplate> load_template(const std::string& file, Env* env) {

@@ -1,12 +1,9 @@
 #include "pinload/manifest.h"
 
-#include <openssl/evp.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cctype>
 #include <filesystem>
-#include <fstream>
 #include <future>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -326,25 +323,9 @@ Manifest parse_manifest(std::string_view text, const std::string& source) {
   }
 }
 
-void save_manifest(const Manifest& manifest, const std::string& file) {
+void save_manifest(const Manifest& manifest, const std::string& file, Env* env) {
   const std::string text = manifest_to_json(manifest);
-  const std::string tmp = file + ".tmp." + std::to_string(::getpid());
-  std::error_code ec;
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    out.write(text.data(), static_cast<std::streamsize>(text.size()));
-    out.flush();
-    if (!out) {
-      std::filesystem::remove(tmp, ec);
-      throw IoError("cannot write the manifest", ErrorContext{tmp});
-    }
-  }
-  std::filesystem::rename(tmp, file, ec);
-  if (ec) {
-    std::error_code ignored;
-    std::filesystem::remove(tmp, ignored);
-    throw IoError("cannot rename the manifest into place: " + ec.message(), ErrorContext{file});
-  }
+  write_file_atomically(env != nullptr ? env : default_env(), file, text.data(), text.size());
 }
 
 Manifest load_manifest(const std::string& file, Env* env) {

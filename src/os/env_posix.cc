@@ -93,6 +93,28 @@ class PosixEnv final : public Env {
     return n >= 0 ? n : -errno;
   }
 
+  int open_write(const std::string& path, int flags, unsigned mode) override {
+    int fd;
+    do {
+      fd = ::open(path.c_str(), O_CLOEXEC | flags, static_cast<mode_t>(mode));
+    } while (fd < 0 && errno == EINTR);
+    return fd >= 0 ? fd : -errno;
+  }
+
+  std::int64_t pwrite(int fd, const void* buffer, std::size_t bytes, std::uint64_t offset) override {
+    const ssize_t n = ::pwrite(fd, buffer, bytes, static_cast<off_t>(offset));
+    return n >= 0 ? n : -errno;
+  }
+
+  int truncate(int fd, std::uint64_t size) override {
+    return ::ftruncate(fd, static_cast<off_t>(size)) == 0 ? 0 : -errno;
+  }
+  int sync(int fd) override { return ::fsync(fd) == 0 ? 0 : -errno; }
+  int rename(const std::string& from, const std::string& to) override {
+    return ::rename(from.c_str(), to.c_str()) == 0 ? 0 : -errno;
+  }
+  int remove(const std::string& path) override { return ::unlink(path.c_str()) == 0 ? 0 : -errno; }
+
   int filesystem_type(int fd, std::int64_t* magic) override {
     struct statfs sf {};
     if (::fstatfs(fd, &sf) != 0) return -errno;
@@ -361,6 +383,33 @@ void pread_exact(Env* env, int fd, void* buffer, std::size_t bytes, std::uint64_
     throw InvalidFileError("file ended early: expected bytes up to " + std::to_string(offset + bytes),
                            ErrorContext{path, {}, offset + r.bytes, offset + bytes});
   }
+}
+
+void pwrite_exact(Env* env, int fd, const void* buffer, std::size_t bytes, std::uint64_t offset,
+                  const std::string& path) {
+  const WriteResult r = write_full(env, fd, buffer, bytes, offset);
+  if (r.error != 0) {
+    throw_os_error("write failed", r.error, ErrorContext{path, {}, offset + r.bytes, offset + bytes});
+  }
+}
+
+void write_file_atomically(Env* env, const std::string& path, const void* bytes, std::size_t size) {
+  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
+  const int fd = env->open_write(tmp, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  if (fd < 0) throw_os_error("cannot create the temporary " + tmp, -fd, ErrorContext{path});
+  // Removes the temporary and throws: nothing half-written stays behind.
+  auto fail = [&](const std::string& what, int err, bool open) {
+    if (open) env->close(fd);
+    env->remove(tmp);
+    throw_os_error(what, err, ErrorContext{path});
+  };
+  if (const WriteResult r = write_full(env, fd, bytes, size, 0); r.error != 0) {
+    fail("write failed at byte " + std::to_string(r.bytes) + " of " + std::to_string(size) + " (to " + tmp + ")",
+         r.error, true);
+  }
+  if (const int rc = env->sync(fd); rc != 0) fail("fsync failed (of " + tmp + ")", -rc, true);
+  if (const int rc = env->close(fd); rc != 0) fail("close failed (of " + tmp + ")", -rc, false);
+  if (const int rc = env->rename(tmp, path); rc != 0) fail("cannot rename " + tmp + " into place", -rc, false);
 }
 
 }  // namespace pinload

@@ -27,4 +27,19 @@ ReadResult read_full(Env* env, int fd, void* buffer, std::uint64_t need, std::ui
   return r;
 }
 
+WriteResult write_full(Env* env, int fd, const void* buffer, std::uint64_t bytes, std::uint64_t offset) {
+  const auto* in = static_cast<const std::byte*>(buffer);
+  WriteResult r;
+  while (r.bytes < bytes) {
+    const std::int64_t n = env->pwrite(fd, in + r.bytes, static_cast<std::size_t>(bytes - r.bytes), offset + r.bytes);
+    if (n == -EINTR || n == -EAGAIN) continue;
+    if (n <= 0) {
+      r.error = n < 0 ? static_cast<int>(-n) : EIO;
+      return r;
+    }
+    r.bytes += static_cast<std::uint64_t>(n);
+  }
+  return r;
+}
+
 }  // namespace pinload

@@ -1,4 +1,5 @@
-// Internal: the one retry loop around Env::pread.
+// Internal: the one retry loop around Env::pread, and the one around
+// Env::pwrite (write_full).
 //
 // Every reader of a local file (the chunk executor, the sharded loader,
 // conversions, manifests, the warmer, memory probes, header reads through
@@ -32,5 +33,16 @@ struct ReadResult {
 // goes on with a buffered descriptor.
 ReadResult read_full(Env* env, int fd, void* buffer, std::uint64_t need, std::uint64_t offset,
                      std::uint64_t ask = 0, std::uint64_t alignment = 1);
+
+struct WriteResult {
+  std::uint64_t bytes = 0;  // written from the buffer's start
+  int error = 0;            // errno of the pwrite that failed (never EINTR or EAGAIN); 0: none
+};
+
+// Writes `bytes` of `buffer` to `fd` at `offset`: pwrites again after EINTR,
+// EAGAIN and short writes. A pwrite that writes nothing is ENOSPC's
+// equivalent for a caller: error EIO. Every writer (the converter, the remote
+// cache, write_file_atomically) writes through it.
+WriteResult write_full(Env* env, int fd, const void* buffer, std::uint64_t bytes, std::uint64_t offset);
 
 }  // namespace pinload

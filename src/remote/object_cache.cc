@@ -34,16 +34,17 @@ constexpr std::string_view kPartMark = ".part-";
 // renamed into place just after its digests (Note [Remote cache]).
 constexpr auto kOrphanGrace = std::chrono::seconds(60);
 
-bool pwrite_all(int fd, const std::byte* data, std::uint64_t bytes, std::uint64_t offset) {
-  while (bytes > 0) {
-    const ssize_t n = ::pwrite(fd, data, bytes, static_cast<off_t>(offset));
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return false;
-    data += n;
-    bytes -= static_cast<std::uint64_t>(n);
-    offset += static_cast<std::uint64_t>(n);
-  }
-  return true;
+// write_full (os/read_full.h); false with errno set.
+bool pwrite_all(Env* env, int fd, const std::byte* data, std::uint64_t bytes, std::uint64_t offset) {
+  const WriteResult r = write_full(env, fd, data, bytes, offset);
+  errno = r.error;
+  return r.error == 0;
+}
+
+// The Env's 0-or-minus-errno as a bool with errno set.
+bool ok(int rc) {
+  errno = -rc;
+  return rc == 0;
 }
 
 int flock_retry(int fd, int op) {
@@ -58,26 +59,27 @@ int flock_retry(int fd, int op) {
 // cache]); -1 with errno. A sweeper may take the lock of a file just created
 // and remove it before this process locks it: a file with no name left is
 // dropped and another made.
-int create_locked_part(const std::string& final_path, std::string* part) {
+int create_locked_part(Env* env, const std::string& final_path, std::string* part) {
   // No thread_local engine: the Python module has little static TLS to spare.
   static std::atomic<std::uint64_t> serial{0};
   for (int attempt = 0; attempt < 16; ++attempt) {
     *part = final_path + std::string(kPartMark) + std::to_string(::getpid()) + "-" + std::to_string(serial++);
-    const int fd = ::open(part->c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    const int fd = env->open_write(*part, O_RDWR | O_CREAT | O_EXCL, 0644);
     if (fd < 0) {
-      if (errno == EEXIST) continue;
+      if (fd == -EEXIST) continue;
+      errno = -fd;
       return -1;
     }
     struct stat st {};
     if (flock_retry(fd, LOCK_EX) != 0 || ::fstat(fd, &st) != 0) {
       const int err = errno;
-      ::close(fd);
-      ::unlink(part->c_str());
+      env->close(fd);
+      env->remove(*part);
       errno = err;
       return -1;
     }
     if (st.st_nlink > 0) return fd;
-    ::close(fd);  // swept before it was locked
+    env->close(fd);  // swept before it was locked
   }
   errno = EEXIST;
   return -1;
@@ -87,13 +89,13 @@ using Digest = std::array<unsigned char, 32>;
 
 // SHA-256 (OpenSSL) of each kPieceBytes piece of `fd`'s first `size` bytes,
 // hashed by up to 16 threads; empty on a read error (errno set).
-std::vector<std::string> hash_pieces(int fd, std::uint64_t size) {
+std::vector<std::string> hash_pieces(Env* env, int fd, std::uint64_t size) {
   const std::uint64_t piece = ObjectCache::kPieceBytes;
   const std::uint64_t pieces = std::max<std::uint64_t>(1, (size + piece - 1) / piece);
   std::vector<std::string> out(pieces);
   std::atomic<std::uint64_t> next{0};
   std::atomic<int> failed{0};
-  ::posix_fadvise(fd, 0, static_cast<off_t>(size), POSIX_FADV_SEQUENTIAL);
+  env->fadvise(fd, 0, size, POSIX_FADV_SEQUENTIAL);
   auto work = [&] {
     std::vector<std::byte> buffer(4 << 20);
     EVP_MD_CTX* ctx = EVP_MD_CTX_new();
@@ -104,7 +106,7 @@ std::vector<std::string> hash_pieces(int fd, std::uint64_t size) {
       if (EVP_DigestInit_ex(ctx, EVP_sha256(), nullptr) != 1) break;
       for (std::uint64_t at = begin; at < end;) {
         const std::uint64_t want = std::min<std::uint64_t>(buffer.size(), end - at);
-        const ReadResult r = read_full(default_env(), fd, buffer.data(), want, at);
+        const ReadResult r = read_full(env, fd, buffer.data(), want, at);
         if (r.error != 0 || r.bytes < want) {
           failed.store(r.error != 0 ? r.error : EIO);
           break;
@@ -160,7 +162,7 @@ void ObjectCache::drop(const std::string& entry) const {
   ::unlink((entry + kDigestSuffix).c_str());
 }
 
-std::string ObjectCache::lookup(const ObjectInfo& object) const {
+std::string ObjectCache::lookup(const ObjectInfo& object, Env* env) const {
   if (object.etag.empty()) return {};  // no version to check against
   const std::string path = key_path(object);
   struct stat st {};
@@ -169,11 +171,11 @@ std::string ObjectCache::lookup(const ObjectInfo& object) const {
   std::ifstream in(path + kDigestSuffix);
   std::stringstream recorded;
   recorded << in.rdbuf();
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  const int fd = env->open_read(path, 0);
   if (fd < 0) return {};
-  const std::vector<std::string> digests = hash_pieces(fd, object.size);
+  const std::vector<std::string> digests = hash_pieces(env, fd, object.size);
   const int err = errno;
-  ::close(fd);
+  env->close(fd);
   if (digests.empty()) {
     log::warn("remote cache: cannot read {} ({}); reading {} from the server", path, std::strerror(err), shown);
     return {};
@@ -205,38 +207,39 @@ std::string ObjectCache::lookup(const ObjectInfo& object) const {
   return path;
 }
 
-std::unique_ptr<ObjectCache::Writer> ObjectCache::begin(const ObjectInfo& object, std::uint64_t first) const {
+std::unique_ptr<ObjectCache::Writer> ObjectCache::begin(const ObjectInfo& object, std::uint64_t first,
+                                                       Env* env) const {
   if (object.etag.empty() || object.size == 0) return nullptr;
   sweep();
   const std::string final_path = key_path(object);
   std::string part;
-  const int fd = create_locked_part(final_path, &part);
+  const int fd = create_locked_part(env, final_path, &part);
   if (fd < 0) {
     log::warn("remote cache: cannot create {}: {}; not caching", part, std::strerror(errno));
     return nullptr;
   }
-  if (::ftruncate(fd, static_cast<off_t>(object.size)) != 0) {
+  if (!ok(env->truncate(fd, object.size))) {
     log::warn("remote cache: cannot size {}: {}; not caching", part, std::strerror(errno));
-    ::unlink(part.c_str());
-    ::close(fd);
+    env->remove(part);
+    env->close(fd);
     return nullptr;
   }
-  return std::unique_ptr<Writer>(new Writer(this, object, first, part, final_path, fd));
+  return std::unique_ptr<Writer>(new Writer(this, env, object, first, part, final_path, fd));
 }
 
-ObjectCache::Writer::Writer(const ObjectCache* cache, ObjectInfo object, std::uint64_t first, std::string part,
-                            std::string final_path, int fd)
-    : cache_(cache), object_(std::move(object)), first_(first), part_(std::move(part)), final_(std::move(final_path)),
-      fd_(fd) {}
+ObjectCache::Writer::Writer(const ObjectCache* cache, Env* env, ObjectInfo object, std::uint64_t first,
+                            std::string part, std::string final_path, int fd)
+    : cache_(cache), env_(env), object_(std::move(object)), first_(first), part_(std::move(part)),
+      final_(std::move(final_path)), fd_(fd) {}
 
 ObjectCache::Writer::~Writer() {
-  if (!committed_) ::unlink(part_.c_str());  // under the lock: no sweeper races it
-  ::close(fd_);
+  if (!committed_) env_->remove(part_);  // under the lock: no sweeper races it
+  env_->close(fd_);
 }
 
 void ObjectCache::Writer::write(std::uint64_t offset, const std::byte* data, std::uint64_t bytes, RemoteClient& client) {
   if (failed_.load(std::memory_order_relaxed)) return;
-  if (!pwrite_all(fd_, data, bytes, offset)) {
+  if (!pwrite_all(env_, fd_, data, bytes, offset)) {
     if (!failed_.exchange(true)) log::warn("remote cache: cannot write {}: {}; not caching", part_, std::strerror(errno));
     return;
   }
@@ -248,33 +251,33 @@ void ObjectCache::Writer::commit(RemoteClient& client) {
   try {
     std::vector<std::byte> head(first_);
     if (first_ > 0) client.read(object_, 0, first_, head.data());
-    if (!pwrite_all(fd_, head.data(), head.size(), 0) || ::fsync(fd_) != 0) {
+    if (!pwrite_all(env_, fd_, head.data(), head.size(), 0) || !ok(env_->sync(fd_))) {
       log::warn("remote cache: cannot finish {}: {}", part_, std::strerror(errno));
       return;
     }
     // The digests of what is on disk now (in the page cache: just written).
-    const std::vector<std::string> digests = hash_pieces(fd_, object_.size);
+    const std::vector<std::string> digests = hash_pieces(env_, fd_, object_.size);
     if (digests.empty()) {
       log::warn("remote cache: cannot read back {}: {}", part_, std::strerror(errno));
       return;
     }
     std::string digest_part;
-    const int dfd = create_locked_part(final_ + kDigestSuffix, &digest_part);
+    const int dfd = create_locked_part(env_, final_ + kDigestSuffix, &digest_part);
     if (dfd < 0) {
       log::warn("remote cache: cannot record the digests of {}: {}", part_, std::strerror(errno));
       return;
     }
     const std::string text = digest_text(digests, object_.size);
-    const bool written = pwrite_all(dfd, reinterpret_cast<const std::byte*>(text.data()), text.size(), 0) &&
-                         ::fsync(dfd) == 0 && ::rename(digest_part.c_str(), (final_ + kDigestSuffix).c_str()) == 0;
+    const bool written = pwrite_all(env_, dfd, reinterpret_cast<const std::byte*>(text.data()), text.size(), 0) &&
+                         ok(env_->sync(dfd)) && ok(env_->rename(digest_part, final_ + kDigestSuffix));
     const int err = errno;
-    if (!written) ::unlink(digest_part.c_str());
-    ::close(dfd);
+    if (!written) env_->remove(digest_part);
+    env_->close(dfd);
     if (!written) {
       log::warn("remote cache: cannot record the digests of {}: {}", part_, std::strerror(err));
       return;
     }
-    if (::rename(part_.c_str(), final_.c_str()) != 0) {
+    if (!ok(env_->rename(part_, final_))) {
       log::warn("remote cache: cannot rename {}: {}", part_, std::strerror(errno));
       return;
     }

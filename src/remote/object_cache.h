@@ -32,6 +32,7 @@
 #include <memory>
 #include <string>
 
+#include "pinload/env.h"
 #include "remote/remote_client.h"
 
 namespace pinload::remote {
@@ -42,8 +43,8 @@ class ObjectCache {
   ObjectCache(std::string dir, std::uint64_t budget_bytes);
 
   // The cached file holding `object`'s version, verified against its
-  // recorded digests, or "" (touched for the LRU).
-  std::string lookup(const ObjectInfo& object) const;
+  // recorded digests (read through `env`), or "" (touched for the LRU).
+  std::string lookup(const ObjectInfo& object, Env* env) const;
 
   // Collects the bytes [first, object.size) of `object` as they arrive.
   class Writer {
@@ -57,10 +58,11 @@ class ObjectCache {
 
    private:
     friend class ObjectCache;
-    Writer(const ObjectCache* cache, ObjectInfo object, std::uint64_t first, std::string part, std::string final_path,
-           int fd);
+    Writer(const ObjectCache* cache, Env* env, ObjectInfo object, std::uint64_t first, std::string part,
+           std::string final_path, int fd);
     void commit(RemoteClient& client);
     const ObjectCache* cache_;
+    Env* env_;
     ObjectInfo object_;
     std::uint64_t first_;
     std::string part_, final_;
@@ -69,8 +71,9 @@ class ObjectCache {
     std::atomic<bool> failed_{false};
     bool committed_ = false;
   };
-  // A writer for `object`, or null where the cache cannot be written.
-  std::unique_ptr<Writer> begin(const ObjectInfo& object, std::uint64_t first) const;
+  // A writer for `object` that writes through `env` (its write half), or
+  // null where the cache cannot be written.
+  std::unique_ptr<Writer> begin(const ObjectInfo& object, std::uint64_t first, Env* env) const;
 
   // Digests are of kPieceBytes pieces, so that many threads hash one file.
   static constexpr std::uint64_t kPieceBytes = 64ull << 20;

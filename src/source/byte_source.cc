@@ -237,13 +237,13 @@ std::unique_ptr<ByteSource> open_byte_source(Env* env, const SourceFile& file, c
     remote::ObjectInfo object{file.path, file.stat.size, file.version, file.stat.mtime_ns};
     std::unique_ptr<remote::ObjectCache::Writer> writer;
     if (const remote::ObjectCache* cache = client->cache(); cache != nullptr) {
-      if (std::string hit = cache->lookup(object); !hit.empty()) {
+      if (std::string hit = cache->lookup(object, env); !hit.empty()) {
         // The cached copy is read as a local file, of its own identity: its
         // first open's, which later opens must match.
         return std::make_unique<detail::LocalFileSource>(env, std::move(hit), nullptr, options);
       }
       const std::uint64_t first = file.data_offset / detail::kFallbackDirectAlign * detail::kFallbackDirectAlign;
-      writer = cache->begin(object, first);
+      writer = cache->begin(object, first, env);
     }
     return std::make_unique<detail::RemoteObjectSource>(std::move(client), std::move(object), std::move(writer));
   }

@@ -54,6 +54,32 @@ std::int64_t FaultEnv::pread(int fd, void* buffer, std::size_t bytes, std::uint6
   return got;
 }
 
+int FaultEnv::open_write(const std::string& path, int flags, unsigned mode) {
+  if (faults_.refuse_open_write) return -EIO;
+  const int fd = EnvWrapper::open_write(path, flags, mode);
+  if (fd >= 0) {
+    std::lock_guard lock(mu_);
+    open_.insert(fd);
+  }
+  return fd;
+}
+
+std::int64_t FaultEnv::pwrite(int fd, const void* buffer, std::size_t bytes, std::uint64_t offset) {
+  const std::uint64_t n = ++writes_;
+  if (faults_.eintr_every_other && n % 2 == 1) return -EINTR;
+  if (faults_.fail_write_at != 0 && n == faults_.fail_write_at) return -faults_.write_errno;
+  if (faults_.short_write_bytes) bytes = std::min<std::size_t>(bytes, faults_.short_write_bytes);
+  const std::int64_t put = EnvWrapper::pwrite(fd, buffer, bytes, offset);
+  if (put > 0) bytes_written_ += static_cast<std::uint64_t>(put);
+  return put;
+}
+
+int FaultEnv::sync(int fd) { return faults_.refuse_sync ? -EIO : EnvWrapper::sync(fd); }
+
+int FaultEnv::rename(const std::string& from, const std::string& to) {
+  return faults_.refuse_rename ? -EXDEV : EnvWrapper::rename(from, to);
+}
+
 const void* FaultEnv::map_file(int fd, std::size_t bytes, int* err) {
   if (faults_.refuse_map_file) {
     *err = ENOMEM;

@@ -43,6 +43,17 @@ struct Faults {
   std::uint64_t fail_map_at = 0;
   // lock() fails with EPERM.
   bool refuse_lock = false;
+  // The write half. pwrite number N (1-based, counting every pwrite through
+  // this env) fails with `write_errno`; 0: never.
+  std::uint64_t fail_write_at = 0;
+  int write_errno = 28;  // ENOSPC
+  // Every pwrite writes at most this many bytes; 0: no limit. With
+  // eintr_every_other, every other pwrite first fails with EINTR too.
+  std::uint64_t short_write_bytes = 0;
+  // open_write, sync (fsync) and rename fail with EIO, EIO and EXDEV.
+  bool refuse_open_write = false;
+  bool refuse_sync = false;
+  bool refuse_rename = false;
 };
 
 class FaultEnv : public EnvWrapper {
@@ -58,6 +69,10 @@ class FaultEnv : public EnvWrapper {
   void* map_anonymous(std::size_t bytes, int extra_flags, int* err) override;
   int unmap(void* address, std::size_t bytes) override;
   int lock(void* address, std::size_t bytes) override;
+  int open_write(const std::string& path, int flags, unsigned mode) override;
+  std::int64_t pwrite(int fd, const void* buffer, std::size_t bytes, std::uint64_t offset) override;
+  int sync(int fd) override;
+  int rename(const std::string& from, const std::string& to) override;
 
   std::uint64_t reads() const { return reads_; }
   std::uint64_t bytes_read() const { return bytes_read_; }
@@ -67,6 +82,8 @@ class FaultEnv : public EnvWrapper {
   std::int64_t file_mapped_bytes() const { return file_mapped_bytes_; }  // file mappings held
   std::uint64_t private_maps() const { return private_maps_; }  // map_file_private calls that succeeded
   std::uint64_t populates() const { return populates_; }
+  std::uint64_t writes() const { return writes_; }
+  std::uint64_t bytes_written() const { return bytes_written_; }
 
  private:
   Faults faults_;
@@ -78,6 +95,8 @@ class FaultEnv : public EnvWrapper {
   std::atomic<std::int64_t> file_mapped_bytes_{0};
   std::atomic<std::uint64_t> private_maps_{0};
   std::atomic<std::uint64_t> populates_{0};
+  std::atomic<std::uint64_t> writes_{0};
+  std::atomic<std::uint64_t> bytes_written_{0};
   mutable std::mutex mu_;
   std::map<const void*, std::size_t> file_maps_;  // address -> bytes
   std::set<int> open_;
