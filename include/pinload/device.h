@@ -268,9 +268,10 @@ class Device {
   // "sim": recorded, and a copy from the range that runs after the handle
   // went fails its stream, as a copy from unregistered memory would fault.
   // Keep the handle until the copies from the range have completed. Null
-  // where the device cannot register the range: copies from it then run as
-  // from pageable memory. Never throws.
-  virtual std::shared_ptr<void> register_host(const void* data, std::size_t bytes) noexcept;
+  // where the device cannot register the range (the reason in *why, when
+  // given): copies from it then run as from pageable memory. Never throws.
+  virtual std::shared_ptr<void> register_host(const void* data, std::size_t bytes,
+                                              std::string* why = nullptr) noexcept;
   // Note [Host copy counts]: what this device counted since it was made.
   virtual HostCopyCounts host_copy_counts() const;
   // The ranges registered now (live handles), in registration order.

@@ -103,6 +103,10 @@
 //   kCached     chunks land in the file's pool block, which stays: tensors
 //               are on the host and on the device, and upload() can bring the
 //               model back to the device with only the host-to-device copy.
+// A local file in the page cache is not read at all (unless ZeroCopy::kOff):
+// it is copied to the device from a leased mapping registered with the
+// device, which is then the tensors' host copy (Note [Copies from mapped
+// memory] in src/load/device_mapped.h).
 //   kStreaming  chunks land in staging blocks from a pool capped at
 //               staging_bytes; a block goes back to it once its copy's events
 //               complete (burn after reading). Peak host memory stays at or

@@ -53,8 +53,9 @@
 // staging copy. Before the copies the client registers the mapping with the
 // device (Device::register_host: CUDA's cudaHostRegister, read-only, which
 // pins the shared pages without breaking their copy-on-write sharing), so
-// the copies run as from pinned memory; the registration ends once they
-// have completed. The pages are the node's one copy, resident in shared
+// the copies run as from pinned memory; the registration lasts as long as
+// tensors use the mapping (Note [Copies from mapped memory] in
+// src/load/device_mapped.h). The pages are the node's one copy, resident in shared
 // memory; what each client pays is the registration of its mapping (page
 // tables: one entry per huge page where the entry has them). Where the
 // device refuses, the copies run from pageable memory;

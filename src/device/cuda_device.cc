@@ -349,7 +349,7 @@ class CudaDevice final : public Device {
 
   // Read-only: pinning a private mapping for writing would break its
   // copy-on-write sharing, page by page.
-  std::shared_ptr<void> register_host(const void* data, std::size_t bytes) noexcept override {
+  std::shared_ptr<void> register_host(const void* data, std::size_t bytes, std::string* why) noexcept override {
     if (data == nullptr || bytes == 0) return nullptr;
     void* p = const_cast<void*>(data);
     const int ordinal = ordinal_;
@@ -360,6 +360,12 @@ class CudaDevice final : public Device {
         (void)rt().cudaGetLastError();
         log::debug("{}: cudaHostRegister of {} bytes failed ({}): copies from them run from pageable memory", name_,
                    bytes, cuda_message(rc));
+        if (why != nullptr) {
+          try {
+            *why = "cudaHostRegister: " + cuda_message(rc);
+          } catch (...) {
+          }
+        }
         std::lock_guard lock(registry_->mu);
         registry_->counts.registrations_refused++;
         return nullptr;

@@ -46,7 +46,13 @@ void Event::synchronize() {
 Device::Device() : id_(g_next_device_id.fetch_add(1, std::memory_order_relaxed)) {}
 Device::~Device() = default;
 
-std::shared_ptr<void> Device::register_host(const void*, std::size_t) noexcept { return nullptr; }
+std::shared_ptr<void> Device::register_host(const void*, std::size_t, std::string* why) noexcept {
+  try {
+    if (why != nullptr) *why = name() + " does not register host memory";
+  } catch (...) {
+  }
+  return nullptr;
+}
 
 HostCopyCounts Device::host_copy_counts() const { return {}; }
 

@@ -378,12 +378,13 @@ class SimDevice final : public Device {
 
   std::shared_ptr<DeviceAllocator> default_allocator() const override { return allocator_; }
 
-  std::shared_ptr<void> register_host(const void* data, std::size_t bytes) noexcept override {
+  std::shared_ptr<void> register_host(const void* data, std::size_t bytes, std::string* why) noexcept override {
     if (data == nullptr || bytes == 0) return nullptr;
     try {
       if (options_->refuse_register) {
-        if (std::string why = options_->refuse_register(data, bytes); !why.empty()) {
-          log::debug("sim: register_host of {} bytes refused ({})", bytes, why);
+        if (std::string reason = options_->refuse_register(data, bytes); !reason.empty()) {
+          log::debug("sim: register_host of {} bytes refused ({})", bytes, reason);
+          if (why != nullptr) *why = std::move(reason);
           std::lock_guard lock(host_->mu);
           host_->counts.registrations_refused++;
           return nullptr;

@@ -10,6 +10,7 @@ const char* load_route_name(LoadRoute route) noexcept {
     case LoadRoute::kStoreConverted: return "store-converted";
     case LoadRoute::kStoreToDevice: return "store-to-device";
     case LoadRoute::kZeroCopy: return "zero-copy";
+    case LoadRoute::kMappedToDevice: return "mapped-to-device";
   }
   return "?";
 }
@@ -25,6 +26,9 @@ LoadRoutes plan_routes(const LoadFacts& facts) {
   if (whole && !host && !facts.converting) out.routes.push_back(LoadRoute::kStoreToDevice);
   if (whole && host && !facts.converting && facts.zero_copy != ZeroCopy::kOff) {
     out.routes.push_back(LoadRoute::kZeroCopy);
+  }
+  if (whole && !host && !facts.converting && facts.zero_copy != ZeroCopy::kOff) {
+    out.routes.push_back(LoadRoute::kMappedToDevice);
   }
   // A host load reading afresh may stage its conversions (Note [Staged conversion]).
   out.may_stage = host && !facts.adopting;

@@ -31,6 +31,7 @@ enum class LoadRoute : std::uint8_t {
   kStoreConverted,  // a host conversion the store serves converted (Note [Converted store entries])
   kStoreToDevice,   // a device load copied from the store's pages (Note [Store device loads])
   kZeroCopy,        // host files handed out as leased mappings (Note [Zero-copy loads])
+  kMappedToDevice,  // a device load copied from leased mappings of the page cache (Note [Copies from mapped memory])
 };
 
 const char* load_route_name(LoadRoute route) noexcept;

@@ -23,6 +23,7 @@
 #include "load/prefetch_handover.h"
 #include "load/verify.h"
 #include "load/store_load.h"
+#include "load/device_mapped.h"
 #include "load/zero_copy.h"
 #include "pinload/error.h"
 #include "pinload/io_template.h"
@@ -580,6 +581,9 @@ StateDict Loader::run(const Checkpoint& checkpoint, const LoadRequest& request, 
         break;
       case detail::LoadRoute::kZeroCopy:  // Note [Zero-copy loads]
         sd = detail::load_zero_copy(options_, env_, checkpoint, *pool_, counters, stop, hand_out_ready, read_rest);
+        break;
+      case detail::LoadRoute::kMappedToDevice:  // Note [Copies from mapped memory] in device_mapped.h
+        sd = detail::load_mapped_to_device(options_, env_, checkpoint, counters, stop, read_rest);
         break;
     }
     if (sd) return with_files(std::move(*sd), checkpoint);

@@ -1,6 +1,8 @@
 #include "pinload/model_cache.h"
 
 #include <exception>
+#include <map>
+#include <mutex>
 #include <unordered_set>
 
 #include "base/log.h"
@@ -89,6 +91,12 @@ struct ModelCache::Entry {
   std::string identity;
   StateDict host;
   std::uint64_t bytes = 0;
+  // Note [Copies from mapped memory] (device_mapped.h): the entry's blocks
+  // registered with each device it went to (by Device::id), once, so that a
+  // switch back copies with no staging copy and registers nothing again.
+  // Unregistered when the entry goes; callers' tensors keep their blocks.
+  mutable std::mutex registered_mu;
+  mutable std::map<std::uint64_t, std::vector<std::shared_ptr<void>>> registered;
 };
 
 struct ModelCache::Alias {
@@ -120,6 +128,35 @@ StateDict ModelCache::get_on(Device& device, const std::vector<std::string>& pat
   StateDict on_device;
   StateDict host = lookup_or_load(paths, &device, copy, &on_device);
   if (!on_device.empty() || host.empty()) return on_device;
+  // The entry that holds `host`, if it is cached (it may be too large, or gone meanwhile).
+  EntryPtr entry;
+  {
+    std::lock_guard lock(mu_);
+    for (const EntryPtr& e : lru_) {
+      if (!e->host.empty() && e->host[0].block() == host[0].block()) {
+        entry = e;
+        break;
+      }
+    }
+  }
+  std::vector<std::shared_ptr<void>> for_this_copy;  // an entry not cached: registered for the copy only
+  std::unique_lock<std::mutex> registered_lock;
+  std::vector<std::shared_ptr<void>>* registrations = &for_this_copy;
+  if (entry) {
+    registered_lock = std::unique_lock(entry->registered_mu);
+    registrations = &entry->registered[device.id()];
+  }
+  if (registrations->empty()) {
+    std::unordered_set<const Block*> seen;
+    for (const Tensor& t : host) {
+      const Block* b = t.block().get();
+      if (!seen.insert(b).second) continue;
+      // Pool blocks are page-aligned; whole pages. A refusal (memory the device
+      // pinned already: its own pinned pool) leaves a null, tried once.
+      registrations->push_back(device.register_host(b->data(), (b->capacity() + 4095) / 4096 * 4096));
+    }
+  }
+  if (registered_lock.owns_lock()) registered_lock.unlock();  // upload's copies complete before it returns; the entry keeps the registrations
   StateDict out = device_only(upload(host, device, copy));
   out.set_files(host.files());  // upload() keeps tensors and metadata only
   return out;

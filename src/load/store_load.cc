@@ -9,9 +9,11 @@
 #include <string_view>
 
 #include "base/log.h"
+#include "load/device_mapped.h"
 #include "load/load_counters.h"
 #include "load/zero_copy.h"
 #include "pinload/error.h"
+#include "pinload/file_identity.h"
 #include "pinload/safetensors.h"
 #include "pinload/store.h"
 #include "remote/remote_url.h"
@@ -223,48 +225,48 @@ std::optional<StateDict> load_converted_from_store(const LoadOptions& options, E
 
 std::optional<StateDict> load_to_device_from_store(const LoadOptions& options, Env* env, const Checkpoint& checkpoint,
                                                    Loader::Counters* counters, std::stop_token stop) {
-  std::optional<std::vector<MappedFile>> mapped = map_from_store(options, env, checkpoint, stop);
-  if (!mapped || std::any_of(mapped->begin(), mapped->end(), [](const MappedFile& m) { return m.block == nullptr; })) {
-    return std::nullopt;  // the mappings, and their holds, go
+  Device& device = *options.target.device;
+  // Note [Copies from mapped memory] (device_mapped.h): entries whose tensors
+  // from a load before still live are copied from that load's registered
+  // mappings, with no new mapping and no registration.
+  std::vector<std::string> keys;
+  std::vector<std::shared_ptr<RegisteredMapping>> files;
+  for (const CheckpointFile& cf : checkpoint.files) {
+    keys.push_back("store:" + cf.path + ":" + (cf.version.empty() ? FileIdentity::of(cf.stat).describe() : cf.version));
+    files.push_back(find_registered(device, keys.back()));
   }
-  std::vector<Tensor> host;
-  host.reserve(checkpoint.tensor_count());
-  std::uint64_t bytes = 0;
-  for (std::size_t i = 0; i < checkpoint.files.size(); ++i) {
-    const CheckpointFile& cf = checkpoint.files[i];
-    const std::uint64_t base = cf.header.data_offset();
-    for (const TensorInfo& t : cf.header.tensors) {
-      host.emplace_back(cf.name_prefix + t.name, t.dtype, t.shape, (*mapped)[i].block, base + t.begin, t.nbytes());
+  if (std::any_of(files.begin(), files.end(), [](const auto& f) { return f == nullptr; })) {
+    std::optional<std::vector<MappedFile>> mapped = map_from_store(options, env, checkpoint, stop);
+    if (!mapped || std::any_of(mapped->begin(), mapped->end(), [](const MappedFile& m) { return m.block == nullptr; })) {
+      return std::nullopt;  // the mappings, and their holds, go
     }
-    bytes += cf.header.data_size();
+    // Note [Store device loads] (store.h): the shared pages registered with the device
+    // (pinned: read-only, so their sharing stays), unless PINLOAD_STORE_REGISTER=0.
+    // Whole pages: the mapping is sized in whole pages past the file's end.
+    for (std::size_t i = 0; i < files.size(); ++i) {
+      const MappedFile& m = (*mapped)[i];
+      files[i] = RegisteredMapping::make(m.block, m.data, m.block->size(), /*file_backed=*/false, register_store_pages());
+    }
   }
-  counters->bytes_total += bytes;
   if (stop.stop_requested()) throw CancelledError("load cancelled");
-  // Note [Store device loads] (store.h): the shared pages registered with the device for the copy
-  // (pinned: read-only, so their sharing stays), unless PINLOAD_STORE_REGISTER=0.
-  std::vector<std::shared_ptr<void>> registrations;
-  if (register_store_pages()) {
-    for (const MappedFile& m : *mapped) {
-      // Whole pages: the mapping is sized in whole pages past the file's end.
-      registrations.push_back(options.target.device->register_host(m.data, (m.block->size() + 4095) / 4096 * 4096));
-      if (!registrations.back()) registrations.pop_back();
-    }
-  }
-  // Straight from the shared pages to the device: no staging copy. upload() returns once the
-  // copies have completed, and only then do the registrations go.
-  StateDict both = upload(StateDict(std::move(host), checkpoint.metadata()), *options.target.device, options.target.copy);
-  registrations.clear();
+  const std::uint64_t bytes = checkpoint.data_bytes();
+  counters->bytes_total += bytes;
+  // Straight from the shared pages to the device: no staging copy.
+  std::optional<StateDict> both = copy_mapped_to_device(checkpoint, files, device, options.target.copy);
+  if (!both) throw std::logic_error("a store entry's refused registration ended its copy");
+  for (std::size_t i = 0; i < files.size(); ++i) keep_registered(device, keys[i], files[i]);
+  files.clear();
   counters->files_store += checkpoint.files.size();
   counters->bytes_done += bytes;
   counters->bytes_copied += bytes;
   if (options.target.mode == DeviceMode::kCached) return both;
-  // Streaming: the tensors are on the device only; the mappings go now.
+  // Streaming: the tensors are on the device only; the mappings (and their registrations) go now.
   std::vector<Tensor> device_only;
-  device_only.reserve(both.size());
-  for (const Tensor& t : both) {
+  device_only.reserve(both->size());
+  for (const Tensor& t : *both) {
     device_only.emplace_back(t.name(), t.dtype(), t.shape(), t.device_buffer(), t.device_offset(), t.nbytes());
   }
-  return StateDict(std::move(device_only), both.metadata());
+  return StateDict(std::move(device_only), both->metadata());
 }
 
 }  // namespace pinload::detail

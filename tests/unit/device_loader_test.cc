@@ -5,9 +5,13 @@
 #include <gtest/gtest.h>
 
 #include <random>
+#include <sys/stat.h>
 
 #include "device_test_util.h"
 #include "fault_env.h"
+#include "file_check.h"
+#include "io/leased_mapping.h"
+#include "load/device_mapped.h"
 #include "pinload/error.h"
 #include "pinload/loader.h"
 #include "test_files.h"
@@ -82,26 +86,33 @@ TEST_P(DeviceLoadTest, DeviceBytesEqualTheFile) {
   }
   testing::TempDir dir;
   const Model m = write_model(dir.file("m.safetensors"), 7);
-  LoadOptions options;
-  options.threads = 4;
-  options.block_size = c.block_size;
-  options.target.device = device.get();
-  options.target.mode = c.mode;
-  options.target.copy.chunk_bytes = c.chunk_bytes;
-  options.target.copy.streams = c.streams;
-  options.target.staging_bytes = 4 * Pool::size_class(c.block_size);
-  Loader loader(options);
-  const StateDict sd = loader.load({dir.file("m.safetensors")});
-  expect_device_matches(*device, sd, m);
-  for (const Tensor& t : sd) EXPECT_EQ(t.on_host(), c.mode == DeviceMode::kCached) << t.name();
+  // The file is in the page cache: copied from its mapping (kAuto), or read
+  // into pinned blocks first (kOff).
+  for (const ZeroCopy zero_copy : {ZeroCopy::kAuto, ZeroCopy::kOff}) {
+    SCOPED_TRACE(zero_copy_name(zero_copy));
+    LoadOptions options;
+    options.threads = 4;
+    options.block_size = c.block_size;
+    options.zero_copy = zero_copy;
+    options.target.device = device.get();
+    options.target.mode = c.mode;
+    options.target.copy.chunk_bytes = c.chunk_bytes;
+    options.target.copy.streams = c.streams;
+    options.target.staging_bytes = 4 * Pool::size_class(c.block_size);
+    Loader loader(options);
+    const StateDict sd = loader.load({dir.file("m.safetensors")});
+    expect_device_matches(*device, sd, m);
+    for (const Tensor& t : sd) EXPECT_EQ(t.on_host(), c.mode == DeviceMode::kCached) << t.name();
 
-  // Handed out one by one (Note [Ready tensors]): only once their copies are done.
-  LoadHandle handle = loader.load_async({dir.file("m.safetensors")});
-  std::vector<Tensor> ready;
-  for (std::vector<Tensor> more = handle.next_ready(); !more.empty(); more = handle.next_ready()) {
-    for (Tensor& t : more) ready.push_back(std::move(t));
+    // Handed out one by one (Note [Ready tensors]): only once their copies are done.
+    LoadHandle handle = loader.load_async({dir.file("m.safetensors")});
+    std::vector<Tensor> ready;
+    for (std::vector<Tensor> more = handle.next_ready(); !more.empty(); more = handle.next_ready()) {
+      for (Tensor& t : more) ready.push_back(std::move(t));
+    }
+    expect_device_matches(*device, StateDict(std::move(ready)), m);
+    EXPECT_EQ(handle.progress().files_zero_copy, zero_copy == ZeroCopy::kAuto ? 1u : 0u);
   }
-  expect_device_matches(*device, StateDict(std::move(ready)), m);
 }
 
 INSTANTIATE_TEST_SUITE_P(Modes, DeviceLoadTest,
@@ -130,6 +141,7 @@ TEST(DeviceLoadAdversarial, SlowCopiesNeverSeeRecycledBlocks) {
   options.threads = 4;
   options.block_size = 4096;
   options.target = {device.get(), DeviceMode::kStreaming, CopyOptions{2, 1024, 0}, 2 * 4096};
+  options.zero_copy = ZeroCopy::kOff;  // the staged read path, not a copy from the file's mapping
   Loader loader(options);
   const StateDict sd = loader.load({dir.file("m.safetensors")});
   expect_device_matches(*device, sd, m);
@@ -147,6 +159,7 @@ TEST(DeviceLoadBudget, StreamingPeakHostMemoryStaysWithinTheBudget) {
   LoadOptions options;
   options.block_size = 16 << 10;
   options.target = {device.get(), DeviceMode::kStreaming, CopyOptions{2, 8 << 10, 0}, budget};
+  options.zero_copy = ZeroCopy::kOff;  // the staged read path, not a copy from the file's mapping
   Loader loader(options);
   const StateDict sd = loader.load({dir.file("m.safetensors")});
   expect_device_matches(*device, sd, m);
@@ -172,6 +185,7 @@ TEST(DeviceLoadBudget, LoadersSharingAStagingPoolPinItOnce) {
   LoadOptions options;
   options.block_size = 16 << 10;
   options.target = {device.get(), DeviceMode::kStreaming, CopyOptions{2, 8 << 10, 0}, 128 << 10};
+  options.zero_copy = ZeroCopy::kOff;  // the staged read path, not a copy from the file's mapping
   const std::shared_ptr<Pool> staging = make_staging_pool(options);
   expect_device_matches(*device, Loader(options, nullptr, nullptr, staging).load({dir.file("big.safetensors")}), big);
   const PoolStats first = staging->stats();
@@ -193,6 +207,147 @@ TEST(DeviceLoadBudget, LoadersSharingAStagingPoolPinItOnce) {
   EXPECT_THROW(Loader(larger, nullptr, nullptr, staging), InvalidArgumentError);
 }
 
+// ---- Note [Copies from mapped memory] (device_mapped.h), by the counts of
+// Note [Host copy counts] (device.h)
+
+// A warm device load copies from the file's mapping of the page cache: no
+// staging copy, no pool block; the registration lasts as long as the host
+// tensors, so a second load of the file registers nothing.
+TEST(DeviceLoadFromMappings, AWarmDeviceLoadCopiesFromThePageCacheWithNoStagingCopy) {
+  auto device = make_sim_device();
+  testing::TempDir dir;
+  const Model m = write_model(dir.file("m.safetensors"), 31, 40);
+  const std::uint64_t data_bytes = m.image.data.size();
+  LoadOptions options;
+  options.threads = 2;
+  options.target.device = device.get();
+  Loader loader(options);
+  {
+    LoadHandle h = loader.load_async({dir.file("m.safetensors")});
+    const StateDict sd = h.wait();
+    expect_device_matches(*device, sd, m);
+    testing::expect_matches_file(sd, dir.file("m.safetensors"), m.image);  // the host copy is the mapping
+    EXPECT_EQ(h.progress().files_zero_copy, 1u);
+    EXPECT_EQ(loader.pool()->stats().peak_reserved_bytes, 0u) << "read into pool blocks";
+    const HostCopyCounts first = device->host_copy_counts();
+    EXPECT_EQ(first.staged_bytes, 0u);
+    EXPECT_EQ(first.direct_bytes, data_bytes);
+    EXPECT_GE(first.registrations, 1u);
+    EXPECT_EQ(first.live_registrations, first.registrations);
+
+    const StateDict again = loader.load({dir.file("m.safetensors")});
+    expect_device_matches(*device, again, m);
+    const HostCopyCounts second = device->host_copy_counts();
+    EXPECT_EQ(second.registrations, first.registrations) << "the second load registered again";
+    EXPECT_EQ(second.staged_bytes, 0u);
+    EXPECT_EQ(second.direct_bytes, 2 * data_bytes);
+  }
+  EXPECT_EQ(device->host_copy_counts().live_registrations, 0u) << "the registrations outlived the tensors";
+
+  // Streaming: the same copies, and the mapping goes with the load.
+  options.target.mode = DeviceMode::kStreaming;
+  Loader streaming(options);
+  expect_device_matches(*device, streaming.load({dir.file("m.safetensors")}), m);
+  const HostCopyCounts c = device->host_copy_counts();
+  EXPECT_EQ(c.staged_bytes, 0u);
+  EXPECT_EQ(c.direct_bytes, 3 * data_bytes);
+  EXPECT_EQ(c.live_registrations, 0u);
+  EXPECT_EQ(streaming.staging_pool()->stats().peak_reserved_bytes, 0u) << "staged";
+}
+
+// The mapping is registered chunk by chunk just before each chunk's copy is
+// queued, so the registration of chunk i+1 runs while chunk i copies (here:
+// all of them while the first copy is held); no copy leaves its chunk.
+TEST(DeviceLoadFromMappings, RegistrationsOverlapTheCopiesChunkByChunk) {
+  testing::Gate gate;
+  SimDeviceOptions sim;
+  sim.before_copy = gate.hook();
+  auto device = make_sim_device(sim);
+  testing::TempDir dir;
+  const std::string path = dir.file("f.bin");
+  std::vector<std::uint8_t> bytes(10 * 4096 + 123);
+  std::mt19937_64 rng(3);
+  for (auto& b : bytes) b = static_cast<std::uint8_t>(rng());
+  testing::write_file(path, bytes);
+  FileStat st;
+  {
+    Env* env = default_env();
+    const int fd = env->open_read(path, 0);
+    ASSERT_GE(fd, 0);
+    const ScopedFd owned(env, fd);
+    ASSERT_EQ(env->stat(fd, &st), 0);
+  }
+  std::string why;
+  std::shared_ptr<detail::LeasedMapping> lease = detail::LeasedMapping::open(default_env(), path, FileIdentity::of(st), &why);
+  ASSERT_NE(lease, nullptr) << why;
+  const std::size_t chunk = 3 * 4096;
+  auto mapping = detail::RegisteredMapping::make(lease->block(), lease->data(), lease->size(), true, true, chunk);
+  lease.reset();
+  auto dst = device->allocate(bytes.size());
+  {
+    testing::OpenOnExit opener(gate);
+    CopyEngine engine(*device, CopyOptions{1, 4096, 0});
+    ASSERT_TRUE(mapping->copy(engine, 100, bytes.size() - 100, dst, 100));
+    ASSERT_TRUE(gate.wait_waiting(1));
+    // Every chunk registered, and the first copy still held.
+    EXPECT_EQ(device->registered_ranges().size(), 4u);
+    EXPECT_EQ(engine.stats().bytes_completed, 0u);
+    gate.open();
+    engine.wait_all();
+  }
+  const auto back = testing::read_back(*device, *dst, 100, bytes.size() - 100);
+  EXPECT_TRUE(std::equal(back.begin(), back.end(), reinterpret_cast<const std::byte*>(bytes.data()) + 100));
+  const std::vector<RegisteredRange> ranges = device->registered_ranges();
+  ASSERT_EQ(ranges.size(), 4u);
+  for (std::size_t k = 0; k < ranges.size(); ++k) {
+    EXPECT_EQ(ranges[k].data, mapping->data() + k * chunk);
+    EXPECT_EQ(ranges[k].bytes, k < 3 ? chunk : 2 * 4096);  // the last: the file's whole pages
+  }
+  const HostCopyCounts c = device->host_copy_counts();
+  EXPECT_EQ(c.staged_bytes, 0u);
+  EXPECT_EQ(c.direct_bytes, bytes.size() - 100);
+  mapping.reset();
+  EXPECT_TRUE(device->registered_ranges().empty());
+}
+
+// Note [Registration chunks]: from the cost model, in whole 2 MiB, bounded.
+TEST(DeviceLoadFromMappings, TheChunkComesFromTheRegistrationCost) {
+  const std::size_t modelled = detail::registration_chunk_bytes();
+  EXPECT_EQ(modelled % (2u << 20), 0u);
+  EXPECT_GE(modelled, 8u << 20);
+  EXPECT_LE(modelled, 256u << 20);
+  // 50 us a call at 0.19 s/GB: 5.2 MB would make the call 5% of the chunk.
+  EXPECT_EQ(detail::registration_chunk_bytes({50e-6, 1.0 / 5.2}), 8u << 20);
+  EXPECT_EQ(detail::registration_chunk_bytes({1e-3, 1.0 / 5.2}), 50 * (2u << 20));  // 104 MB: 50 grains of 2 MiB
+  EXPECT_EQ(detail::registration_chunk_bytes({1.0, 1.0}), 256u << 20);
+}
+
+// Where the driver refuses to register a file mapping, the load reads the
+// file into pinned blocks (the staged path), and so does every later load
+// of the process, which asks the driver no more.
+TEST(DeviceLoadFromMappings, ARefusedFileRegistrationFallsBackToTheStagedPathOnce) {
+  SimDeviceOptions sim;
+  sim.refuse_register = [](const void*, std::size_t) { return std::string("file-backed memory (test)"); };
+  auto device = make_sim_device(sim);
+  testing::TempDir dir;
+  const Model m = write_model(dir.file("m.safetensors"), 37, 20);
+  LoadOptions options;
+  options.target.device = device.get();
+  for (int i = 0; i < 2; ++i) {
+    Loader loader(options);
+    LoadHandle h = loader.load_async({dir.file("m.safetensors")});
+    const StateDict sd = h.wait();
+    expect_device_matches(*device, sd, m);
+    EXPECT_EQ(h.progress().files_zero_copy, 0u);
+    EXPECT_EQ(h.progress().files_buffered + h.progress().files_direct, 1u) << "not read";
+    EXPECT_GT(loader.pool()->stats().peak_reserved_bytes, 0u) << "not read into pool blocks";
+    EXPECT_EQ(device->host_copy_counts().registrations_refused, 1u);
+    EXPECT_EQ(device->host_copy_counts().registrations, 0u);
+  }
+  EXPECT_TRUE(detail::file_registration_refused());
+  detail::forget_file_registration_refusal();
+}
+
 class DeviceLoadFaultTest : public ::testing::TestWithParam<DeviceMode> {};
 
 TEST_P(DeviceLoadFaultTest, ReadErrorMidLoadReleasesEverything) {
@@ -211,6 +366,7 @@ TEST_P(DeviceLoadFaultTest, ReadErrorMidLoadReleasesEverything) {
   options.direct = DirectIo::kOff;
   options.cached_read = CachedRead::kPread;  // the fault is on the 20th pread
   options.target = {device.get(), GetParam(), CopyOptions{2, 2048, 0}, 4 * 4096};
+  options.zero_copy = ZeroCopy::kOff;  // the staged read path, not a copy from the file's mapping
   Loader loader(options, nullptr, &env);
   try {
     loader.load({dir.file("m.safetensors")});
@@ -242,6 +398,7 @@ TEST_P(DeviceLoadFaultTest, CancelMidLoadReleasesEverything) {
   options.block_size = 4096;
   options.direct = DirectIo::kOff;
   options.target = {device.get(), GetParam(), CopyOptions{2, 2048, 0}, 4 * 4096};
+  options.zero_copy = ZeroCopy::kOff;  // the staged read path, not a copy from the file's mapping
   Loader loader(options, nullptr, &env);
   LoadHandle handle = loader.load_async({dir.file("m.safetensors")});
   while (handle.progress().bytes_done == 0 && !handle.done()) std::this_thread::sleep_for(std::chrono::milliseconds(1));

@@ -395,6 +395,36 @@ TEST(ModelCache, GetOnSimCopiesTheCachedModelWithoutReading) {
   EXPECT_EQ(pool->stats().in_use_bytes, 0u);
 }
 
+// A switch back to a model cached in host memory that is not pinned (a host
+// loader's pool) copies with no staging copy: the entry's blocks are
+// registered with the device at its first switch and stay registered with
+// the entry, so later switches register nothing (Note [Copies from mapped
+// memory] in device_mapped.h; the counts: Note [Host copy counts]).
+TEST(ModelCache, ASwitchBackCopiesWithNoStagingCopyAndRegistersOnce) {
+  auto device = make_sim_device();
+  TempDir dir;
+  const auto ms = write_models(dir, 2);
+  FaultEnv env;
+  ModelCache cache(UINT64_MAX, loader_on(&env));
+  for (const Model& m : ms) expect_model(cache.get({m.path}), m);  // cached on the host
+  const CopyOptions copy{2, 3000, 0};
+  expect_model_on(*device, cache.get_on(*device, {ms[0].path}, copy), ms[0]);
+  expect_model_on(*device, cache.get_on(*device, {ms[1].path}, copy), ms[1]);
+  const HostCopyCounts first = device->host_copy_counts();
+  EXPECT_EQ(first.staged_bytes, 0u) << "a switch back staged bytes";
+  EXPECT_GT(first.direct_bytes, 0u);
+  EXPECT_GE(first.registrations, 2u);
+  EXPECT_EQ(first.live_registrations, first.registrations);
+  for (int i = 0; i < 4; ++i) expect_model_on(*device, cache.get_on(*device, {ms[i % 2].path}, copy), ms[i % 2]);
+  const HostCopyCounts later = device->host_copy_counts();
+  EXPECT_EQ(later.registrations, first.registrations) << "a later switch registered again";
+  EXPECT_EQ(later.staged_bytes, 0u);
+  EXPECT_EQ(later.direct_bytes, 3 * first.direct_bytes);
+  cache.clear();  // the registrations go with the entries
+  EXPECT_EQ(device->host_copy_counts().live_registrations, 0u);
+  EXPECT_TRUE(device->registered_ranges().empty());
+}
+
 // A missing tensor names the model's file in every state dict the cache hands
 // out: a miss, a hit, and the device copies of get_on (a miss that loads to
 // the device, and a hit that uploads the host copy), which named none.

@@ -457,14 +457,15 @@ namespace pinload {
 namespace {
 
 // A device load takes its host copy from the store and copies from there:
-// the device's bytes equal the file's, in both modes.
+// the device's bytes equal the file's, in both modes, and no byte is staged
+// (Note [Host copy counts] in device.h).
 TEST(StoreTest, DeviceLoadsCopyFromTheStoresCopy) {
   TempDir dir;
   Daemon daemon(dir);
   const Model m = write_model(dir, "a.safetensors", 19);
   const std::vector<char> file = testing::slurp(m.path);
-  // Note [Store device loads]: the copies run from the mapping registered with the device, and
-  // the registration ends with them.
+  // Note [Copies from mapped memory]: the copies run from the mapping registered with the
+  // device, and the registration lasts as long as the tensors that use the mapping.
   SimDeviceOptions sim;
   std::atomic<std::int64_t> registered{0}, most{0};
   sim.on_register = [&](std::size_t bytes, bool on) {
@@ -474,15 +475,7 @@ TEST(StoreTest, DeviceLoadsCopyFromTheStoresCopy) {
     }
   };
   std::unique_ptr<Device> device = make_sim_device(sim);
-  for (const DeviceMode mode : {DeviceMode::kCached, DeviceMode::kStreaming}) {
-    LoadOptions o = with_store(daemon.socket());
-    o.target.device = device.get();
-    o.target.mode = mode;
-    Loader loader(o);
-    LoadHandle h = loader.load_async({m.path});
-    const StateDict sd = h.wait();
-    EXPECT_EQ(h.progress().files_store, 1u);
-    EXPECT_EQ(h.progress().bytes_copied, h.progress().bytes_total);
+  auto expect_bytes = [&](const StateDict& sd, DeviceMode mode) {
     for (const testing::Layout& t : testing::layout_of(m.image)) {
       const Tensor& tensor = sd.at(t.name);
       ASSERT_TRUE(tensor.on_device());
@@ -492,10 +485,66 @@ TEST(StoreTest, DeviceLoadsCopyFromTheStoresCopy) {
       EXPECT_TRUE(std::equal(back.begin(), back.end(), file.begin() + static_cast<std::ptrdiff_t>(8 + m.image.header_json.size() + t.begin)))
           << t.name;
     }
-    EXPECT_GE(most.load(), static_cast<std::int64_t>(file.size()));
+  };
+  for (const DeviceMode mode : {DeviceMode::kCached, DeviceMode::kStreaming}) {
+    SCOPED_TRACE(mode == DeviceMode::kCached ? "cached" : "streaming");
+    LoadOptions o = with_store(daemon.socket());
+    o.target.device = device.get();
+    o.target.mode = mode;
+    Loader loader(o);
+    const HostCopyCounts before = device->host_copy_counts();
+    {
+      LoadHandle h = loader.load_async({m.path});
+      const StateDict sd = h.wait();
+      EXPECT_EQ(h.progress().files_store, 1u);
+      EXPECT_EQ(h.progress().bytes_copied, h.progress().bytes_total);
+      expect_bytes(sd, mode);
+      const HostCopyCounts after = device->host_copy_counts();
+      EXPECT_EQ(after.staged_bytes, before.staged_bytes) << "a store device load staged bytes";
+      EXPECT_EQ(after.direct_bytes - before.direct_bytes, h.progress().bytes_total);
+      EXPECT_GE(most.load(), static_cast<std::int64_t>(file.size()));
+      if (mode == DeviceMode::kCached) {
+        // Kept while the host tensors use the mapping: a second load registers nothing
+        // and asks the store nothing.
+        EXPECT_GE(registered.load(), static_cast<std::int64_t>(file.size()));
+        const StoreStatus status = store_status(daemon.socket());
+        const StateDict again = loader.load({m.path});
+        expect_bytes(again, mode);
+        const HostCopyCounts second = device->host_copy_counts();
+        EXPECT_EQ(second.registrations, after.registrations) << "the second load registered again";
+        EXPECT_EQ(second.staged_bytes, before.staged_bytes);
+        const StoreStatus status_after = store_status(daemon.socket());
+        EXPECT_EQ(status_after.hits + status_after.misses, status.hits + status.misses) << "the store was asked again";
+      } else {
+        EXPECT_EQ(registered.load(), 0) << "streaming: the mapping went with the load";
+      }
+    }
     EXPECT_EQ(registered.load(), 0);
+    EXPECT_EQ(device->host_copy_counts().live_registrations, 0u);
   }
   EXPECT_EQ(store_status(daemon.socket()).reads, 1u);
+}
+
+// PINLOAD_STORE_REGISTER=0, or a device that refuses the entry's pages: the
+// copies run from pageable memory, which the stand-in counts as staged.
+TEST(StoreTest, UnregisteredStorePagesAreStaged) {
+  TempDir dir;
+  Daemon daemon(dir);
+  const Model m = write_model(dir, "a.safetensors", 23);
+  SimDeviceOptions sim;
+  sim.refuse_register = [](const void*, std::size_t) { return std::string("refused by the test"); };
+  std::unique_ptr<Device> device = make_sim_device(sim);
+  LoadOptions o = with_store(daemon.socket());
+  o.target.device = device.get();
+  o.target.mode = DeviceMode::kStreaming;
+  LoadHandle h = Loader(o).load_async({m.path});
+  const StateDict sd = h.wait();
+  EXPECT_EQ(h.progress().files_store, 1u);
+  const HostCopyCounts c = device->host_copy_counts();
+  EXPECT_EQ(c.registrations_refused, 1u);
+  EXPECT_EQ(c.registrations, 0u);
+  EXPECT_EQ(c.staged_bytes, h.progress().bytes_total);
+  EXPECT_EQ(c.direct_bytes, 0u);
 }
 
 }  // namespace
