@@ -90,6 +90,8 @@ def generate(a) -> dict:
     script = os.path.join(HERE, "pipeline_prepare.py")
     for what in ("single-file", "lora", "lm", "flashpack"):
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "tests", "python"),
+                                                             os.path.join(ROOT, a.build, "python"),
+                                                             os.path.join(ROOT, "python"),
                                                              os.environ.get("PYTHONPATH", "")]))
         subprocess.run([sys.executable, script, what, json.dumps(paths), str(a.lm_gb)], check=True, env=env)
     for key in ("sdxl", "flux"):

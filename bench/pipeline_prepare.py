@@ -13,8 +13,10 @@ flashpack    FlashPack copies of the SDXL and FLUX pipelines' diffusers componen
 """
 from __future__ import annotations
 
+import glob
 import json
 import os
+import shutil
 import sys
 import warnings
 
@@ -123,7 +125,9 @@ def flashpack() -> None:
             continue
         dst = src + "-flashpack"
         if os.path.exists(os.path.join(dst, "model_index.json")):
-            continue
+            if not glob.glob(os.path.join(dst, "*", "*.fp16.*")):
+                continue
+            shutil.rmtree(dst)  # an older copy, written with the variant in its names
         with open(os.path.join(src, "model_index.json")) as f:
             index = json.load(f)
         for component, entry in index.items():
@@ -137,7 +141,8 @@ def flashpack() -> None:
                 dtype = torch.float16 if variant else torch.bfloat16
                 fixes = sp.CONFIG_FIXES.get((index["_class_name"], component), {})
                 model = cls.from_pretrained(sub, variant=variant, torch_dtype=dtype, **fixes)
-                model.save_pretrained(out, variant=variant, use_flashpack=True)
+                # Saved without the variant: the worker loads a FlashPack copy with variant=None.
+                model.save_pretrained(out, use_flashpack=True)
                 del model
             else:
                 # The other components' files, linked under their names without the variant: a
