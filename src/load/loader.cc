@@ -399,13 +399,24 @@ std::shared_ptr<Pool> staging_pool_on(const LoadOptions& options, Env* env, int 
 
 namespace detail {
 
+// The machine's topology, read once per process (a load reads it at every
+// Loader otherwise); a fake tree (tests) is read every time.
+NumaTopology read_numa_topology(const std::string& sysfs_root) {
+  if (sysfs_root != "/sys") return NumaTopology::read(sysfs_root);
+  static std::mutex mu;
+  static std::optional<NumaTopology> machine;
+  std::lock_guard lock(mu);
+  if (!machine) machine = NumaTopology::read(sysfs_root);
+  return *machine;
+}
+
 // Note [NUMA placement] (numa.h). Under kNumaAuto, a sysfs it cannot read
 // turns placement off rather than failing the load.
 NumaPlacement choose_numa_placement(const LoadOptions& options) {
   const int requested = options.numa.node;
   if (requested == kNumaNone) return {};
   try {
-    const NumaTopology topology = NumaTopology::read(options.numa.sysfs_root);
+    const NumaTopology topology = read_numa_topology(options.numa.sysfs_root);
     const Device* device = options.target.device;
     const int device_node =
         requested == kNumaAuto && device != nullptr && topology.multi_node() ? device->numa_node(topology) : -1;

@@ -55,9 +55,10 @@ bool file_on_network_filesystem(Env* env, const std::string& path) {
   return network;
 }
 
-}  // namespace
-
-bool keep_page_cache(const LoadOptions& options, Env* env, std::uint64_t bytes, bool only_copy) {
+// keep_page_cache with the memory limit given: `read_limit` is called only
+// where the rule needs it (a load reads the limit once).
+template <typename ReadLimit>
+bool keep_page_cache_by(const LoadOptions& options, std::uint64_t bytes, bool only_copy, ReadLimit read_limit) {
   switch (page_cache_mode(options)) {
     case PageCache::kKeep: return true;
     case PageCache::kBypass: return false;
@@ -65,12 +66,18 @@ bool keep_page_cache(const LoadOptions& options, Env* env, std::uint64_t bytes, 
   }
   // DirectIo::kOn asks for direct reads: auto leaves the page cache alone.
   if (!only_copy || options.direct == DirectIo::kOn) return false;
-  const std::optional<HostMemoryLimit> limit = read_host_memory_limit(env, options.memory_root);
+  const std::optional<HostMemoryLimit> limit = read_limit();
   if (!limit) return false;  // nothing to go by: direct reads, as before
   const bool keep = static_cast<double>(bytes) <= kKeepFraction * static_cast<double>(limit->available_bytes);
   log::debug("page cache: {} bytes against {} left ({}): {}", bytes, limit->available_bytes, limit->source,
              keep ? "kept" : "bypassed");
   return keep;
+}
+
+}  // namespace
+
+bool keep_page_cache(const LoadOptions& options, Env* env, std::uint64_t bytes, bool only_copy) {
+  return keep_page_cache_by(options, bytes, only_copy, [&] { return read_host_memory_limit(env, options.memory_root); });
 }
 
 std::vector<std::shared_ptr<LeasedMapping>> choose_zero_copy(const LoadOptions& options, Env* env,
@@ -87,8 +94,14 @@ std::vector<std::shared_ptr<LeasedMapping>> choose_zero_copy(const LoadOptions& 
   }
   // A load that cannot fit the process's memory limit keeps failing as
   // Note [Memory limits] says, before reading.
+  // The limit is read once for the load: here and by the page cache's rule.
+  std::optional<std::optional<HostMemoryLimit>> limit_read;
+  auto memory_limit = [&] {
+    if (!limit_read) limit_read = read_host_memory_limit(env, options.memory_root);
+    return *limit_read;
+  };
   if (options.zero_copy == ZeroCopy::kAuto) {
-    const std::optional<HostMemoryLimit> limit = read_host_memory_limit(env, options.memory_root);
+    const std::optional<HostMemoryLimit> limit = memory_limit();
     if (limit && limit->available_bytes < checkpoint.data_bytes()) return mapped;
   }
   // Note [Keeping the page cache]: cold files mapped too, read in by the
@@ -119,7 +132,7 @@ std::vector<std::shared_ptr<LeasedMapping>> choose_zero_copy(const LoadOptions& 
       const double resident = page_cache_fraction(env, cf.path, cf.stat.size);
       if (resident < options.resident_threshold) {
         if (file_on_network_filesystem(env, cf.path)) continue;  // read by one reader per connection instead
-        if (!keep.has_value()) keep = keep_page_cache(options, env, checkpoint.data_bytes(), true);
+        if (!keep.has_value()) keep = keep_page_cache_by(options, checkpoint.data_bytes(), true, memory_limit);
         if (!*keep) {
           log::debug("{}: {:.0f}% in page cache: read, not mapped", cf.path, std::max(resident, 0.0) * 100);
           continue;
