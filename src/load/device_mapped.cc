@@ -130,15 +130,28 @@ bool file_registration_refused() noexcept { return g_file_registration_refused.l
 
 void forget_file_registration_refusal() noexcept { g_file_registration_refused.store(false); }
 
+std::vector<std::shared_ptr<DeviceBuffer>> allocate_file_buffers(const Checkpoint& checkpoint, Device& device) {
+  std::vector<std::shared_ptr<DeviceBuffer>> buffers;
+  buffers.reserve(checkpoint.files.size());
+  for (const CheckpointFile& f : checkpoint.files) {
+    try {
+      buffers.push_back(device.allocate(std::max<std::uint64_t>(f.header.data_size(), 1)));
+    } catch (const OutOfMemoryError& e) {
+      if (!e.context().file.empty()) throw;
+      throw OutOfMemoryError(e.message(), ErrorContext{f.path});
+    }
+  }
+  return buffers;
+}
+
 std::optional<StateDict> copy_mapped_to_device(const Checkpoint& checkpoint,
                                                const std::vector<std::shared_ptr<RegisteredMapping>>& files,
+                                               const std::vector<std::shared_ptr<DeviceBuffer>>& buffers,
                                                Device& device, const CopyOptions& copy) {
-  std::vector<std::shared_ptr<DeviceBuffer>> buffers(checkpoint.files.size());
   {
     CopyEngine engine(device, copy);
     for (std::size_t i = 0; i < checkpoint.files.size(); ++i) {
       const auto& h = checkpoint.files[i].header;
-      buffers[i] = device.allocate(std::max<std::uint64_t>(h.data_size(), 1));
       if (h.data_size() == 0) continue;
       if (!files[i]->copy(engine, h.data_offset(), h.data_size(), buffers[i], 0)) {
         engine.wait_all();
@@ -206,12 +219,15 @@ std::optional<StateDict> load_mapped_to_device(const LoadOptions& options, Env* 
     }
   }
   if (mapped_files.empty()) return std::nullopt;
+  // Device memory first, as a load that reads: a model that cannot fit fails before any work.
+  const std::vector<std::shared_ptr<DeviceBuffer>> buffers = allocate_file_buffers(mapped_part, device);
   // Every page in memory, and a page that cannot be read an IoError, before
   // any is registered.
   populate_mapped(env, fresh, checkpoint, options.threads, options.block_size, stop);
   fresh.clear();
   if (stop.stop_requested()) throw CancelledError("load cancelled");
-  std::optional<StateDict> copied = copy_mapped_to_device(mapped_part, mapped_files, device, options.target.copy);
+  std::optional<StateDict> copied =
+      copy_mapped_to_device(mapped_part, mapped_files, buffers, device, options.target.copy);
   if (!copied) return std::nullopt;  // refused: the staged path reads every file
   for (std::size_t i = 0; i < n; ++i) {
     if (files[i]) {

@@ -119,13 +119,18 @@ bool file_registration_refused() noexcept;
 // Forgets a refusal: for tests, which run loads of both kinds in one process.
 void forget_file_registration_refusal() noexcept;
 
+// One device allocation per file of `checkpoint`, its data section. Throws
+// OutOfMemoryError naming the file, DeviceError.
+std::vector<std::shared_ptr<DeviceBuffer>> allocate_file_buffers(const Checkpoint& checkpoint, Device& device);
+
 // Copies the data section of each file of `checkpoint` from files[i] (every
-// one set) to a device allocation of its own, and waits for the copies. The
-// tensors are on the device and, from the mapping, on the host. nullopt
+// one set) to buffers[i] (allocate_file_buffers), and waits for the copies.
+// The tensors are on the device and, from the mapping, on the host. nullopt
 // where a file-backed registration was refused (every queued copy has
-// completed). Throws DeviceError, OutOfMemoryError.
+// completed). Throws DeviceError.
 std::optional<StateDict> copy_mapped_to_device(const Checkpoint& checkpoint,
                                                const std::vector<std::shared_ptr<RegisteredMapping>>& files,
+                                               const std::vector<std::shared_ptr<DeviceBuffer>>& buffers,
                                                Device& device, const CopyOptions& copy);
 
 // The warm device load (Note [Copies from mapped memory]): each local file

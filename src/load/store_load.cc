@@ -252,7 +252,8 @@ std::optional<StateDict> load_to_device_from_store(const LoadOptions& options, E
   const std::uint64_t bytes = checkpoint.data_bytes();
   counters->bytes_total += bytes;
   // Straight from the shared pages to the device: no staging copy.
-  std::optional<StateDict> both = copy_mapped_to_device(checkpoint, files, device, options.target.copy);
+  std::optional<StateDict> both =
+      copy_mapped_to_device(checkpoint, files, allocate_file_buffers(checkpoint, device), device, options.target.copy);
   if (!both) throw std::logic_error("a store entry's refused registration ended its copy");
   for (std::size_t i = 0; i < files.size(); ++i) keep_registered(device, keys[i], files[i]);
   files.clear();

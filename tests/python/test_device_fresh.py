@@ -51,7 +51,8 @@ def test_fresh_device_loads_stream_through_one_reused_staging_pool(files):
         import pinload, pinload.torch as pt
         rows = []
         for path in sys.argv[1:]:
-            got = pt.load_file(path, device="sim")
+            # zero_copy="off": read, as a cold file is, not copied from its mapping of the page cache
+            got = pt.load_file(path, device="sim", zero_copy="off")
             want = st.load_file(path)
             assert list(got) == list(want), path
             for k in want:
@@ -74,6 +75,28 @@ def test_fresh_device_loads_stream_through_one_reused_staging_pool(files):
     assert later["os_reservations"] == biggest["os_reservations"], rows
     assert later["free_list_hits"] > biggest["free_list_hits"] >= first["free_list_hits"], rows
     assert later["allocations"] > first["allocations"], rows
+
+
+def test_fresh_device_loads_of_cached_files_copy_from_the_page_cache(files):
+    # Files in the page cache are copied to the device from their mappings (Note [Copies from
+    # mapped memory] in src/load/device_mapped.h): no staging at all, and no pinned copy.
+    out = run_fresh("""
+        import json, sys, torch, safetensors.torch as st
+        import pinload, pinload.torch as pt
+        rows = []
+        for path in sys.argv[1:]:
+            got = pt.load_file(path, device="sim")
+            want = st.load_file(path)
+            for k in want:
+                assert torch.equal(got[k].view(torch.uint8), want[k].view(torch.uint8)), (path, k)
+            rows.append({"main": pinload.pool_stats("sim"),
+                         "staging": pinload.pool_stats("sim", staging_bytes=pinload.DEFAULT_STAGING_BYTES)})
+            del got
+        print(json.dumps(rows))
+    """, *map(str, files))
+    import json
+    for r in json.loads(out.strip().splitlines()[-1]):
+        assert r["main"]["reserved"] == 0 and r["staging"]["peak_reserved"] == 0, r
 
 
 def test_fresh_device_prefetch_still_reads_ahead_into_the_pool(files):

@@ -7,6 +7,7 @@
 #include "pinload/copy_engine.h"
 
 #include <gtest/gtest.h>
+#include <sys/mman.h>
 
 #include <atomic>
 #include <chrono>
@@ -22,6 +23,9 @@
 #include <vector>
 
 #include "device_test_util.h"
+#include "io/leased_mapping.h"
+#include "load/device_mapped.h"
+#include "test_files.h"
 #include "pinload/error.h"
 
 namespace pinload {
@@ -567,6 +571,114 @@ TEST(CudaMeasure, HostToDeviceBandwidth) {
     ASSERT_TRUE(equals(read_back(*d, *dst, at, 4096), block->data() + at, 4096)) << "at " << at;
   }
   EXPECT_GT(engine_2, 1.0) << "pinned copies below 1 GB/s: not DMA from pinned memory?";
+}
+
+// Note [Registration chunks] (src/load/device_mapped.h): what registering a
+// mapping of a file in the page cache costs (cudaHostRegister, read-only),
+// per call and per GB, fitted from registrations in 8 and 128 MiB chunks;
+// the chunk size that cost gives; and copies from the mapping, registered
+// chunk by chunk as a warm device load does (first) and with the
+// registrations kept (again), beside pinned copies. A driver that refuses
+// file-backed registration records register_file_refused = 1.
+TEST(CudaMeasure, RegistrationCost) {
+  std::string why;
+  if (!cuda_available(&why)) GTEST_SKIP() << "no CUDA device: " << why;
+  auto d = open_device("cuda:0");
+  const char* env = std::getenv("PINLOAD_MEASURE_MIB");
+  const std::size_t bytes = std::min<std::size_t>(static_cast<std::size_t>(env ? std::atoll(env) : 1024), 1024) * MiB;
+  ASSERT_GT(bytes, 0u);
+  const double gb = static_cast<double>(bytes) / 1e9;
+  testing::TempDir dir;
+  const std::string path = dir.file("weights.bin");
+  {
+    std::vector<std::uint8_t> data(bytes);
+    testing::fill_pattern(reinterpret_cast<std::byte*>(data.data()), bytes, 91);
+    testing::write_file(path, data);  // in the page cache now
+  }
+  FileStat st;
+  {
+    const int fd = default_env()->open_read(path, 0);
+    ASSERT_GE(fd, 0);
+    const ScopedFd owned(default_env(), fd);
+    ASSERT_EQ(default_env()->stat(fd, &st), 0);
+  }
+  auto lease = [&] {
+    std::string reason;
+    std::shared_ptr<detail::LeasedMapping> m = detail::LeasedMapping::open(default_env(), path, FileIdentity::of(st), &reason);
+    EXPECT_NE(m, nullptr) << reason;
+    if (m) ::madvise(const_cast<std::byte*>(m->data()), bytes, MADV_POPULATE_READ);
+    return m;
+  };
+  // Registration alone, fresh mappings each time.
+  double seconds[2] = {0, 0};
+  const std::size_t chunks[2] = {8 * MiB, 128 * MiB};
+  for (int k = 0; k < 2; ++k) {
+    std::shared_ptr<detail::LeasedMapping> m = lease();
+    ASSERT_NE(m, nullptr);
+    std::vector<std::shared_ptr<void>> held;
+    const auto start = Clock::now();
+    for (std::size_t at = 0; at < bytes; at += chunks[k]) {
+      std::string reason;
+      held.push_back(d->register_host(m->data() + at, std::min(chunks[k], bytes - at), &reason));
+      if (!held.back()) {
+        std::printf("measure: cudaHostRegister of a file mapping refused: %s\n", reason.c_str());
+        record("register_file_refused", 1);
+        return;
+      }
+    }
+    seconds[k] = seconds_since(start);
+  }
+  const double calls[2] = {static_cast<double>(bytes / chunks[0]), static_cast<double>(bytes / chunks[1])};
+  const double per_call = std::max((seconds[0] - seconds[1]) / (calls[0] - calls[1]), 0.0);
+  const double per_gb = std::max(seconds[1] - per_call * calls[1], 1e-9) / gb;
+  record("register_file_refused", 0);
+  record("register_file_8mib_chunks_gbps", gb / seconds[0]);
+  record("register_file_128mib_chunks_gbps", gb / seconds[1]);
+  record("register_file_s_per_call_us", per_call * 1e6);
+  record("register_file_s_per_gb", per_gb);
+  record("register_chunk_from_cost_mib",
+         static_cast<double>(detail::registration_chunk_bytes({per_call, per_gb})) / static_cast<double>(MiB));
+  record("register_chunk_modelled_mib", static_cast<double>(detail::registration_chunk_bytes()) / static_cast<double>(MiB));
+
+  // Copies from the mapping as a warm device load makes them, beside one pinned copy.
+  auto dst = d->allocate(bytes);
+  auto pool = Pool::create(d->make_pinned_backend(), PoolOptions{});
+  auto block = pool->allocate(bytes);
+  Stream stream = d->create_stream();
+  double pinned = 1e30;
+  for (int i = 0; i < 3; ++i) {
+    const auto start = Clock::now();
+    d->copy_to_device_async(*dst, 0, block->data(), bytes, stream);
+    stream.synchronize();
+    pinned = std::min(pinned, seconds_since(start));
+  }
+  record("h2d_pinned_one_copy_gbps_beside_mapped", gb / pinned);
+  std::shared_ptr<detail::LeasedMapping> m = lease();
+  ASSERT_NE(m, nullptr);
+  auto mapping = detail::RegisteredMapping::make(m->block(), m->data(), m->size(), true);
+  m.reset();
+  CopyEngine engine(*d);
+  auto start = Clock::now();
+  ASSERT_TRUE(mapping->copy(engine, 0, bytes, dst, 0));
+  engine.wait_all();
+  const double first = seconds_since(start);
+  double again = 1e30;
+  for (int i = 0; i < 3; ++i) {
+    start = Clock::now();
+    ASSERT_TRUE(mapping->copy(engine, 0, bytes, dst, 0));
+    engine.wait_all();
+    again = std::min(again, seconds_since(start));
+  }
+  record("h2d_mapped_first_gbps", gb / first);
+  record("h2d_mapped_kept_gbps", gb / again);
+  record("h2d_mapped_first_over_pinned", pinned / first);
+  record("h2d_mapped_kept_over_pinned", pinned / again);
+  std::vector<std::uint8_t> expect(bytes);
+  testing::fill_pattern(reinterpret_cast<std::byte*>(expect.data()), bytes, 91);
+  for (std::size_t at : {std::size_t{0}, bytes / 2 - 4096, bytes - 4096}) {
+    ASSERT_TRUE(equals(read_back(*d, *dst, at, 4096), reinterpret_cast<const std::byte*>(expect.data()) + at, 4096))
+        << "at " << at;
+  }
 }
 
 }  // namespace
