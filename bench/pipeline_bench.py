@@ -22,14 +22,17 @@ Systems:
   flashpack      from_pretrained(..., use_flashpack=True) of a copy saved with save_pretrained(
                  use_flashpack=True) (fal's FlashPack, from PyPI; diffusers components only)
   pinload        inside pinload.patch_diffusers()
-  pinload+store  the same with PINLOAD_STORE set to a `pinload store serve` daemon of this run
+  pinload+store  the same with PINLOAD_STORE set to a `pinload store serve` daemon of this run, with
+                 transparent_hugepage/shmem_enabled at --shmem-huge-pages (default advise, as
+                 docs/store.md deploys it; restored after the run)
 Cases, each system in turn, the order rotated every round:
   cold           `sync; echo 3 > /proc/sys/vm/drop_caches` (root) and the store emptied, then a worker
   restart        the next fresh worker right after it (the page cache, and the store, as it left them)
 Every worker touches one byte of every 4 KiB page of every parameter; its clock starts after the
 imports. --device cuda moves each built model to the GPU (.to), --device-map builds it there
-(from_pretrained(device_map=)); scripts/gpu-check.sh runs both on the SDXL pipeline. Limits measured in the same run on the workload's files: fio's direct read and a fresh
-pool's first touch (pinload-bench --phases fio,pool). Ratios are against the best stock option
+(from_pretrained(device_map=)); scripts/gpu-check.sh runs both on the SDXL pipeline. Limits measured in the same run on
+each workload's largest file: fio's direct read and a fresh pool's first touch (pinload-bench --phases fio,pool), and
+the page cache's fill rate (two readers after a drop). Ratios are against the best stock option
 (stock, parallel, flashpack) of the same round; medians over the rounds.
 Output: --out JSON (default bench/results/pipeline.<scale>.json) and a markdown table on stdout.
 """
@@ -254,6 +257,8 @@ def main(argv=None) -> int:
     ap.add_argument("--build", default="build")
     ap.add_argument("--timeout", type=int, default=1800)
     ap.add_argument("--fio-runtime", type=int, default=8)
+    ap.add_argument("--shmem-huge-pages", default="advise",
+                    help="transparent_hugepage/shmem_enabled while the store runs (restored after; 'keep': as it is)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     started = time.monotonic()
@@ -267,6 +272,13 @@ def main(argv=None) -> int:
     cases = [c for c in a.cases.split(",") if c]
     store_dir = tempfile.mkdtemp(prefix="pinload-pipeline-bench-")
     daemon = None
+    thp = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
+    thp_before = None
+    if "pinload+store" in systems and a.shmem_huge_pages != "keep" and os.access(thp, os.W_OK):
+        with open(thp) as f:
+            thp_before = f.read().split("[")[1].split("]")[0]
+        with open(thp, "w") as f:
+            f.write(a.shmem_huge_pages)
     if "pinload+store" in systems:
         total = sum(os.path.getsize(f) for w in workloads for f in files_of(w, paths))
         daemon = Daemon(os.path.join(build, "pinload"), store_dir, int(1.5 * total) + (2 << 30), env=env)
@@ -316,6 +328,9 @@ def main(argv=None) -> int:
     finally:
         if daemon is not None:
             daemon.stop()
+        if thp_before is not None:
+            with open(thp, "w") as f:
+                f.write(thp_before)
     table = summarize(runs)
     out = {
         "command": " ".join([os.path.relpath(sys.argv[0], ROOT), *(argv if argv is not None else sys.argv[1:])]),
@@ -323,6 +338,8 @@ def main(argv=None) -> int:
         "machine": {"cpu": fb.cpu_name() if hasattr(fb, "cpu_name") else platform.processor(), "cores": os.cpu_count(),
                     "kernel": platform.release()},
         "versions": versions(env),
+        "shmem_enabled": open(thp).read().split("[")[1].split("]")[0] if thp_before is None and os.path.exists(thp)
+        else a.shmem_huge_pages,
         "device": a.device, "device_map": a.device_map, "limits": limits, "runs": runs, "summary": table,
         "skipped": {f"{w}/{s}": why for (w, s), why in skipped.items()},
         "minutes": (time.monotonic() - started) / 60,
