@@ -71,9 +71,10 @@ struct ResolveOptions {
   RemoteOptions remote;  // s3:// and http(s):// paths, and their loads
 };
 
-// Reads and validates one file's header through `env`. Throws InvalidFileError,
-// NotFoundError or IoError naming the file.
-CheckpointFile read_checkpoint_file(Env* env, const std::string& path);
+// Reads and validates one file's header through `env`; an s3:// or http(s)://
+// object's with `remote` (its client, retries, cache). Throws
+// InvalidFileError, NotFoundError or IoError naming the file.
+CheckpointFile read_checkpoint_file(Env* env, const std::string& path, const RemoteOptions& remote = {});
 
 // Resolves every path (see above) and reads every header. Tensor names (after
 // prefixing) must be unique across the result. Throws on the first problem.

@@ -314,10 +314,9 @@ void sync_dir(Env* env, const fs::path& dir) {
 void write_index(Env* env, const std::string& index_path, const fs::path& out_path,
                  const std::unordered_map<std::string, std::set<std::string>>& quantized_by_shard,
                  const std::unordered_map<std::string, std::uint64_t>& data_bytes_by_shard) {
-  detail::LocalFileSource source(env, index_path, nullptr, SourceOptions{});
-  source.open();
-  std::string text(source.stat().size, '\0');
-  source.read(0, text.size(), reinterpret_cast<std::byte*>(text.data()), text.size());
+  const std::unique_ptr<detail::LocalFileSource> source = detail::open_local_file(env, index_path);
+  std::string text(source->stat().size, '\0');
+  source->read(0, text.size(), reinterpret_cast<std::byte*>(text.data()), text.size());
   nlohmann::ordered_json index = nlohmann::ordered_json::parse(text, nullptr, false);
   if (index.is_discarded() || !index.is_object() || !index.contains("weight_map") || !index["weight_map"].is_object()) {
     throw InvalidFileError("not a safetensors index (no weight_map object)", ErrorContext{index_path});

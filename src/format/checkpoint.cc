@@ -257,20 +257,19 @@ SourceFile source_file(const CheckpointFile& file) {
   return SourceFile{file.path, file.stat, file.version, file.header.data_offset()};
 }
 
-CheckpointFile read_checkpoint_file(Env* env, const std::string& path) {
-  if (is_remote_path(path)) return detail::read_remote_checkpoint_file(RemoteOptions{}, path);
+CheckpointFile read_checkpoint_file(Env* env, const std::string& path, const RemoteOptions& remote) {
+  if (is_remote_path(path)) return detail::read_remote_checkpoint_file(remote, path);
   refuse_unread_scheme(path);
   CheckpointFile file;
   file.path = path;
-  detail::LocalFileSource source(env, path, nullptr, SourceOptions{});  // Note [Byte sources]
-  source.open();
-  file.stat = source.stat();
+  const std::unique_ptr<detail::LocalFileSource> source = detail::open_local_file(env, path);  // Note [Byte sources]
+  file.stat = source->stat();
   std::byte prefix[kHeaderPrefixSize] = {};
-  if (file.stat.size >= kHeaderPrefixSize) source.read(0, sizeof prefix, prefix, sizeof prefix);
+  if (file.stat.size >= kHeaderPrefixSize) source->read(0, sizeof prefix, prefix, sizeof prefix);
   const std::uint64_t n = parse_header_prefix(std::span<const std::byte>(prefix, file.stat.size >= kHeaderPrefixSize ? kHeaderPrefixSize : 0),
                                               file.stat.size, path);
   std::vector<std::byte> json(n);  // n <= kMaxHeaderSize and n <= file size
-  source.read(kHeaderPrefixSize, json.size(), json.data(), json.size());
+  source->read(kHeaderPrefixSize, json.size(), json.data(), json.size());
   file.header = parse_header(json, file.stat.size, path);
   return file;
 }

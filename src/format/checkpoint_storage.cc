@@ -48,15 +48,14 @@ class LocalStorage final : public Storage {
   }
 
   std::string read_small(const std::string& path, std::uint64_t limit) override {
-    detail::LocalFileSource source(env_, path, nullptr, SourceOptions{});  // Note [Byte sources]
-    source.open();
-    const std::uint64_t size = source.stat().size;
+    const std::unique_ptr<detail::LocalFileSource> source = detail::open_local_file(env_, path);  // Note [Byte sources]
+    const std::uint64_t size = source->stat().size;
     if (size > limit) {
       throw InvalidFileError("file of " + std::to_string(size) + " bytes exceeds the limit of " +
                                  std::to_string(limit) + " for an index", ErrorContext{path});
     }
     std::string text(size, '\0');
-    source.read(0, size, reinterpret_cast<std::byte*>(text.data()), size);
+    source->read(0, size, reinterpret_cast<std::byte*>(text.data()), size);
     return text;
   }
 
@@ -133,13 +132,13 @@ std::unique_ptr<Storage> remote_storage(const RemoteOptions& options) { return s
 namespace {
 
 // One read of a remote header: 8 bytes (whose answer says the version), then N.
-CheckpointFile read_remote_header_once(remote::RemoteClient& client, const std::string& path,
+CheckpointFile read_remote_header_once(const std::shared_ptr<remote::RemoteClient>& client, const std::string& path,
                                        remote::ObjectInfo* info) {
   CheckpointFile file;
   file.path = path;
   std::byte prefix[kHeaderPrefixSize] = {};
   std::uint64_t got = 0;
-  *info = client.open(path, prefix, sizeof prefix, &got);
+  *info = client->open(path, prefix, sizeof prefix, &got);
   file.stat.size = info->size;
   file.stat.mtime_ns = info->mtime_ns;
   // Loads compare files by (size, mtime, inode): the ETag stands in for the inode.
@@ -149,7 +148,7 @@ CheckpointFile read_remote_header_once(remote::RemoteClient& client, const std::
   const std::uint64_t n = parse_header_prefix(
       std::span<const std::byte>(prefix, got >= kHeaderPrefixSize ? kHeaderPrefixSize : 0), info->size, shown);
   std::vector<std::byte> json(n);  // n <= kMaxHeaderSize and n <= size
-  client.read(*info, kHeaderPrefixSize, n, json.data());
+  detail::open_remote_object(client, *info)->read(kHeaderPrefixSize, n, json.data(), n);  // Note [Byte sources]
   file.header = parse_header(json, info->size, shown);
   return file;
 }
@@ -166,7 +165,7 @@ CheckpointFile read_remote_checkpoint_file(const RemoteOptions& options, const s
   std::optional<std::pair<std::string, std::int64_t>> waited_for;  // (ETag, Last-Modified)
   for (int round = 0;; ++round) {
     remote::ObjectInfo info;
-    CheckpointFile file = read_remote_header_once(*client, path, &info);
+    CheckpointFile file = read_remote_header_once(client, path, &info);
     const remote::Validator validator = info.validator();
     if (validator == remote::Validator::kNone) {
       log::warn("{}: the server sends neither ETag nor Last-Modified: a change to the object during the load "

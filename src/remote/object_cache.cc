@@ -237,20 +237,21 @@ ObjectCache::Writer::~Writer() {
   env_->close(fd_);
 }
 
-void ObjectCache::Writer::write(std::uint64_t offset, const std::byte* data, std::uint64_t bytes, RemoteClient& client) {
+void ObjectCache::Writer::write(std::uint64_t offset, const std::byte* data, std::uint64_t bytes,
+                                const ReadHead& read_head) {
   if (failed_.load(std::memory_order_relaxed)) return;
   if (!pwrite_all(env_, fd_, data, bytes, offset)) {
     if (!failed_.exchange(true)) log::warn("remote cache: cannot write {}: {}; not caching", part_, std::strerror(errno));
     return;
   }
   const std::uint64_t total = arrived_.fetch_add(bytes, std::memory_order_acq_rel) + bytes;
-  if (total == object_.size - first_) commit(client);  // the last range: one caller only
+  if (total == object_.size - first_) commit(read_head);  // the last range: one caller only
 }
 
-void ObjectCache::Writer::commit(RemoteClient& client) {
+void ObjectCache::Writer::commit(const ReadHead& read_head) {
   try {
     std::vector<std::byte> head(first_);
-    if (first_ > 0) client.read(object_, 0, first_, head.data());
+    if (first_ > 0) read_head(0, first_, head.data());
     if (!pwrite_all(env_, fd_, head.data(), head.size(), 0) || !ok(env_->sync(fd_))) {
       log::warn("remote cache: cannot finish {}: {}", part_, std::strerror(errno));
       return;

@@ -29,6 +29,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -52,15 +53,18 @@ class ObjectCache {
     ~Writer();  // removes the .part file unless committed
     Writer(const Writer&) = delete;
     Writer& operator=(const Writer&) = delete;
+    // Reads [offset, +bytes) of the object into `into` (the remote source's
+    // own read, for the bytes before `first`); throws as RemoteClient::read.
+    using ReadHead = std::function<void(std::uint64_t offset, std::uint64_t bytes, std::byte* into)>;
     // Writes [offset, +bytes); once every byte from `first` has arrived, the
-    // header is fetched through `client` and the entry committed. Never throws.
-    void write(std::uint64_t offset, const std::byte* data, std::uint64_t bytes, RemoteClient& client);
+    // header is fetched through `read_head` and the entry committed. Never throws.
+    void write(std::uint64_t offset, const std::byte* data, std::uint64_t bytes, const ReadHead& read_head);
 
    private:
     friend class ObjectCache;
     Writer(const ObjectCache* cache, Env* env, ObjectInfo object, std::uint64_t first, std::string part,
            std::string final_path, int fd);
-    void commit(RemoteClient& client);
+    void commit(const ReadHead& read_head);
     const ObjectCache* cache_;
     Env* env_;
     ObjectInfo object_;

@@ -224,10 +224,26 @@ RemoteObjectSource::~RemoteObjectSource() = default;
 void RemoteObjectSource::read(std::uint64_t offset, std::uint64_t bytes, std::byte* dest, std::uint64_t capacity) {
   (void)capacity;
   client_->read(object_, offset, bytes, dest);
-  if (cache_writer_) cache_writer_->write(offset, dest, bytes, *client_);
+  if (cache_writer_) {
+    // The bytes before the first range kept, once the rest has arrived: read here too.
+    cache_writer_->write(offset, dest, bytes, [this](std::uint64_t at, std::uint64_t n, std::byte* into) {
+      client_->read(object_, at, n, into);
+    });
+  }
 }
 
 unsigned RemoteObjectSource::connections() const { return client_->connections(); }
+
+std::unique_ptr<LocalFileSource> open_local_file(Env* env, const std::string& path, const SourceOptions& options) {
+  auto source = std::make_unique<LocalFileSource>(env, path, nullptr, options);
+  source->open();
+  return source;
+}
+
+std::unique_ptr<ByteSource> open_remote_object(std::shared_ptr<remote::RemoteClient> client,
+                                               remote::ObjectInfo object) {
+  return std::make_unique<RemoteObjectSource>(std::move(client), std::move(object), nullptr);
+}
 
 }  // namespace detail
 

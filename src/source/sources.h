@@ -80,6 +80,20 @@ class LocalFileSource final : public ByteSource {
   std::size_t mapping_bytes_ = 0;
 };
 
+// The two factories beside open_byte_source (byte_source.h), in the same one
+// place (byte_source.cc), for reads before a file's identity is known:
+//
+// A local file, opened: its identity is this first open's, which later opens
+// must match (a header read, an index, the warmer's files). Throws as
+// ByteSource::open.
+std::unique_ptr<LocalFileSource> open_local_file(Env* env, const std::string& path,
+                                                 const SourceOptions& options = {});
+// A remote object at the version `object` names (the header read's second
+// range, the node store's fill): no object cache, which a load's source
+// (open_byte_source) consults.
+std::unique_ptr<ByteSource> open_remote_object(std::shared_ptr<remote::RemoteClient> client,
+                                               remote::ObjectInfo object);
+
 // An s3:// or http(s):// object read with ranged GETs at one version, each
 // range written through to the object cache's writer where there is one.
 class RemoteObjectSource final : public ByteSource {

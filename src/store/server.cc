@@ -65,6 +65,7 @@
 #include "os/read_full.h"
 #include "remote/remote_client.h"
 #include "remote/remote_url.h"
+#include "source/sources.h"
 #include "store/server.h"
 #include "store/socket_path.h"
 #include "store/wire.h"
@@ -671,8 +672,10 @@ void Store::fill_remote(Entry& entry, const std::string& url, const std::string&
                   ErrorContext{entry.path});
   }
   if (entry.bytes > first) {
+    // The rest through the object's source (Note [Byte sources]), at the version its first range named.
+    const std::unique_ptr<ByteSource> source = detail::open_remote_object(client, object);
     fill_in_chunks(entry.bytes - first, options_.threads, [&](std::uint64_t at, std::size_t n) {
-      client->read(object, first + at, n, base + first + at);
+      source->read(first + at, n, base + first + at, n);
     });
   }
   out.seal();

@@ -141,9 +141,9 @@ WarmReport warm(const WarmPlan& plan, const WarmOptions& options) {
   std::map<std::pair<std::uint64_t, std::uint64_t>, std::uint32_t> by_identity;  // (device, inode) -> file
   for (std::uint32_t i = 0; i < plan.files.size(); ++i) {
     const TemplateFile& f = plan.files[i];
-    auto source = std::make_unique<detail::LocalFileSource>(env, f.path, nullptr, SourceOptions{});
+    std::unique_ptr<detail::LocalFileSource> source;
     try {
-      source->open();
+      source = detail::open_local_file(env, f.path);
     } catch (const Error& e) {
       log::warn("{}: not warmed: {}", f.path, e.message());
       continue;
