@@ -23,6 +23,7 @@ st = pytest.importorskip("safetensors.torch")
 
 import pinload  # noqa: E402
 import pinload.lora as pl  # noqa: E402
+import pinload.lora.fuser as lora_fuser  # noqa: E402
 import pinload.torch as pt  # noqa: E402
 
 from pl_helpers import DEVICES  # noqa: E402
@@ -267,9 +268,9 @@ def test_bf16_adapters_on_bf16_weights_match_the_reference_on_both_product_paths
     """Adapters in the weights' dtype take the product in that dtype where oneDNN has kernels (Note
     [Products in the weight's dtype]); forced off, the float32 path. Both meet the reference's bound,
     with equal and with differing coefficients."""
-    if in_weight_dtype and not pl._mkldnn_has(torch.bfloat16):
+    if in_weight_dtype and not lora_fuser._mkldnn_has(torch.bfloat16):
         pytest.skip("this CPU's oneDNN has no bf16 kernels: only the float32 path runs here")
-    monkeypatch.setattr(pl, "_product_in_weight_dtype", lambda w, ups, real=pl._product_in_weight_dtype:
+    monkeypatch.setattr(lora_fuser, "_product_in_weight_dtype", lambda w, ups, real=lora_fuser._product_in_weight_dtype:
                         in_weight_dtype and real(w, ups))
     used = []
     real_mm = torch.Tensor.addmm_
