@@ -314,6 +314,11 @@ struct SimDeviceOptions {
   // at least n / bytes_per_second longer.
   std::chrono::microseconds copy_delay{0};
   std::uint64_t bytes_per_second = 0;
+  // A bus of this bandwidth (0: none) that the copies of every stream share,
+  // as host-to-device copies share one PCIe link: a copy of n bytes holds
+  // the bus for n / bus_bytes_per_second, after the copies that took it
+  // before (of any stream), so streams add no bandwidth. Off by default.
+  std::uint64_t bus_bytes_per_second = 0;
   // Called on the stream's thread before each copy, with its size. A test can
   // block in it to hold copies in flight, or throw to fail the copy: the
   // stream then fails like a CUDA stream with a sticky error (its later work

@@ -35,6 +35,8 @@ constexpr unsigned char kPoison = 0xA5;  // fresh sim device memory, so a missed
 struct SimHostState {
   std::mutex mu;
   HostCopyCounts counts;
+  // SimDeviceOptions::bus_bytes_per_second: when the bus is free again.
+  std::chrono::steady_clock::time_point bus_free_at{};
   std::map<const std::byte*, std::size_t> pinned;  // the pinned backends' live slabs, by start
 
   // Whether [p, p + bytes) lies in one pinned slab.
@@ -218,6 +220,18 @@ class SimStreamCore {
           static_cast<double>(task.bytes) * 1e9 / static_cast<double>(o.bytes_per_second)));
     }
     if (delay.count() > 0) std::this_thread::sleep_for(delay);
+    if (o.bus_bytes_per_second != 0) {
+      // Takes the bus after the copies that took it before: done at `until`.
+      const auto hold = std::chrono::nanoseconds(static_cast<std::int64_t>(
+          static_cast<double>(task.bytes) * 1e9 / static_cast<double>(o.bus_bytes_per_second)));
+      std::chrono::steady_clock::time_point until;
+      {
+        std::lock_guard lock(host_->mu);
+        host_->bus_free_at = std::max(host_->bus_free_at, std::chrono::steady_clock::now()) + hold;
+        until = host_->bus_free_at;
+      }
+      std::this_thread::sleep_until(until);
+    }
     if (task.registered && task.registration.expired()) {
       {
         std::lock_guard lock(host_->mu);

@@ -540,6 +540,27 @@ TEST(SimDevice, ARefusedRegistrationIsCountedAndItsCopiesStaged) {
   EXPECT_EQ(read_back(*d, *buffer, 0, source.size()), source);
 }
 
+// SimDeviceOptions::bus_bytes_per_second: streams share one bus, so two
+// streams move no more bytes per second than one.
+TEST(SimDevice, StreamsShareTheBus) {
+  SimDeviceOptions options;
+  options.bus_bytes_per_second = 100u << 20;  // 100 MiB/s: 4 MiB take 40 ms
+  auto d = make_sim_device(options);
+  const auto source = make_pattern(2 * MiB, 17);
+  auto buffer = d->allocate(2 * MiB);
+  Stream a = d->create_stream();
+  Stream b = d->create_stream();
+  const auto start = Clock::now();
+  for (int i = 0; i < 2; ++i) {
+    d->copy_to_device_async(*buffer, 0, source.data(), MiB, a);
+    d->copy_to_device_async(*buffer, MiB, source.data() + MiB, MiB, b);
+  }
+  d->synchronize();
+  const auto took = Clock::now() - start;
+  EXPECT_GE(took, std::chrono::milliseconds(39)) << "two streams moved more than the bus carries";
+  EXPECT_EQ(read_back(*d, *buffer, 0, 2 * MiB), source);
+}
+
 TEST(SimDevice, FreshMemoryIsPoisonedSoAMissedCopyShows) {
   auto d = make_sim_device();
   auto buffer = d->allocate(100);
