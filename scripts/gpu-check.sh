@@ -30,7 +30,8 @@
 #                          device loads against bf16 loads and a pinned copy; its JSON is
 #                          results.json's fp8_device; and bench/fresh_bench.py --device cuda:0,
 #                          a fresh process's device load beside the peers': results.json's
-#                          fresh_device)
+#                          fresh_device; and the CLI's device loads of cached files, copied
+#                          from their mappings and, with --zero-copy off, staged)
 #   pipeline_to.json, pipeline_device_map.json  bench/pipeline_bench.py's small SDXL pipeline on
 #                          cuda:0, stock diffusers and pinload's hooks, .to("cuda") and device_map="cuda"
 #   run_all.quick.json     bench/run_all.py --quick on cuda:0 (pinload and the peers on the
@@ -329,6 +330,23 @@ if (($(remaining) > 120)) && [[ -x "$BUILD/pinload" && -d "${M:-}" ]]; then
   rm -rf "$STORE_DIR"
 else
   log "store_device: skipped ($(remaining)s left or no checkpoint)"
+fi
+
+# ---- copies from memory the process maps (Note [Copies from mapped memory] in src/load/device_mapped.h):
+# a device load of files in the page cache copies from their mappings, registered with the device chunk
+# by chunk (no staging copy); --zero-copy off reads them into pinned staging first, as before. Each a
+# fresh CLI process (streaming mode), alternating; their GB/s in bench.log, beside bench_device's pinned
+# cudaMemcpy (target >= 0.9 x) and CudaMeasure.RegistrationCost's h2d_mapped_* in results.json.
+if (($(remaining) > 100)) && [[ -x "$BUILD/pinload" && -d "${M:-}" ]]; then
+  cat "$M/text_encoder"/*.safetensors "$M/vae"/*.safetensors >/dev/null 2>&1 || true  # in the page cache
+  for i in 1 2; do
+    run_step "mapped_device_$i" 40 "$OUT/bench.log" "$BUILD/pinload" load --device cuda:0 -v \
+      "$M/text_encoder" "$M/vae" || TESTS_FAILED=1
+    run_step "staged_device_$i" 40 "$OUT/bench.log" "$BUILD/pinload" load --device cuda:0 -v --zero-copy off \
+      "$M/text_encoder" "$M/vae" || TESTS_FAILED=1
+  done
+else
+  log "mapped_device: skipped ($(remaining)s left or no checkpoint)"
 fi
 
 # ---- a fresh process's device load (issue 16): bench/fresh_bench.py's set at scale 0.05 (0.39 GB),
