@@ -128,6 +128,16 @@ class Env {
     *err = ENOSYS;
     return nullptr;
   }
+  // A shared, writable mapping of the first `bytes` (> 0) of an open file, as
+  // mmap(2) PROT_READ | PROT_WRITE, MAP_SHARED (the node store's entries):
+  // the address, or nullptr with *err set. Released with unmap().
+  virtual void* map_file_shared(int fd, std::size_t bytes, int* err) { return default_env()->map_file_shared(fd, bytes, err); }
+  // An anonymous file in memory that can be sealed, as memfd_create(2) with
+  // MFD_CLOEXEC | MFD_ALLOW_SEALING: a descriptor, or -errno.
+  virtual int memory_file(const std::string& name) { return default_env()->memory_file(name); }
+  // Seals a memory file against writes, growing and shrinking, for good
+  // (fcntl(2) F_ADD_SEALS): 0 or -errno.
+  virtual int seal_memory_file(int fd) { return default_env()->seal_memory_file(fd); }
   // Fills the page tables of [address, +bytes) of a file mapping, reading
   // from the file what the page cache lacks: madvise(2) MADV_POPULATE_READ.
   // 0 or -errno: -EFAULT where the file no longer has those bytes (it never
@@ -227,6 +237,11 @@ class EnvWrapper : public Env {
   int populate_read(const void* address, std::size_t bytes) override {
     return target_->populate_read(address, bytes);
   }
+  void* map_file_shared(int fd, std::size_t bytes, int* err) override {
+    return target_->map_file_shared(fd, bytes, err);
+  }
+  int memory_file(const std::string& name) override { return target_->memory_file(name); }
+  int seal_memory_file(int fd) override { return target_->seal_memory_file(fd); }
   void* map_anonymous(std::size_t bytes, int extra_flags, int* err) override {
     return target_->map_anonymous(bytes, extra_flags, err);
   }
@@ -311,6 +326,35 @@ void pwrite_exact(Env* env, int fd, const void* buffer, std::size_t bytes, std::
 // temporary is removed and `path` is left as it was; the error is an
 // IoError (NotFoundError where the folder is missing) naming `path`.
 void write_file_atomically(Env* env, const std::string& path, const void* bytes, std::size_t size);
+
+// Note [OS calls outside the Env]
+// What the loader asks of files and memory goes through an Env. These calls
+// do not, each for its reason:
+// - io/leased_mapping.cc: SIGBUS handling for leased mappings (sigaction,
+//   the eventfd and poll of its watcher thread, fcntl leases, mmap/munmap of
+//   the replacement pages): process-wide signal state that a per-load Env
+//   cannot own (Note [Leased mappings]).
+// - store/server.cc, store/client.cc, store/wire.cc, store/socket_path.cc:
+//   the node store's Unix socket (socket, bind, listen, accept4, poll,
+//   recvmsg/sendmsg with descriptors, SO_PEERCRED, shutdown), its descriptor
+//   limit (getrlimit/setrlimit), the O_DIRECT flag of a client's descriptor
+//   (fcntl F_GETFL/F_SETFL) and the client's private mapping of an entry: a
+//   protocol between processes, not reads of a checkpoint. The store's
+//   entries themselves (memfd, ftruncate, mmap, madvise, seals) go through
+//   the Env.
+// - remote/object_cache.cc: flock of .part files and the sweep that tells a
+//   dead writer's file by its lock and inode (open, fstat, stat, unlink), and
+//   utimensat for the LRU: a cache shared between processes; its reads and
+//   writes go through the load's Env.
+// - trace/pre_content.cc: fanotify (fanotify_init/mark, reading events,
+//   readlink of their descriptors), which watches other processes' reads.
+// - memory/huge_page_collapse.cc: madvise(MADV_COLLAPSE) through syscall, a
+//   best-effort hint on memory the pool already holds.
+// - Signals, pids and terminals in the CLI and the trace agent (sigaction,
+//   kill, getpid, ioctl TIOCGWINSZ), sysconf for the page size, getrlimit of
+//   RLIMIT_NOFILE in zero_copy.cc, and std::filesystem for folders
+//   (create_directories, directory listing, remove_all of a failed
+//   conversion, copy_file of a converted folder's configs).
 
 // Note [Holding a file]
 // safe_open reads a file's header at open and its data at the first

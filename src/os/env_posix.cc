@@ -252,6 +252,24 @@ class PosixEnv final : public Env {
     return p;
   }
 
+  void* map_file_shared(int fd, std::size_t bytes, int* err) override {
+    void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED) {
+      *err = errno;
+      return nullptr;
+    }
+    return p;
+  }
+
+  int memory_file(const std::string& name) override {
+    const int fd = ::memfd_create(name.c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    return fd >= 0 ? fd : -errno;
+  }
+
+  int seal_memory_file(int fd) override {
+    return ::fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE | F_SEAL_SEAL) == 0 ? 0 : -errno;
+  }
+
   int populate_read(const void* address, std::size_t bytes) override {
     // The start must be page-aligned; the kernel rounds the length up.
     return ::madvise(const_cast<void*>(address), bytes, detail::kMadvPopulateRead) == 0 ? 0 : -errno;

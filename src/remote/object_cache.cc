@@ -202,7 +202,7 @@ std::string ObjectCache::lookup(const ObjectInfo& object, Env* env) const {
     drop(path);
     return {};
   }
-  ::utimensat(AT_FDCWD, path.c_str(), nullptr, 0);  // most recently used
+  ::utimensat(AT_FDCWD, path.c_str(), nullptr, 0);  // most recently used (Note [OS calls outside the Env])
   log::debug("{}: from the local cache {} (SHA-256 verified)", shown, path);
   return path;
 }

@@ -536,24 +536,25 @@ void Store::make_room(std::uint64_t charge, const std::string& path) {
 // pages where shmem_enabled allows and on the store's NUMA node; seal() ends the writing.
 class EntryWriter {
  public:
-  EntryWriter(Entry& entry, int numa_node, Env* env) : entry_(entry) {
+  EntryWriter(Entry& entry, int numa_node, Env* env) : entry_(entry), env_(env) {
     const std::string& path = entry.path;
-    const int memfd = ::memfd_create("pinload-store", MFD_CLOEXEC | MFD_ALLOW_SEALING);
-    if (memfd < 0) throw OutOfMemoryError(std::string("memfd_create failed: ") + std::strerror(errno), ErrorContext{path});
-    entry.memfd = ScopedFd(default_env(), memfd);
-    if (::ftruncate(memfd, static_cast<off_t>(entry.charge)) != 0) {
-      throw OutOfMemoryError(std::string("sizing the entry failed: ") + std::strerror(errno), ErrorContext{path});
+    const int memfd = env->memory_file("pinload-store");
+    if (memfd < 0) throw OutOfMemoryError(std::string("memfd_create failed: ") + std::strerror(-memfd), ErrorContext{path});
+    entry.memfd = ScopedFd(default_env(), memfd);  // the entry may outlive a test's Env
+    if (const int rc = env->truncate(memfd, entry.charge); rc != 0) {
+      throw OutOfMemoryError(std::string("sizing the entry failed: ") + std::strerror(-rc), ErrorContext{path});
     }
-    void* map = ::mmap(nullptr, entry.charge, PROT_READ | PROT_WRITE, MAP_SHARED, memfd, 0);
-    if (map == MAP_FAILED) {
-      throw OutOfMemoryError(std::string("mapping the entry failed: ") + std::strerror(errno), ErrorContext{path});
+    int err = 0;
+    void* map = env->map_file_shared(memfd, entry.charge, &err);
+    if (map == nullptr) {
+      throw OutOfMemoryError(std::string("mapping the entry failed: ") + std::strerror(err), ErrorContext{path});
     }
     base_ = static_cast<std::byte*>(map);
-    (void)::madvise(map, entry.charge, MADV_HUGEPAGE);
+    (void)env->advise(map, entry.charge, MADV_HUGEPAGE);
     if (numa_node >= 0) (void)env->bind_memory(map, entry.charge, numa_node);
   }
   ~EntryWriter() {
-    if (base_ != nullptr) ::munmap(base_, entry_.charge);
+    if (base_ != nullptr) env_->unmap(base_, entry_.charge);
   }
   EntryWriter(const EntryWriter&) = delete;
   EntryWriter& operator=(const EntryWriter&) = delete;
@@ -563,15 +564,16 @@ class EntryWriter {
   // Sealed: no process can write, grow or shrink what others map.
   void seal() {
     entry_.huge_bytes = huge_page_bytes_at(base_);
-    ::munmap(base_, entry_.charge);
+    env_->unmap(base_, entry_.charge);
     base_ = nullptr;
-    if (::fcntl(entry_.memfd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE | F_SEAL_SEAL) != 0) {
-      throw IoError(std::string("sealing the entry failed: ") + std::strerror(errno), ErrorContext{entry_.path});
+    if (const int rc = env_->seal_memory_file(entry_.memfd.get()); rc != 0) {
+      throw IoError(std::string("sealing the entry failed: ") + std::strerror(-rc), ErrorContext{entry_.path});
     }
   }
 
  private:
   Entry& entry_;
+  Env* env_;
   std::byte* base_ = nullptr;
 };
 
