@@ -115,7 +115,10 @@ std::shared_ptr<RegisteredMapping> find_registered(const Device& device, const s
   auto it = r.entries.find({device.id(), key});
   if (it == r.entries.end()) return nullptr;
   std::shared_ptr<RegisteredMapping> m = it->second.lock();
-  if (!m) r.entries.erase(it);
+  if (!m || (m->still_valid && !m->still_valid())) {
+    r.entries.erase(it);
+    return nullptr;
+  }
   return m;
 }
 
@@ -204,6 +207,11 @@ std::optional<StateDict> load_mapped_to_device(const LoadOptions& options, Env* 
     std::shared_ptr<Block> block = lease->block();
     fresh[i] = MappedFile{lease->data(), block};
     files[i] = RegisteredMapping::make(std::move(block), lease->data(), lease->size(), /*file_backed=*/true);
+    // After a lease break the address holds anonymous memory, not the registered file pages.
+    files[i]->still_valid = [weak = std::weak_ptr<LeasedMapping>(lease)] {
+      const std::shared_ptr<LeasedMapping> l = weak.lock();
+      return l != nullptr && !l->moved();
+    };
   }
   Checkpoint mapped_part, rest;
   mapped_part.index_files = rest.index_files = checkpoint.index_files;

@@ -77,6 +77,10 @@ class RegisteredMapping : public std::enable_shared_from_this<RegisteredMapping>
   static std::shared_ptr<RegisteredMapping> make(std::shared_ptr<Block> mapping, const std::byte* data, std::size_t bytes,
                                                  bool file_backed, bool register_chunks = true,
                                                  std::size_t chunk_bytes = registration_chunk_bytes());
+  // False once the bytes may no longer be the registered pages (a leased
+  // mapping moved out of its file: Note [Leased mappings]); find_registered
+  // then makes a later load map afresh. Set before the first copy.
+  std::function<bool()> still_valid;
   RegisteredMapping(const RegisteredMapping&) = delete;
   RegisteredMapping& operator=(const RegisteredMapping&) = delete;
   ~RegisteredMapping();

@@ -2,10 +2,12 @@
 // bytes equal the file's, staging blocks are never recycled before their
 // copies complete, streaming stays within its host budget, and faults or
 // cancellation in the middle of a load release everything.
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <random>
-#include <sys/stat.h>
 
 #include "device_test_util.h"
 #include "fault_env.h"
@@ -253,6 +255,31 @@ TEST(DeviceLoadFromMappings, AWarmDeviceLoadCopiesFromThePageCacheWithNoStagingC
   EXPECT_EQ(c.direct_bytes, 3 * data_bytes);
   EXPECT_EQ(c.live_registrations, 0u);
   EXPECT_EQ(streaming.staging_pool()->stats().peak_reserved_bytes, 0u) << "staged";
+}
+
+// A mapping moved out of its file (a writer broke the lease: Note [Leased
+// mappings]) no longer holds the registered file pages: a later load of the
+// file maps and registers afresh instead of copying from it.
+TEST(DeviceLoadFromMappings, AMappingMovedOutOfItsFileIsNotReused) {
+  auto device = make_sim_device();
+  testing::TempDir dir;
+  const std::string path = dir.file("m.safetensors");
+  const Model m = write_model(path, 41, 12);
+  LoadOptions options;
+  options.target.device = device.get();
+  Loader loader(options);
+  const StateDict first = loader.load({path});
+  const std::uint64_t registrations = device->host_copy_counts().registrations;
+  ASSERT_GE(registrations, 1u);
+  {
+    const int fd = ::open(path.c_str(), O_WRONLY);  // breaks the lease; returns once the bytes moved out
+    ASSERT_GE(fd, 0);
+    ::close(fd);
+  }
+  const StateDict second = loader.load({path});
+  expect_device_matches(*device, second, m);
+  EXPECT_GT(device->host_copy_counts().registrations, registrations) << "copied from the moved mapping";
+  testing::expect_matches_file(first, path, m.image);
 }
 
 // The mapping is registered chunk by chunk just before each chunk's copy is
