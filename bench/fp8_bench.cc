@@ -41,7 +41,9 @@
 // copy_to_device_async: the link's limit in the same run.
 // --cases runs only the named load cases (e.g. fp32,fp32->bf16: more rounds
 // of one comparison in the same time); ratios needing another case are left
-// out.
+// out. Each load case's stages (Note [Load stages] in io/read_session.h:
+// where the readers, converting threads and the load's thread spent their
+// time) are printed as a table, per load, and written to --json.
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
@@ -62,6 +64,8 @@
 #include "format/dtype_bits.h"
 #include "format/dtype_convert.h"
 #include "format/simd.h"
+#include "io/read_session.h"
+#include "load/convert_on_load.h"
 #include "memory/huge_page_collapse.h"
 #include "cli/command.h"
 #include "pinload/convert.h"
@@ -177,6 +181,42 @@ struct Series {
   }
 };
 
+// One load's stages (Note [Load stages] in read_session.h), in seconds:
+// sums over the threads that passed them, and spans.
+struct Stages {
+  double gate = 0, staging = 0, slot = 0, fault_in = 0, read = 0, sink = 0, queued = 0, convert = 0, idle = 0,
+         plan = 0, finish = 0, edges = 0;
+  double before = 0;     // the load's start to the first read's start
+  double read_span = 0;  // the first read's start to the last read's end
+  double tail = 0;       // the last read's end to the last conversion's end
+  double after = 0;      // the last read or conversion to the load's return
+  double chunks = 0;
+  static Stages take(std::uint64_t start, std::uint64_t end) {
+    const detail::LoadStages& s = detail::load_stages();
+    auto sec = [](const std::atomic<std::uint64_t>& a) { return static_cast<double>(a.load()) / 1e9; };
+    Stages t;
+    t.gate = sec(s.gate), t.staging = sec(s.staging), t.slot = sec(s.slot), t.fault_in = sec(s.fault_in);
+    t.read = sec(s.read), t.sink = sec(s.sink), t.queued = sec(s.queued), t.convert = sec(s.convert);
+    t.idle = sec(s.idle), t.plan = sec(s.plan), t.finish = sec(s.finish), t.edges = sec(s.edges);
+    t.chunks = static_cast<double>(s.chunks.load());
+    const std::uint64_t first = s.first_read_start.load(), last = s.last_read_end.load(),
+                        converted = s.last_convert_end.load();
+    if (last > first) t.read_span = static_cast<double>(last - first) / 1e9;
+    if (converted > last) t.tail = static_cast<double>(converted - last) / 1e9;
+    if (first != UINT64_MAX && first > start) t.before = static_cast<double>(first - start) / 1e9;
+    if (end > std::max(last, converted)) t.after = static_cast<double>(end - std::max(last, converted)) / 1e9;
+    return t;
+  }
+  void add(const Stages& o) {
+    for (auto [a, b] : {std::pair{&gate, o.gate}, {&staging, o.staging}, {&slot, o.slot}, {&fault_in, o.fault_in},
+                        {&read, o.read}, {&sink, o.sink}, {&queued, o.queued}, {&convert, o.convert},
+                        {&idle, o.idle}, {&plan, o.plan}, {&finish, o.finish}, {&edges, o.edges}, {&before, o.before}, {&read_span, o.read_span}, {&tail, o.tail},
+                        {&after, o.after}, {&chunks, o.chunks}}) {
+      *a += b;
+    }
+  }
+};
+
 // The median over rounds of a's time over b's in the same round: the two ran
 // minutes apart at most, so drift in the disk's speed between rounds cancels.
 double same_round_ratio(const Series& a, const Series& b) {
@@ -257,7 +297,7 @@ int main(int argc, char** argv) {
     // [Conversion ring]), not the fp32 file besides.
     const std::uint64_t fp32_bytes = fs::file_size(fp32);
     PoolOptions budget;
-    budget.capacity_bytes = fp32_bytes / 2 + (64u << 20);
+    budget.capacity_bytes = fp32_bytes / 2 + detail::kConversionRingBytes + (32u << 20);
     const Loader budget_loader(to_bf16, Pool::create_default(budget));
     struct Case {
       std::string name;
@@ -298,12 +338,15 @@ int main(int argc, char** argv) {
     }
     detail::IdleBlocks::wait_idle();
     std::map<std::string, Series> series, cpu_series;
+    std::map<std::string, Stages> stages;  // per case, summed over rounds
     std::string drop_method;
     std::uint64_t bf16_bytes = 0;
     for (int r = 0; r < rounds; ++r) {
       for (std::size_t k = 0; k < cases.size(); ++k) {
         const Case& c = cases[(k + static_cast<std::size_t>(r)) % cases.size()];
         drop_method = drop_cache({bf16, fp8, fp32});
+        detail::load_stages().reset();
+        const std::uint64_t stage_start = detail::LoadStages::now();
         const auto t = Clock::now();
         const double cpu = cpu_seconds();
         std::uint64_t total = 0;
@@ -315,6 +358,7 @@ int main(int argc, char** argv) {
         }
         series[c.name].seconds.push_back(seconds_since(t));
         cpu_series[c.name].seconds.push_back(cpu_seconds() - cpu);
+        stages[c.name].add(Stages::take(stage_start, detail::LoadStages::now()));
         if (c.name == "bf16") bf16_bytes = total;
       }
       if (!only_cases.empty()) continue;
@@ -428,6 +472,37 @@ int main(int argc, char** argv) {
       if (cpu_series.contains(name)) std::printf(" %10.3f", cpu_series[name].median());
       std::printf("\n");
     }
+    // Where each load's time went (Note [Load stages]), per load (mean over
+    // the rounds), in ms: wall = before + span + tail + after; inflt is the
+    // mean reads in flight over the span; the other columns are thread time
+    // summed over the threads (docs/fp8.md#load-stages).
+    std::printf("stages per load, ms (mean of the rounds; docs/fp8.md#load-stages)\n");
+    std::printf("%-18s %6s %6s %6s %6s %6s %6s %6s %6s %6s %6s %6s %6s %6s %6s %6s %6s %6s %6s\n", "case", "wall",
+                "before", "span", "tail", "after", "inflt", "chunks", "read", "gate", "stage", "slot", "fault", "sink",
+                "queue", "conv", "idle", "finish", "plan");
+    nlohmann::ordered_json stage_json;
+    for (const auto& [name, st] : stages) {
+      const double n = static_cast<double>(series[name].seconds.size());
+      double wall = 0;
+      for (double x : series[name].seconds) wall += x;
+      const double in_flight = st.read_span > 0 ? st.read / st.read_span : 0;
+      auto ms = [&](double x) { return x / n * 1e3; };
+      std::printf("%-18s %6.1f %6.1f %6.1f %6.1f %6.1f %6.1f %6.0f %6.0f %6.1f %6.1f %6.1f %6.1f %6.1f %6.1f %6.1f %6.1f "
+                  "%6.1f %6.1f\n",
+                  name.c_str(), ms(wall), ms(st.before), ms(st.read_span), ms(st.tail), ms(st.after), in_flight,
+                  st.chunks / n, ms(st.read), ms(st.gate), ms(st.staging), ms(st.slot), ms(st.fault_in), ms(st.sink),
+                  ms(st.queued), ms(st.convert), ms(st.idle), ms(st.finish), ms(st.plan));
+      stage_json[name] = {{"wall_ms", ms(wall)},      {"before_ms", ms(st.before)},
+                          {"read_span_ms", ms(st.read_span)}, {"tail_ms", ms(st.tail)},
+                          {"after_ms", ms(st.after)},  {"reads_in_flight", in_flight},
+                          {"chunks", st.chunks / n},   {"read_ms", ms(st.read)},
+                          {"gate_ms", ms(st.gate)},    {"staging_ms", ms(st.staging)},
+                          {"slot_ms", ms(st.slot)},    {"fault_in_ms", ms(st.fault_in)},
+                          {"sink_ms", ms(st.sink)},    {"queued_ms", ms(st.queued)},
+                          {"convert_ms", ms(st.convert)}, {"idle_ms", ms(st.idle)},
+                          {"finish_ms", ms(st.finish)}, {"plan_ms", ms(st.plan)},
+                          {"edges_ms", ms(st.edges)}};
+    }
     // A ratio of two series' medians (and the median of their same-round
     // ratios), where both ran.
     auto have = [&](const char* name) { return series.contains(name); };
@@ -505,6 +580,7 @@ int main(int argc, char** argv) {
       for (const auto& [name, s] : cpu_series) j["cpu_seconds"][name] = s.seconds;
       if (!only_cases.empty()) j["cases"] = only_cases.substr(1, only_cases.size() - 2);
       j["ratios"] = ratios;
+      j["stages"] = stage_json;
       std::ofstream(json_path) << j.dump(2) << "\n";
     }
     return 0;

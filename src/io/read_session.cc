@@ -464,6 +464,40 @@ class CpuSlot {
 
 }  // namespace
 
+std::uint64_t LoadStages::now() noexcept {
+  return static_cast<std::uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count());
+}
+
+void LoadStages::reset() noexcept {
+  for (std::atomic<std::uint64_t>* a : {&gate, &staging, &slot, &fault_in, &read, &sink, &queued, &convert, &idle,
+                                        &plan, &finish, &edges, &chunks, &converted, &last_read_end,
+                                        &last_convert_end}) {
+    a->store(0, std::memory_order_relaxed);
+  }
+  first_read_start.store(UINT64_MAX, std::memory_order_relaxed);
+}
+
+void LoadStages::add_read_span(std::uint64_t start, std::uint64_t end) noexcept {
+  std::uint64_t first = first_read_start.load(std::memory_order_relaxed);
+  while (start < first && !first_read_start.compare_exchange_weak(first, start, std::memory_order_relaxed)) {
+  }
+  std::uint64_t last = last_read_end.load(std::memory_order_relaxed);
+  while (end > last && !last_read_end.compare_exchange_weak(last, end, std::memory_order_relaxed)) {
+  }
+}
+
+void LoadStages::add_convert_end(std::uint64_t end) noexcept {
+  std::uint64_t last = last_convert_end.load(std::memory_order_relaxed);
+  while (end > last && !last_convert_end.compare_exchange_weak(last, end, std::memory_order_relaxed)) {
+  }
+}
+
+LoadStages& load_stages() noexcept {
+  static LoadStages stages;
+  return stages;
+}
+
 void ReadSession::execute(const std::vector<std::size_t>& todo, unsigned threads, std::stop_token stop,
                           ReadCounters* counters, const std::vector<int>& cpus, const ChunkSink& sink,
                           const ChunkGate& gate) {
@@ -499,10 +533,13 @@ void ReadSession::execute(const std::vector<std::size_t>& todo, unsigned threads
         OpenFile& f = *s.files_[c.file];
         if (s.budget_) s.take_blocks_up_to(c.file, abort.get_token());  // Note [Streaming within a budget]
         s.open_in_flight(c.file, abort.get_token(), counters);
+        // Note [Load stages]: t[k] ends stage k.
+        std::uint64_t t0 = LoadStages::now();
         if (gate) {
           gate(abort.get_token());
           if (abort.stop_requested()) return;
         }
+        const std::uint64_t t_gate = LoadStages::now();
         // Streaming reads into a staging block of the chunk's own, of one
         // size for every chunk (a short chunk reuses a block any other load
         // left idle); the others into the file's block.
@@ -510,14 +547,26 @@ void ReadSession::execute(const std::vector<std::size_t>& todo, unsigned threads
             s.streaming() ? s.staging_pool_->allocate(std::max<std::size_t>(c.length, s.options_.block_size), abort.get_token())
                           : f.block;
         const std::size_t dest_offset = s.streaming() ? 0 : c.offset - r.read_begin;
+        const std::uint64_t t_staging = LoadStages::now();
         // Note [Direct reads in flight]: a read that waits on the device or
         // the network takes no slot; a copy out of the page cache does.
         std::optional<CpuSlot> slot;
         if (!f.source->direct() && !f.remote && !f.source->network_filesystem()) slot.emplace(cpu_slots);
+        const std::uint64_t t_slot = LoadStages::now();
         // Note [Page size of fresh memory]
         FirstTouch::process().fault_in(s.env_, *dest, dest->data() + dest_offset, c.valid);
+        const std::uint64_t t_fault = LoadStages::now();
         read_chunk(f, c, s.cached_read_ == CachedRead::kAuto ? &s.chooser_ : nullptr, counters,
                    dest->data() + dest_offset);
+        const std::uint64_t t_read = LoadStages::now();
+        LoadStages& stages = load_stages();
+        stages.gate.fetch_add(t_gate - t0, std::memory_order_relaxed);
+        stages.staging.fetch_add(t_staging - t_gate, std::memory_order_relaxed);
+        stages.slot.fetch_add(t_slot - t_staging, std::memory_order_relaxed);
+        stages.fault_in.fetch_add(t_fault - t_slot, std::memory_order_relaxed);
+        stages.read.fetch_add(t_read - t_fault, std::memory_order_relaxed);
+        stages.chunks.fetch_add(1, std::memory_order_relaxed);
+        stages.add_read_span(t_fault, t_read);
         counters->bytes_done.fetch_add(c.valid, std::memory_order_relaxed);
         {
           std::lock_guard lock(s.completed_mu_);
@@ -526,10 +575,14 @@ void ReadSession::execute(const std::vector<std::size_t>& todo, unsigned threads
         s.done_[i].store(true, std::memory_order_release);
         const bool file_read = f.chunks_left.fetch_sub(1, std::memory_order_acq_rel) == 1;
         if (file_read) s.close_in_flight(c.file);
+        t0 = LoadStages::now();
         if (!slot) slot.emplace(cpu_slots);  // the sink's work (conversions, hand-out) is the CPU's
+        const std::uint64_t t_sink_slot = LoadStages::now();
         if (sink) sink(i, std::move(dest), dest_offset);
         dest.reset();
         slot.reset();
+        stages.slot.fetch_add(t_sink_slot - t0, std::memory_order_relaxed);
+        stages.sink.fetch_add(LoadStages::now() - t_sink_slot, std::memory_order_relaxed);
         // Its tensors are out and no reader holds its block: only the
         // consumer can give it back now (Note [Streaming within a budget]).
         if (s.budget_ && f.chunks_in_hand.fetch_sub(1, std::memory_order_acq_rel) == 1) s.budget_->file_finished();

@@ -72,6 +72,39 @@ struct OpenFile {
   std::shared_ptr<Block> block;  // not in streaming mode
 };
 
+// Note [Load stages]
+// Where a host load's time goes, for fp8-bench: each reader, converting
+// thread and the load's thread add the nanoseconds of each stage they pass
+// to process-wide counters (a few clock reads per chunk of MiB, always on).
+// Sums over threads; loads running at once add into the same counters, so
+// take a snapshot around one load at a time.
+//   readers     gate (waiting for room in a conversion ring), staging (a
+//               staging block from the pool), slot (a CPU slot), fault_in
+//               (fresh destination pages), read (the read call: in flight),
+//               sink (after the read: verification, hand-out, queueing
+//               the chunk's conversion)
+//   converters  queued (a chunk waiting for a converting thread), convert,
+//               idle (a converting thread waiting for a chunk)
+//   load thread plan (planning the conversions: reading the scales),
+//               finish (waiting for the conversions after the readers
+//               joined), edges (elements across chunk edges)
+// and the span from the first read's start to the last read's end and to
+// the last conversion's end (steady clock).
+struct LoadStages {
+  std::atomic<std::uint64_t> gate{0}, staging{0}, slot{0}, fault_in{0}, read{0}, sink{0};
+  std::atomic<std::uint64_t> queued{0}, convert{0}, idle{0};
+  std::atomic<std::uint64_t> plan{0}, finish{0}, edges{0};
+  std::atomic<std::uint64_t> chunks{0}, converted{0};
+  std::atomic<std::uint64_t> first_read_start{UINT64_MAX}, last_read_end{0}, last_convert_end{0};
+
+  // Nanoseconds of the steady clock (the spans' unit).
+  static std::uint64_t now() noexcept;
+  void reset() noexcept;
+  void add_read_span(std::uint64_t start, std::uint64_t end) noexcept;
+  void add_convert_end(std::uint64_t end) noexcept;
+};
+LoadStages& load_stages() noexcept;
+
 // Called after each chunk is read: (chunk index, the block holding it, the
 // chunk's offset in that block). In streaming mode the block is the chunk's
 // own staging block, which the callee takes.

@@ -141,6 +141,10 @@ bool conversion_changes_anything(const Checkpoint& checkpoint, const DTypeOption
 
 ConversionPlan plan_conversions(Env* env, const Checkpoint& checkpoint, const DTypeOptions& options,
                                 bool may_stage) {
+  struct PlanTime {  // Note [Load stages] in read_session.h
+    std::uint64_t start = LoadStages::now();
+    ~PlanTime() { load_stages().plan.fetch_add(LoadStages::now() - start, std::memory_order_relaxed); }
+  } plan_time;
   ConversionPlan plan;
   const std::size_t n = checkpoint.files.size();
   plan.by_file.resize(n);
@@ -372,30 +376,40 @@ void convert_across_edges(const ConversionPlan& plan, const ReadPlan& read_plan,
 // in the sink instead, holding a CPU slot, had the other readers spinning
 // on the slots (sched_yield); hence the gate before the read.
 // The pool never holds a file's stored bytes whole: a fp32 -> bf16 load of
-// a 906 MB file holds its 453 MB output and the ring's 32 MiB, not 1.41 GB
-// (whole-file reads).
+// a 906 MB file holds its 453 MB output and the ring (at most 128 MiB), not
+// 1.41 GB (whole-file reads).
 //
 // Note [Conversion ring]
 // Where a read lands matters on a VM: the host copies each direct read
 // into guest memory, and into a few MiB it has just written it copies
 // faster than into new memory (bench/dest_memory.py: 2.9-3.2 GB/s into one
 // reused 2 MiB buffer, 2.1-2.2 GB/s into distinct memory, same 2 MiB
-// preads; a probe with 8 MiB reads: 3.3 GB/s into a 8-16 MiB ring, 2.6
-// into 64 MiB, 2.1-2.3 into 256 MiB or more). A staged load's chunks
-// are therefore admitted into a ring of kConversionRingBytes of staging
-// blocks (at least two chunks), which the pool's free list hands back
-// block by block (last freed, first reused). Converting threads then read
-// each chunk from cache, not from memory, on any machine. fp8-bench, 906 MB
-// fp32 file, 8 MiB chunks, rings of 3, 4, 6, 8 and 12 chunks: fp32 -> bf16
-// took 0.92, 0.85, 0.92, 0.96 and 1.00 x the plain fp32 load (4 rounds
-// each; staged in a budget with 48 chunks in flight, the bound before the
-// ring, it had taken 1.02-1.04 x). 32 MiB it is.
+// preads). A staged load's chunks are therefore admitted into a ring of
+// staging blocks, which the pool's free list hands back block by block
+// (last freed, first reused), and converting threads read each chunk from
+// cache, not from memory. The ring also bounds the reads in flight: a
+// chunk holds its slot from before its read until its conversion ends.
+// At 32 MiB (four 8 MiB chunks) an AMD EPYC VM's disk, which a plain load
+// keeps 31 reads deep, ran 3.1-3.6 reads deep and the staged loads lost
+// there, not in the conversions (fp8-bench's stages: span of the reads
+// 72 ms against 64 ms for the FP8 file read as stored, the conversions
+// 26 ms of thread time beside it and a 1 ms tail; the disk delivers with
+// the bytes in flight, and 2 MiB reads within the same 32 MiB did no
+// better than 8 MiB ones, 1 MiB ones worse). Rings of 4, 8, 16 and 32
+// chunks of 8 MiB, same-round ratios, AVX2: FP8 -> bf16 / bf16 0.68,
+// 0.60-0.65, 0.58-0.59, 0.65-0.70; fp32 -> bf16 / fp32 1.14-1.18,
+// 1.08-1.09, 1.05-1.08, 0.97-1.06 (a shared VM, load average 11-18).
+// Hence kConversionRingChunks (16) within kConversionRingBytes (128 MiB):
+// 16 reads of the default 8 MiB in flight, fewer but larger for larger
+// blocks. The pool still never holds a file's stored bytes whole: a
+// 453 MB fp32 file loaded as bf16 holds its 226 MB output and the ring.
 // Remote and network-filesystem reads are many connections waiting on the
 // network: their ring holds a chunk per reader and two per converting
 // thread, so that no connection waits for a slot.
 std::size_t conversion_ring_chunks(std::size_t chunk_bytes, unsigned network_readers, unsigned threads) noexcept {
   if (network_readers != 0) return std::size_t{network_readers} + 2 * std::size_t{threads};
-  return std::max<std::size_t>(2, kConversionRingBytes / std::max<std::size_t>(chunk_bytes, 1));
+  const std::size_t within_bytes = kConversionRingBytes / std::max<std::size_t>(chunk_bytes, 1);
+  return std::max<std::size_t>(2, std::min(kConversionRingChunks, within_bytes));
 }
 
 HostConversions::HostConversions(Env* env, const ConversionPlan& plan, const ReadPlan& read_plan,
@@ -423,7 +437,7 @@ void HostConversions::admit(std::stop_token stop) {
 void HostConversions::submit(const ReadChunk& c, std::shared_ptr<Block> block, std::size_t offset) {
   {
     std::lock_guard lock(mu_);
-    jobs_.push_back(Job{&c, std::move(block), offset});
+    jobs_.push_back(Job{&c, std::move(block), offset, LoadStages::now()});
   }
   ready_.notify_one();
 }
@@ -434,12 +448,20 @@ void HostConversions::wait() {
 }
 
 void HostConversions::finish() {
+  LoadStages& stages = load_stages();  // Note [Load stages]
+  const std::uint64_t t0 = LoadStages::now();
   wait();
+  const std::uint64_t t_wait = LoadStages::now();
+  stages.finish.fetch_add(t_wait - t0, std::memory_order_relaxed);
   {
     std::lock_guard lock(mu_);
     if (error_) std::rethrow_exception(error_);
   }
   if (!plan_.staged) return;
+  struct EdgesTime {
+    std::uint64_t start;
+    ~EdgesTime() { load_stages().edges.fetch_add(LoadStages::now() - start, std::memory_order_relaxed); }
+  } edges_time{t_wait};
   // The chunk starting at each offset, per file.
   std::vector<std::map<std::uint64_t, std::size_t>> chunk_at(read_plan_.files.size());
   for (std::size_t i = 0; i < read_plan_.chunks.size(); ++i) {
@@ -456,13 +478,18 @@ void HostConversions::finish() {
 }
 
 void HostConversions::run(std::stop_token stop) {
+  LoadStages& stages = load_stages();  // Note [Load stages]
   std::unique_lock lock(mu_);
   for (;;) {
+    const std::uint64_t t_idle = LoadStages::now();
     if (!ready_.wait(lock, stop, [&] { return !jobs_.empty(); })) return;
     Job job = std::move(jobs_.front());
     jobs_.pop_front();
     ++busy_;
     lock.unlock();
+    const std::uint64_t t_start = LoadStages::now();
+    stages.idle.fetch_add(t_start - t_idle, std::memory_order_relaxed);
+    stages.queued.fetch_add(t_start - std::min(t_start, job.submitted), std::memory_order_relaxed);
     std::exception_ptr error;
     try {
       const std::byte* data = job.block->data() + job.offset;
@@ -478,6 +505,10 @@ void HostConversions::run(std::stop_token stop) {
       error = std::current_exception();
     }
     job.block.reset();  // staged: the staging block goes back to the pool
+    const std::uint64_t t_end = LoadStages::now();
+    stages.convert.fetch_add(t_end - t_start, std::memory_order_relaxed);
+    stages.converted.fetch_add(1, std::memory_order_relaxed);
+    stages.add_convert_end(t_end);
     lock.lock();
     if (error && !error_) error_ = error;
     if (plan_.staged && admitted_ > 0) {

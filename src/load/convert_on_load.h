@@ -87,13 +87,14 @@ ConversionPlan plan_conversions(Env* env, const Checkpoint& checkpoint, const DT
                                 bool may_stage = false);
 
 // Note [Conversion ring] in convert_on_load.cc: what a staged load's ring of
-// staging blocks holds.
-inline constexpr std::size_t kConversionRingBytes = std::size_t{32} << 20;
+// staging blocks holds at most: chunks, and bytes.
+inline constexpr std::size_t kConversionRingChunks = 16;
+inline constexpr std::size_t kConversionRingBytes = std::size_t{128} << 20;
 
-// The chunks of up to `chunk_bytes` a staged load admits at once: the ring's
-// bytes, at least two chunks; with `network_readers` (ReadSession::
-// network_readers, 0 for local files), one chunk per reader and two per
-// converting thread.
+// The chunks of up to `chunk_bytes` a staged load admits at once:
+// kConversionRingChunks within kConversionRingBytes, at least two; with
+// `network_readers` (ReadSession::network_readers, 0 for local files), one
+// chunk per reader and two per converting thread.
 std::size_t conversion_ring_chunks(std::size_t chunk_bytes, unsigned network_readers, unsigned threads) noexcept;
 
 // Host loads: converts the elements of planned tensors that lie wholly
@@ -140,6 +141,7 @@ class HostConversions {
     const ReadChunk* chunk;
     std::shared_ptr<Block> block;
     std::size_t offset;
+    std::uint64_t submitted;  // LoadStages::now()
   };
   // A chunk's first and last bytes (up to 8 each), for elements across its
   // edges once its staging block has gone.

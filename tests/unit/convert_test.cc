@@ -16,6 +16,7 @@
 
 #include "format/dtype_bits.h"
 #include "format/dtype_convert.h"
+#include "io/read_session.h"
 #include "load/convert_on_load.h"
 #include "pinload/device.h"
 #include "pinload/error.h"
@@ -234,6 +235,7 @@ TEST(HostConvertTest, AConvertingLoadHoldsItsOutputAndItsRing) {
   LoadOptions options;
   options.dtype.to = DType::kBF16;
   options.threads = 2;
+  options.block_size = 1u << 20;  // a ring of 16 MiB beside 96 MiB stored
   const std::size_t output = Pool::size_class(data.size() / 2 + 64 * (kTensors + 1));
   const std::size_t ring =
       detail::conversion_ring_chunks(options.block_size, 0, options.threads) * Pool::size_class(options.block_size);
@@ -249,13 +251,49 @@ TEST(HostConvertTest, AConvertingLoadHoldsItsOutputAndItsRing) {
   }
 }
 
-// The ring holds kConversionRingBytes of chunks, at least two; over a
-// network, a chunk per reader and two per converting thread.
-TEST(HostConvertTest, TheRingHoldsItsBytesOrEveryNetworkReader) {
-  EXPECT_EQ(detail::conversion_ring_chunks(8u << 20, 0, 2), detail::kConversionRingBytes / (8u << 20));
-  EXPECT_EQ(detail::conversion_ring_chunks(64u << 10, 0, 2), detail::kConversionRingBytes / (64u << 10));
+// The ring holds kConversionRingChunks chunks within kConversionRingBytes,
+// at least two: 16 reads of the default 8 MiB in flight (Note [Conversion
+// ring]; 4 before, which left this VM's disk under-fed); over a network, a
+// chunk per reader and two per converting thread.
+TEST(HostConvertTest, TheRingHoldsItsChunksWithinItsBytesOrEveryNetworkReader) {
+  EXPECT_EQ(detail::conversion_ring_chunks(8u << 20, 0, 2), 16u);
+  EXPECT_EQ(detail::conversion_ring_chunks(64u << 10, 0, 2), detail::kConversionRingChunks);
+  EXPECT_EQ(detail::conversion_ring_chunks(32u << 20, 0, 2), detail::kConversionRingBytes / (32u << 20));
   EXPECT_EQ(detail::conversion_ring_chunks(detail::kConversionRingBytes, 0, 2), 2u);
   EXPECT_EQ(detail::conversion_ring_chunks(8u << 20, 16, 2), 20u);
+}
+
+// Note [Load stages]: a staged load counts every chunk read and converted,
+// the reads' span, and conversions that end after the first read; a plain
+// load counts its reads and no conversion.
+TEST(HostConvertTest, LoadsCountTheirStages) {
+  const Fp32File file;
+  detail::LoadStages& stages = detail::load_stages();
+  stages.reset();
+  const std::uint64_t start = detail::LoadStages::now();
+  const StateDict sd = Loader(to_bf16(1u << 20)).load({file.path});
+  const std::uint64_t end = detail::LoadStages::now();
+  expect_bf16_weights(sd, file);
+  const std::uint64_t chunks = (file.data.size() + (1u << 20) - 1) >> 20;
+  EXPECT_GE(stages.chunks.load(), chunks);
+  EXPECT_EQ(stages.converted.load(), stages.chunks.load());
+  EXPECT_GT(stages.read.load(), 0u);
+  EXPECT_GT(stages.convert.load(), 0u);
+  EXPECT_GT(stages.plan.load(), 0u);
+  EXPECT_LE(start, stages.first_read_start.load());
+  EXPECT_LT(stages.first_read_start.load(), stages.last_read_end.load());
+  EXPECT_LE(stages.last_read_end.load(), end);
+  EXPECT_LT(stages.first_read_start.load(), stages.last_convert_end.load());
+  EXPECT_LE(stages.last_convert_end.load(), end);
+
+  stages.reset();
+  LoadOptions plain;
+  plain.block_size = 1u << 20;
+  plain.zero_copy = ZeroCopy::kOff;  // read, not mapped (Note [Zero-copy loads])
+  (void)Loader(plain).load({file.path});
+  EXPECT_GE(stages.chunks.load(), chunks);
+  EXPECT_EQ(stages.converted.load(), 0u);
+  EXPECT_EQ(stages.convert.load(), 0u);
 }
 
 // A budget with room for the output and a few staging blocks, fewer than
