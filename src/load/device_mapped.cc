@@ -1,5 +1,7 @@
 #include "load/device_mapped.h"
 
+#include <sys/resource.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -192,6 +194,13 @@ std::optional<StateDict> load_mapped_to_device(const LoadOptions& options, Env* 
     keys[i] = "file:" + cf.path + ":" + FileIdentity::of(cf.stat).describe();
     if ((files[i] = find_registered(device, keys[i]))) continue;
     if (options.zero_copy == ZeroCopy::kAuto) {
+      // Each mapping holds its file open for the lease: leave three quarters
+      // of the descriptors to everything else, as a zero-copy host load does.
+      rlimit nofile{};
+      if (::getrlimit(RLIMIT_NOFILE, &nofile) == 0 && nofile.rlim_cur != RLIM_INFINITY &&
+          LeasedMapping::live_count() >= nofile.rlim_cur / 4) {
+        continue;
+      }
       const int fd = env->open_read(cf.path, 0);
       if (fd < 0) continue;
       const ScopedFd owned(env, fd);
