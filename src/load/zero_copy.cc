@@ -152,6 +152,17 @@ std::vector<std::shared_ptr<LeasedMapping>> choose_zero_copy(const LoadOptions& 
   return mapped;
 }
 
+// Note [One read ahead per range]
+// Faulting a cold mapping in reads it through the kernel's readahead, which
+// starts small after the header's read and doubles window by window, each
+// window one more round trip to the disk: a cold 1.2 MB file took ~1 ms of
+// waits more than one direct read of it, and its load (pinload.torch.load_file
+// in a fresh process, 1.2 MB files, page cache dropped) 3.3-3.7 ms against
+// 1.3-2.0 ms read into the pool and 1.9-2.8 ms by safetensors. So each range
+// is advised first (MADV_WILLNEED: one request for the whole range, up to the
+// device's readahead limit) and then populated; the same loads took 2.2-2.3
+// ms. On pages already cached the advice only looks them up (9 ms for a warm
+// 5.1 GB file).
 void populate_mapped(Env* env, const std::vector<MappedFile>& mappings, const Checkpoint& checkpoint, unsigned threads,
                      std::size_t block_size, std::stop_token stop) {
   struct Range {
@@ -184,6 +195,8 @@ void populate_mapped(Env* env, const std::vector<MappedFile>& mappings, const Ch
         return;
       }
       const Range& r = ranges[k];
+      // Note [One read ahead per range]
+      (void)env->advise(const_cast<std::byte*>(r.begin), r.bytes, MADV_WILLNEED);
       int rc;
       do {
         rc = env->populate_read(r.begin, r.bytes);

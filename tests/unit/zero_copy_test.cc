@@ -7,19 +7,23 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/mman.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cctype>
 #include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <mutex>
 #include <random>
 #include <string>
 #include <thread>
 
 #include "file_check.h"
+#include "pinload/env.h"
 #include "io/leased_mapping.h"
 #include "pinload/error.h"
 #include "pinload/loader.h"
@@ -176,6 +180,47 @@ TEST(ZeroCopy, AutoLeavesEveryMappedByteResident) {
   ASSERT_EQ(h.progress().files_zero_copy, 1u);
   const std::uint64_t data_kib = image.data.size() / 1024;
   EXPECT_GE(resident_kib_of_mappings(path), data_kib);
+  expect_bytes_of(sd, slurp(path), image);
+}
+
+// Note [One read ahead per range]: each range of a mapping is advised
+// (MADV_WILLNEED, one request for the whole range) before it is faulted in.
+class ReadAheadEnv : public EnvWrapper {
+ public:
+  using EnvWrapper::EnvWrapper;
+  int advise(void* address, std::size_t bytes, int advice) override {
+    if (advice == MADV_WILLNEED) {
+      std::lock_guard lock(mu);
+      advised.emplace_back(static_cast<const void*>(address), bytes);
+    }
+    return EnvWrapper::advise(address, bytes, advice);
+  }
+  int populate_read(const void* address, std::size_t bytes) override {
+    {
+      std::lock_guard lock(mu);
+      const bool ahead = std::find(advised.begin(), advised.end(), std::make_pair(address, bytes)) != advised.end();
+      populated_after_advice += ahead;
+      ++populated;
+    }
+    return EnvWrapper::populate_read(address, bytes);
+  }
+  std::mutex mu;
+  std::vector<std::pair<const void*, std::size_t>> advised;
+  std::size_t populated = 0;
+  std::size_t populated_after_advice = 0;
+};
+
+TEST(ZeroCopy, EachPopulatedRangeIsReadAheadFirst) {
+  TempDir dir;
+  const std::string path = dir.file("a.safetensors");
+  const FileImage image = write_big(path, 8, 3 << 20);  // 24 MiB: three 8 MiB ranges and a tail
+  ReadAheadEnv env(default_env());
+  LoadOptions options = zero_copy_options(ZeroCopy::kOn);
+  options.block_size = 8 << 20;
+  Loader loader(options, nullptr, &env);
+  const StateDict sd = loader.load({path});
+  EXPECT_GE(env.populated, 4u);
+  EXPECT_EQ(env.populated_after_advice, env.populated);
   expect_bytes_of(sd, slurp(path), image);
 }
 
