@@ -87,15 +87,21 @@ ConversionPlan plan_conversions(Env* env, const Checkpoint& checkpoint, const DT
                                 bool may_stage = false);
 
 // Note [Conversion ring] in convert_on_load.cc: what a staged load's ring of
-// staging blocks holds at most: chunks, and bytes.
-inline constexpr std::size_t kConversionRingChunks = 16;
-inline constexpr std::size_t kConversionRingBytes = std::size_t{128} << 20;
+// staging blocks holds at most (chunks read, being read or waiting for their
+// conversion), and how many of them are being read at once.
+inline constexpr std::size_t kConversionRingChunks = 24;
+inline constexpr std::size_t kConversionRingBytes = std::size_t{192} << 20;
+inline constexpr std::size_t kConversionRingReads = 16;
 
-// The chunks of up to `chunk_bytes` a staged load admits at once:
+// The chunks of up to `chunk_bytes` a staged load holds at once:
 // kConversionRingChunks within kConversionRingBytes, at least two; with
 // `network_readers` (ReadSession::network_readers, 0 for local files), one
 // chunk per reader and two per converting thread.
 std::size_t conversion_ring_chunks(std::size_t chunk_bytes, unsigned network_readers, unsigned threads) noexcept;
+// Of those, the chunks being read at once: two thirds of the ring's
+// (kConversionRingReads of 8 MiB), at least one; with `network_readers`, no
+// bound but the ring's.
+std::size_t conversion_ring_reads(std::size_t chunk_bytes, unsigned network_readers) noexcept;
 
 // Host loads: converts the elements of planned tensors that lie wholly
 // inside the chunk [c.offset, c.offset + c.valid) of its file, whose bytes
@@ -118,17 +124,18 @@ class HostConversions {
  public:
   // `plan`, `read_plan` and `out_blocks` must outlive this object;
   // `threads` >= 1. Staged: at most `ring_chunks` (>= 1) chunks are
-  // admitted at once (Note [Conversion ring]).
+  // admitted and not yet converted at once, at most `ring_reads` (>= 1) of
+  // them not yet read (Note [Conversion ring]).
   HostConversions(Env* env, const ConversionPlan& plan, const ReadPlan& read_plan,
                   const std::vector<std::shared_ptr<Block>>& out_blocks, unsigned threads,
-                  std::size_t ring_chunks = SIZE_MAX);
+                  std::size_t ring_chunks = SIZE_MAX, std::size_t ring_reads = SIZE_MAX);
   // Waits for the conversions queued (also after a failed load).
   ~HostConversions();
   HostConversions(const HostConversions&) = delete;
   HostConversions& operator=(const HostConversions&) = delete;
 
   // Staged: waits (until `stop`) while `ring_chunks` chunks are admitted and
-  // not yet converted; then admits one more.
+  // not yet converted, or `ring_reads` not yet read; then admits one more.
   void admit(std::stop_token stop);
   // Queues chunk `c`, whose bytes are at `block->data() + offset`.
   void submit(const ReadChunk& c, std::shared_ptr<Block> block, std::size_t offset);
@@ -156,12 +163,14 @@ class HostConversions {
   const ReadPlan& read_plan_;
   const std::vector<std::shared_ptr<Block>>& out_blocks_;
   const std::size_t max_admitted_;  // staged
+  const std::size_t max_reading_;   // staged
   std::vector<Edges> edges_;      // staged: per chunk of read_plan_
   std::mutex mu_;
   std::condition_variable_any ready_, drained_, room_;
   std::deque<Job> jobs_;
   std::size_t busy_ = 0;
   std::size_t admitted_ = 0;  // staged: read or being read, not yet converted
+  std::size_t reading_ = 0;   // staged: admitted, not yet read
   std::exception_ptr error_;
   std::vector<std::jthread> threads_;
 };

@@ -664,13 +664,14 @@ StateDict Loader::run(const Checkpoint& checkpoint, const LoadRequest& request, 
   if (plan.host_conversions) {
     const unsigned cpus = std::max(1u, std::thread::hardware_concurrency());
     const unsigned threads = std::min(options_.threads, cpus);
-    std::size_t ring_chunks = SIZE_MAX;
+    std::size_t ring_chunks = SIZE_MAX, ring_reads = SIZE_MAX;
     if (plan.conversion_ring) {
       const std::size_t chunk = largest_chunk(s.plan(), options_.block_size);
       ring_chunks = std::min(detail::conversion_ring_chunks(chunk, s.network_readers(options_.threads), threads),
                              staging_blocks_within_budget(*pool_, chunk, s.plan()));
+      ring_reads = detail::conversion_ring_reads(chunk, s.network_readers(options_.threads));
     }
-    host_conversions.emplace(env_, conversions, s.plan(), converted.blocks, threads, ring_chunks);
+    host_conversions.emplace(env_, conversions, s.plan(), converted.blocks, threads, ring_chunks, ring_reads);
   }
 
   // Wiring reads to copies: after each chunk, its host conversions (queued),

@@ -252,15 +252,22 @@ TEST(HostConvertTest, AConvertingLoadHoldsItsOutputAndItsRing) {
 }
 
 // The ring holds kConversionRingChunks chunks within kConversionRingBytes,
-// at least two: 16 reads of the default 8 MiB in flight (Note [Conversion
-// ring]; 4 before, which left this VM's disk under-fed); over a network, a
-// chunk per reader and two per converting thread.
+// at least two, two thirds of them being read at once: 16 reads of the
+// default 8 MiB in flight and 8 chunks waiting for their conversion (Note
+// [Conversion ring]; four chunks in all before, which left this VM's disk
+// under-fed); over a network, a chunk per reader and two per converting
+// thread, all of them may be read at once.
 TEST(HostConvertTest, TheRingHoldsItsChunksWithinItsBytesOrEveryNetworkReader) {
-  EXPECT_EQ(detail::conversion_ring_chunks(8u << 20, 0, 2), 16u);
+  EXPECT_EQ(detail::conversion_ring_chunks(8u << 20, 0, 2), 24u);
+  EXPECT_EQ(detail::conversion_ring_reads(8u << 20, 0), 16u);
   EXPECT_EQ(detail::conversion_ring_chunks(64u << 10, 0, 2), detail::kConversionRingChunks);
+  EXPECT_EQ(detail::conversion_ring_reads(64u << 10, 0), detail::kConversionRingReads);
   EXPECT_EQ(detail::conversion_ring_chunks(32u << 20, 0, 2), detail::kConversionRingBytes / (32u << 20));
+  EXPECT_EQ(detail::conversion_ring_reads(32u << 20, 0), 4u);
   EXPECT_EQ(detail::conversion_ring_chunks(detail::kConversionRingBytes, 0, 2), 2u);
+  EXPECT_EQ(detail::conversion_ring_reads(detail::kConversionRingBytes, 0), 2u);
   EXPECT_EQ(detail::conversion_ring_chunks(8u << 20, 16, 2), 20u);
+  EXPECT_EQ(detail::conversion_ring_reads(8u << 20, 16), SIZE_MAX);
 }
 
 // Note [Load stages]: a staged load counts every chunk read and converted,
