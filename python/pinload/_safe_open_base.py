@@ -135,7 +135,7 @@ class SafeOpen:
         self._held: Optional[_core.HeldFile] = None
         try:
             if self._path.startswith(compat.REMOTE_PREFIXES):
-                header = _core.read_header(os.fsencode(self._path))
+                header = _core.read_header(os.fsencode(self._path), self._request.options)
             else:
                 self._held = _core.HeldFile(os.fsencode(self._path))
                 header = self._held.header()

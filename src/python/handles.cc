@@ -545,11 +545,12 @@ py::dict header_dict(const CheckpointFile& file) {
   return out;
 }
 
-py::dict read_header(const std::string& path) {
+py::dict read_header(const std::string& path, const PyLoadOptions* options) {
+  const RemoteOptions remote = options != nullptr ? options->load.resolve.remote : RemoteOptions{};
   CheckpointFile file;
   {
     py::gil_scoped_release release;
-    file = read_checkpoint_file(default_env(), path);
+    file = read_checkpoint_file(default_env(), path, remote);
   }
   return header_dict(file);
 }
@@ -692,9 +693,10 @@ void register_handles(py::module_& m) {
       "The JSON header's length N from a safetensors file's first 8 bytes (the C++ parser's "
       "parse_header_prefix and its cap): InvalidFileError naming `file` where N is 0, above the cap or "
       "past the end of a `file_size`-byte file.");
-  m.def("read_header", &read_header, py::arg("path"),
+  m.def("read_header", &read_header, py::arg("path"), py::arg("options") = nullptr,
         "Reads and validates one file's header: dict with path, tensors [(name, dtype, shape, begin, end)] in "
-        "offset order, metadata (dict or None), data_offset, file_size.");
+        "offset order, metadata (dict or None), data_offset, file_size. A remote object's is read with "
+        "`options`' remote settings (a LoadOptions; None: the defaults).");
 
 }
 
