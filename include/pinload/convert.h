@@ -52,8 +52,8 @@
 // converting threads beside the readers (Note [Converting beside the reads]
 // in src/load/convert_on_load.cc: one per CPU, at most `threads`); a load
 // converting most of its bytes reads them into a ring of staging blocks
-// (16 chunks, 128 MiB at most) released once converted (Note [Staged
-// conversion]);
+// (24 chunks, 16 of them being read, 192 MiB at most) released once
+// converted (Note [Staged conversion]);
 // device loads copy the stored (smaller) bytes to the device and convert
 // there (Device::convert_async: a CUDA kernel on a copy stream, or the CPU
 // for "sim"), so FP8 crosses PCIe at half the bytes. Rounding is torch's

@@ -406,7 +406,7 @@ void convert_across_edges(const ConversionPlan& plan, const ReadPlan& read_plan,
 // kConversionRingChunks (24) admitted and not yet converted, within
 // kConversionRingBytes (192 MiB); with larger blocks two thirds of the
 // ring's chunks. Against one bound of 16, same-round ratios over 7 runs
-// alternating: FP8 -> bf16 / bf16 0.574-0.607 against 0.594-0.622, fp32 ->
+// alternating: FP8 -> bf16 / bf16 0.573-0.607 against 0.594-0.622, fp32 ->
 // bf16 / fp32 0.98-1.09 against 0.99-1.08. The pool still never holds a
 // file's stored bytes whole: a 453 MB fp32 file loaded as bf16 holds its
 // 226 MB output and the ring.
