@@ -529,7 +529,11 @@ std::uint64_t host_bytes_beside_blocks(const Checkpoint& checkpoint, const detai
   if (device == nullptr) {
     for (const std::uint64_t out : conversions.out_bytes) bytes += out != 0 ? Pool::size_class(out) : 0;
     if (conversions.staged) {
-      bytes += std::max<std::uint64_t>(detail::kConversionRingBytes, 2 * Pool::size_class(options.block_size));
+      // The ring holds at most what the load reads, a chunk at a time: a
+      // small file's load needs no 192 MiB beside it.
+      const std::uint64_t block = Pool::size_class(options.block_size);
+      const std::uint64_t chunks = (stored + options.block_size - 1) / options.block_size + 1;
+      bytes += std::max<std::uint64_t>(std::min<std::uint64_t>(detail::kConversionRingBytes, chunks * block), 2 * block);
     }
     return bytes;
   }
