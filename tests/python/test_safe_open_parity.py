@@ -79,7 +79,9 @@ def test_tensor_and_slice_parity(files, index, device):
 def test_lazy_load_only_when_data_is_asked(files):
     path = files[0]
     allocations = pinload.pool_stats()["allocations"]
-    f = pinload.safe_open(path)
+    # Read into the pool: a file in the page cache is otherwise mapped (Note [Zero-copy loads]),
+    # depending on what earlier tests left in the pool.
+    f = pinload.safe_open(path, zero_copy="off")
     f.keys(), f.metadata(), f.get_slice("vec").get_shape(), f.get_dtype("vec")
     assert pinload.pool_stats()["allocations"] == allocations  # header only
     f.get_tensor("vec")
@@ -92,7 +94,7 @@ def test_lazy_load_only_when_data_is_asked(files):
 def test_concurrent_slices_share_one_load(files):
     path = files[0]
     allocations = pinload.pool_stats()["allocations"]
-    with pinload.safe_open(path) as f, reference_open(str(path), "pt") as ref:
+    with pinload.safe_open(path, zero_copy="off") as f, reference_open(str(path), "pt") as ref:  # into the pool
         names = f.keys()
         results, errors = {}, []
 
@@ -117,7 +119,7 @@ def test_concurrent_slices_share_one_load(files):
 def test_closed_handle_and_tensors_that_outlive_it(files):
     path = files[0]
     base = in_use()
-    f = pinload.safe_open(path)
+    f = pinload.safe_open(path, zero_copy="off")  # into the pool, whose blocks the tensors hold
     vec = f.get_tensor("vec")
     view = f.get_slice("attn.qkv")[...]
     s = f.get_slice("vec")
