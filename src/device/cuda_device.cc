@@ -380,16 +380,24 @@ class CudaDevice final : public Device {
       registry->counts.live_registrations--;
       std::erase_if(registry->live, [q](const RegisteredRange& r) { return r.data == q; });
     };
+    bool listed = false;
     try {
       {
         std::lock_guard lock(registry_->mu);
         registry_->live.push_back({p, bytes});
+        listed = true;
         registry_->counts.registrations++;
         registry_->counts.registered_bytes += bytes;
         registry_->counts.live_registrations++;
       }
       return std::shared_ptr<void>(p, unregister);
-    } catch (...) {  // the control block's allocation (the deleter has run) or the list's
+    } catch (...) {
+      // The control block's allocation failed: the deleter has run. The
+      // list's: nothing holds the registration, so it is undone here.
+      if (!listed) {
+        QuietDeviceGuard guard(ordinal);
+        (void)rt().cudaHostUnregister(p);
+      }
       return nullptr;
     }
   }
