@@ -340,11 +340,16 @@ fi
 if (($(remaining) > 100)) && [[ -x "$BUILD/pinload" && -d "${M:-}" ]]; then
   cat "$M/text_encoder"/*.safetensors "$M/vae"/*.safetensors >/dev/null 2>&1 || true  # in the page cache
   for i in 1 2; do
-    run_step "mapped_device_$i" 40 "$OUT/bench.log" "$BUILD/pinload" load --device cuda:0 -v \
+    run_step "mapped_device_$i" 40 "$OUT/bench.log" env PINLOAD_LOG_LEVEL=debug "$BUILD/pinload" load --device cuda:0 -v \
       "$M/text_encoder" "$M/vae" || TESTS_FAILED=1
     run_step "staged_device_$i" 40 "$OUT/bench.log" "$BUILD/pinload" load --device cuda:0 -v --zero-copy off \
       "$M/text_encoder" "$M/vae" || TESTS_FAILED=1
   done
+  # The comparison means something only if the mapped route ran (its debug line), not a silent fallback.
+  if ! grep -q "copied to cuda:0 from its mapping" "$OUT/bench.log"; then
+    log "mapped_device: the mapped route did not run (see bench.log for the fallback's reason)"
+    TESTS_FAILED=1
+  fi
 else
   log "mapped_device: skipped ($(remaining)s left or no checkpoint)"
 fi
