@@ -64,6 +64,41 @@ std::uint64_t pool_bytes(const StateDict& sd) {
   return total;
 }
 
+// Note [Registrations that last as long as the blocks]
+// Note [Copies from mapped memory] (device_mapped.h): a cached entry's blocks
+// are registered with each device they go to, once, so that a switch back
+// copies with no staging copy and registers nothing again. A registration
+// must outlive every copy from its block, and callers hold the entry's
+// tensors (get()) past the entry's eviction. So the entry's tensors hold
+// their blocks through aliases of a holder that keeps the registrations too:
+// a registration ends when the last tensor of its block does, the entry's or
+// a caller's, never under a copy.
+struct RegisteredBlock {
+  std::shared_ptr<Block> block;
+  std::mutex mu;
+  std::map<std::uint64_t, std::shared_ptr<void>> by_device;  // Device::id -> registration (null: refused)
+};
+
+// `sd` with each distinct block behind a RegisteredBlock alias (one holder a block, in `holders`).
+StateDict through_registered_blocks(const StateDict& sd, std::vector<std::shared_ptr<RegisteredBlock>>* holders) {
+  std::map<const Block*, std::shared_ptr<Block>> alias;
+  std::vector<Tensor> tensors;
+  tensors.reserve(sd.size());
+  for (const Tensor& t : sd) {
+    std::shared_ptr<Block>& a = alias[t.block().get()];
+    if (!a) {
+      auto holder = std::make_shared<RegisteredBlock>();
+      holder->block = t.block();
+      a = std::shared_ptr<Block>(holder, holder->block.get());
+      holders->push_back(std::move(holder));
+    }
+    tensors.emplace_back(t.name(), t.dtype(), t.shape(), a, t.block_offset(), t.nbytes());
+  }
+  StateDict out(std::move(tensors), sd.metadata());
+  out.set_files(sd.files());  // StateDict::at names them
+  return out;
+}
+
 StateDict host_only(const StateDict& sd) {
   std::vector<Tensor> tensors;
   tensors.reserve(sd.size());
@@ -91,12 +126,9 @@ struct ModelCache::Entry {
   std::string identity;
   StateDict host;
   std::uint64_t bytes = 0;
-  // Note [Copies from mapped memory] (device_mapped.h): the entry's blocks
-  // registered with each device it went to (by Device::id), once, so that a
-  // switch back copies with no staging copy and registers nothing again.
-  // Unregistered when the entry goes; callers' tensors keep their blocks.
-  mutable std::mutex registered_mu;
-  mutable std::map<std::uint64_t, std::vector<std::shared_ptr<void>>> registered;
+  // Note [Registrations that last as long as the blocks]: the holders
+  // behind the aliases that `host`'s tensors hold.
+  std::vector<std::shared_ptr<RegisteredBlock>> blocks;
 };
 
 struct ModelCache::Alias {
@@ -139,24 +171,23 @@ StateDict ModelCache::get_on(Device& device, const std::vector<std::string>& pat
       }
     }
   }
+  // Pool blocks are page-aligned; whole pages. A refusal (memory the device
+  // pinned already: its own pinned pool) leaves a null, tried once.
+  const auto register_block = [&device](const Block& b) {
+    return device.register_host(b.data(), (b.capacity() + 4095) / 4096 * 4096);
+  };
   std::vector<std::shared_ptr<void>> for_this_copy;  // an entry not cached: registered for the copy only
-  std::unique_lock<std::mutex> registered_lock;
-  std::vector<std::shared_ptr<void>>* registrations = &for_this_copy;
   if (entry) {
-    registered_lock = std::unique_lock(entry->registered_mu);
-    registrations = &entry->registered[device.id()];
-  }
-  if (registrations->empty()) {
+    for (const std::shared_ptr<RegisteredBlock>& holder : entry->blocks) {
+      std::lock_guard lock(holder->mu);
+      if (!holder->by_device.contains(device.id())) holder->by_device[device.id()] = register_block(*holder->block);
+    }
+  } else {
     std::unordered_set<const Block*> seen;
     for (const Tensor& t : host) {
-      const Block* b = t.block().get();
-      if (!seen.insert(b).second) continue;
-      // Pool blocks are page-aligned; whole pages. A refusal (memory the device
-      // pinned already: its own pinned pool) leaves a null, tried once.
-      registrations->push_back(device.register_host(b->data(), (b->capacity() + 4095) / 4096 * 4096));
+      if (seen.insert(t.block().get()).second) for_this_copy.push_back(register_block(*t.block()));
     }
   }
-  if (registered_lock.owns_lock()) registered_lock.unlock();  // upload's copies complete before it returns; the entry keeps the registrations
   StateDict out = device_only(upload(host, device, copy));
   out.set_files(host.files());  // upload() keeps tensors and metadata only
   return out;
@@ -253,6 +284,7 @@ StateDict ModelCache::lookup_or_load(const std::vector<std::string>& paths, Devi
     auto entry = std::make_shared<Entry>();
     entry->identity = alias->identity;
     entry->bytes = pool_bytes(host);
+    host = through_registered_blocks(host, &entry->blocks);
     entry->host = host;
     {
       std::lock_guard lock(mu_);

@@ -425,6 +425,37 @@ TEST(ModelCache, ASwitchBackCopiesWithNoStagingCopyAndRegistersOnce) {
   EXPECT_TRUE(device->registered_ranges().empty());
 }
 
+// Note [Registrations that last as long as the blocks]: a caller's tensors of
+// an entry keep its registrations after the entry is evicted, so a copy from
+// them never runs from a block whose registration went (on CUDA: unregistered
+// under a DMA; on sim counted staged, or failed when queued registered).
+TEST(ModelCache, RegistrationsLastAsLongAsACallersTensors) {
+  auto device = make_sim_device();
+  TempDir dir;
+  const auto ms = write_models(dir, 1);
+  FaultEnv env;
+  ModelCache cache(UINT64_MAX, loader_on(&env));
+  StateDict held = cache.get({ms[0].path});
+  const CopyOptions copy{2, 3000, 0};
+  expect_model_on(*device, cache.get_on(*device, {ms[0].path}, copy), ms[0]);
+  const HostCopyCounts registered = device->host_copy_counts();
+  ASSERT_GT(registered.live_registrations, 0u);
+  cache.clear();  // the entry goes; `held` still holds its blocks
+  EXPECT_EQ(device->host_copy_counts().live_registrations, registered.live_registrations);
+  {
+    const StateDict both = upload(held, *device, copy);  // its host tensors hold the blocks too
+    std::vector<Tensor> on_device;
+    for (const Tensor& t : both) on_device.emplace_back(t.name(), t.dtype(), t.shape(), t.device_buffer(), t.device_offset(), t.nbytes());
+    expect_model_on(*device, StateDict(std::move(on_device), both.metadata()), ms[0]);
+  }
+  const HostCopyCounts after = device->host_copy_counts();
+  EXPECT_EQ(after.staged_bytes, registered.staged_bytes) << "a copy from a held tensor lost its registration";
+  EXPECT_EQ(after.expired_copies, 0u);
+  held = StateDict();  // the last tensor goes: so do the registrations
+  EXPECT_EQ(device->host_copy_counts().live_registrations, 0u);
+  EXPECT_TRUE(device->registered_ranges().empty());
+}
+
 // A missing tensor names the model's file in every state dict the cache hands
 // out: a miss, a hit, and the device copies of get_on (a miss that loads to
 // the device, and a hit that uploads the host copy), which named none.
