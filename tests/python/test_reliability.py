@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -33,10 +34,13 @@ def two_versions(tmp_path: Path):
 
 
 class Renamer:
-    """Swaps `path` between two files (hard links renamed over it) until stopped."""
+    """Swaps `path` between two files (hard links renamed over it) until stopped, a swap every
+    `period` seconds. Each swap also changes both files' ctime (their link counts change), which
+    a load counts as a change of its file (include/pinload/file_identity.h): swapped back to back, no load
+    finishes between two swaps; a short pause lets some through, while most still overlap one."""
 
-    def __init__(self, path: Path, a: Path, b: Path):
-        self.path, self.a, self.b = path, a, b
+    def __init__(self, path: Path, a: Path, b: Path, period: float = 0.0005):
+        self.path, self.a, self.b, self.period = path, a, b, period
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self.run, daemon=True)
 
@@ -49,6 +53,7 @@ class Renamer:
             os.link(self.a if i % 2 else self.b, tmp)
             os.replace(tmp, self.path)
             i += 1
+            time.sleep(self.period)
 
     def __enter__(self):
         self.thread.start()
