@@ -159,6 +159,10 @@ TEST(OneVersionPerLoad, RacingRenamerNeverMixes) {
       std::error_code ec;
       fs::create_hard_link(i % 2 ? v.path_a : v.path_b, tmp, ec);
       fs::rename(tmp, path, ec);
+      // Each swap changes both files' ctime (their link counts), which a load
+      // counts as a change of its file (file_identity.h): back to back, no load
+      // finishes between two swaps; a pause lets some through, most overlap one.
+      std::this_thread::sleep_for(std::chrono::microseconds(500));
     }
   });
   Loader loader(small_options(2), host_pool());
