@@ -55,7 +55,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import fresh_bench as fb  # noqa: E402
-from store_bench import Daemon  # noqa: E402
+from store_bench import SHMEM_ENABLED, Daemon, shmem_enabled  # noqa: E402
 
 STOCK = ["stock", "parallel", "flashpack"]
 SYSTEMS = STOCK + ["pinload", "pinload+store"]
@@ -272,11 +272,10 @@ def main(argv=None) -> int:
     cases = [c for c in a.cases.split(",") if c]
     store_dir = tempfile.mkdtemp(prefix="pinload-pipeline-bench-")
     daemon = None
-    thp = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
+    thp = SHMEM_ENABLED
     thp_before = None
     if "pinload+store" in systems and a.shmem_huge_pages != "keep" and os.access(thp, os.W_OK):
-        with open(thp) as f:
-            thp_before = f.read().split("[")[1].split("]")[0]
+        thp_before = shmem_enabled()
         with open(thp, "w") as f:
             f.write(a.shmem_huge_pages)
     if "pinload+store" in systems:
@@ -338,8 +337,7 @@ def main(argv=None) -> int:
         "machine": {"cpu": fb.cpu_name() if hasattr(fb, "cpu_name") else platform.processor(), "cores": os.cpu_count(),
                     "kernel": platform.release()},
         "versions": versions(env),
-        "shmem_enabled": open(thp).read().split("[")[1].split("]")[0] if thp_before is None and os.path.exists(thp)
-        else a.shmem_huge_pages,
+        "shmem_enabled": shmem_enabled() if thp_before is None and os.path.exists(thp) else a.shmem_huge_pages,
         "device": a.device, "device_map": a.device_map, "limits": limits, "runs": runs, "summary": table,
         "skipped": {f"{w}/{s}": why for (w, s), why in skipped.items()},
         "minutes": (time.monotonic() - started) / 60,

@@ -129,6 +129,16 @@ def holding(path: str, holders: int, env: dict, store_socket: str | None) -> dic
     return {"node_used_bytes": used, "shmem_bytes": shmem}
 
 
+
+SHMEM_ENABLED = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
+
+
+def shmem_enabled() -> str:
+    """The bracketed word of transparent_hugepage/shmem_enabled ("never", "advise", ...)."""
+    with open(SHMEM_ENABLED) as f:
+        return f.read().split("[")[1].split("]")[0]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--scale", type=float, default=1.0, help="the set's bytes, times 7.8 GB")
@@ -162,8 +172,8 @@ def main(argv=None) -> int:
     runs, lims, memory = [], [], []
     folder = os.path.join(root, "store")
     os.makedirs(folder, exist_ok=True)
-    thp = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
-    thp_before = open(thp).read().split("[")[1].split("]")[0]
+    thp = SHMEM_ENABLED
+    thp_before = shmem_enabled()
     if a.shmem_huge_pages != "keep":
         with open(thp, "w") as f:
             f.write(a.shmem_huge_pages)

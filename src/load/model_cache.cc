@@ -64,6 +64,18 @@ std::uint64_t pool_bytes(const StateDict& sd) {
   return total;
 }
 
+// `sd` with each tensor made by `make(t)`, its metadata and files kept
+// (StateDict::at names them).
+template <typename Make>
+StateDict remade(const StateDict& sd, Make make) {
+  std::vector<Tensor> tensors;
+  tensors.reserve(sd.size());
+  for (const Tensor& t : sd) tensors.push_back(make(t));
+  StateDict out(std::move(tensors), sd.metadata());
+  out.set_files(sd.files());
+  return out;
+}
+
 // Note [Registrations that last as long as the blocks]
 // Note [Copies from mapped memory] (device_mapped.h): a cached entry's blocks
 // are registered with each device they go to, once, so that a switch back
@@ -82,9 +94,7 @@ struct RegisteredBlock {
 // `sd` with each distinct block behind a RegisteredBlock alias (one holder a block, in `holders`).
 StateDict through_registered_blocks(const StateDict& sd, std::vector<std::shared_ptr<RegisteredBlock>>* holders) {
   std::map<const Block*, std::shared_ptr<Block>> alias;
-  std::vector<Tensor> tensors;
-  tensors.reserve(sd.size());
-  for (const Tensor& t : sd) {
+  return remade(sd, [&](const Tensor& t) {
     std::shared_ptr<Block>& a = alias[t.block().get()];
     if (!a) {
       auto holder = std::make_shared<RegisteredBlock>();
@@ -92,32 +102,20 @@ StateDict through_registered_blocks(const StateDict& sd, std::vector<std::shared
       a = std::shared_ptr<Block>(holder, holder->block.get());
       holders->push_back(std::move(holder));
     }
-    tensors.emplace_back(t.name(), t.dtype(), t.shape(), a, t.block_offset(), t.nbytes());
-  }
-  StateDict out(std::move(tensors), sd.metadata());
-  out.set_files(sd.files());  // StateDict::at names them
-  return out;
+    return Tensor(t.name(), t.dtype(), t.shape(), a, t.block_offset(), t.nbytes());
+  });
 }
 
 StateDict host_only(const StateDict& sd) {
-  std::vector<Tensor> tensors;
-  tensors.reserve(sd.size());
-  for (const Tensor& t : sd)
-    tensors.emplace_back(t.name(), t.dtype(), t.shape(), t.block(), t.block_offset(), t.nbytes());
-  StateDict out(std::move(tensors), sd.metadata());
-  out.set_files(sd.files());  // StateDict::at names them
-  return out;
+  return remade(sd, [](const Tensor& t) {
+    return Tensor(t.name(), t.dtype(), t.shape(), t.block(), t.block_offset(), t.nbytes());
+  });
 }
 
 StateDict device_only(const StateDict& sd) {
-  std::vector<Tensor> tensors;
-  tensors.reserve(sd.size());
-  for (const Tensor& t : sd) {
-    tensors.emplace_back(t.name(), t.dtype(), t.shape(), t.device_buffer(), t.device_offset(), t.nbytes());
-  }
-  StateDict out(std::move(tensors), sd.metadata());
-  out.set_files(sd.files());  // StateDict::at names them
-  return out;
+  return remade(sd, [](const Tensor& t) {
+    return Tensor(t.name(), t.dtype(), t.shape(), t.device_buffer(), t.device_offset(), t.nbytes());
+  });
 }
 
 }  // namespace
